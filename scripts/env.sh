@@ -1,0 +1,27 @@
+# Sourced by scripts/test.sh and scripts/demo.sh: builds (or reuses) the virtual environment for
+# one pinned requirements file and installs this checkout into it. Usage:
+#   source scripts/env.sh [requirements/vllm-0.26.0.txt]
+# The environment lives outside the clone, under ${CASCADE_VENV_CACHE:-~/.cache/vllm-cascade-plugin},
+# keyed by the hash of the requirements file and the Python version; a missing or half-built one
+# is (re)built from PyPI (~4.5 GB, ~10 min cold). Exports VENV and puts its bin/ first on PATH.
+set -euo pipefail
+_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+_req=${1:-$_root/requirements/vllm-0.26.0.txt}
+_py=${CASCADE_PYTHON:-python3}
+_key=$( { cat "$_req"; "$_py" -c 'import sys; print(sys.version)'; } | sha256sum | cut -c1-16)
+_cache=${CASCADE_VENV_CACHE:-$HOME/.cache/vllm-cascade-plugin}
+VENV="$_cache/venv-$(basename "$_req" .txt)-$_key"
+if [ ! -f "$VENV/.complete" ]; then
+  echo "[env] building $VENV from $(basename "$_req") (first time only: downloads ~4.5 GB)"
+  rm -rf "$VENV"; mkdir -p "$_cache"
+  "$_py" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip uv
+  "$VENV/bin/uv" pip install -q --python "$VENV/bin/python" -r "$_req"
+  touch "$VENV/.complete"
+else
+  echo "[env] reusing $VENV"
+fi
+# The checkout itself: editable, without dependencies (they are pinned above), so a fresh clone
+# in another folder takes over the cached environment in seconds.
+"$VENV/bin/uv" pip install -q --python "$VENV/bin/python" --no-deps -e "$_root"
+export VENV PATH="$VENV/bin:$PATH"

@@ -1,0 +1,117 @@
+"""Every knob of the plugin: read from the environment once, validated, frozen.
+
+A bad value fails fast with a message naming the variable, the value and what is accepted, so a
+typo never silently turns the plugin off (or on). Our variables deliberately avoid the ``VLLM_``
+prefix: vLLM warns about unknown ``VLLM_*`` variables and can be told to reject them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+_TRUE = ("1", "true", "on")
+_FALSE = ("0", "false", "off")
+
+
+class ConfigError(ValueError):
+    """A plugin environment variable holds a value the plugin does not accept."""
+
+
+def _bool(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError
+
+
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    def parse(raw: str) -> int:
+        value = int(raw.strip())
+        if value < minimum:
+            raise ValueError
+        return value
+
+    return parse
+
+
+def _float_at_least(minimum: float) -> Callable[[str], float]:
+    def parse(raw: str) -> float:
+        value = float(raw.strip())
+        if not value >= minimum:  # also rejects nan
+            raise ValueError
+        return value
+
+    return parse
+
+
+def _choice(*choices: str) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        value = raw.strip().lower()
+        if value not in choices:
+            raise ValueError
+        return value
+
+    return parse
+
+
+@dataclass(frozen=True)
+class Knob:
+    env: str
+    field: str
+    default: Any
+    parse: Callable[[str], Any]
+    accepted: str
+    help: str
+
+
+KNOBS: tuple[Knob, ...] = (
+    Knob("CASCADE_ATTENTION", "enabled", False, _bool, "1/true/on or 0/false/off (unset = off)",
+         "Turns the plugin on. Off: vLLM behaves exactly as without the plugin."),
+    Knob("CASCADE_POLICY", "policy", "auto", _choice("auto", "always"), "auto or always",
+         "auto: the cost model picks cascade or flat attention per step; always: cascade whenever "
+         "the planner finds a shared level (for tests and benchmarks)."),
+    Knob("CASCADE_MAX_LEVELS", "max_levels", 3, _int_at_least(2), "an integer >= 2",
+         "Most attention levels per step, the per-request level included (2 = one shared level)."),
+    Knob("CASCADE_MIN_SHARED_PAGES", "min_shared_pages", 1, _int_at_least(1), "an integer >= 1",
+         "Fewest KV pages (blocks) a group must share to get a level of its own."),
+    Knob("CASCADE_LOG_INTERVAL", "log_interval_s", 60.0, _float_at_least(0.0),
+         "seconds, a number >= 0 (0 = off)",
+         "How often each worker logs its cascade statistics."),
+    Knob("CASCADE_DEBUG", "debug", False, _bool, "1/true/on or 0/false/off",
+         "Check every plan's invariants before a kernel reads memory (slower)."),
+)
+
+
+@dataclass(frozen=True)
+class CascadeConfig:
+    enabled: bool = False
+    policy: str = "auto"
+    max_levels: int = 3
+    min_shared_pages: int = 1
+    log_interval_s: float = 60.0
+    debug: bool = False
+
+
+
+def load_config(environ: Mapping[str, str] | None = None) -> CascadeConfig:
+    """Parse every knob from ``environ`` (default ``os.environ``); raise :class:`ConfigError`."""
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for knob in KNOBS:
+        raw = env.get(knob.env, "")
+        if raw.strip() == "":
+            values[knob.field] = knob.default
+            continue
+        try:
+            values[knob.field] = knob.parse(raw)
+        except ValueError:
+            raise ConfigError(
+                f"{knob.env}={raw!r} is not valid: expected {knob.accepted}. "
+                f"Fix or unset {knob.env} and start vLLM again."
+            ) from None
+    return CascadeConfig(**values)

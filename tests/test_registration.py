@@ -1,0 +1,131 @@
+"""The entry point as vLLM runs it: each case in a fresh interpreter, like a vLLM process."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from vllm_cascade_plugin import BACKEND_PATH
+from vllm_cascade_plugin.compat import flashinfer_api_problems
+
+VLLM_DEFAULT = "vllm.v1.attention.backends.flashinfer.FlashInferBackend"
+
+PROBE = """
+import json, sys
+from vllm.plugins import load_general_plugins
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
+before = set(sys.modules)
+load_general_plugins()
+new = sorted(m for m in set(sys.modules) - before
+             if m.startswith(("flashinfer", "vllm.v1.attention.backends.flashinfer",
+                              "vllm_cascade_plugin.backend", "vllm_cascade_plugin.kernels")))
+fi = AttentionBackendEnum.FLASHINFER
+print("RESULT" + json.dumps({"path": fi.get_path(), "overridden": fi.is_overridden(),
+                             "heavy_imports": new}))
+"""
+
+
+def run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    environ = {k: v for k, v in os.environ.items()
+               if not k.startswith("CASCADE_") and k != "VLLM_PLUGINS"}
+    environ.update(env)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=environ,
+                          capture_output=True, text=True, timeout=300)
+
+
+def probe(prelude: str = "", **env: str) -> tuple[dict, str]:
+    proc = run_python(prelude + PROBE, **env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
+    return json.loads(line[len("RESULT"):]), proc.stdout + proc.stderr
+
+
+def test_enabled_plugin_overrides_flashinfer_without_importing_it():
+    result, log = probe(CASCADE_ATTENTION="1")
+    assert result["path"] == BACKEND_PATH and result["overridden"]
+    assert result["heavy_imports"] == [], "register() must resolve the backend lazily"
+    assert log.count("cascade attention on") == 1
+
+
+def test_registered_path_imports_our_subclasses():
+    code = """
+    from vllm.plugins import load_general_plugins
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.attention.backends import flashinfer as fi
+    load_general_plugins()
+    cls = AttentionBackendEnum.FLASHINFER.get_class()
+    assert cls.__name__ == "CascadeFlashInferBackend", cls
+    assert issubclass(cls, fi.FlashInferBackend) and cls.get_name() == "FLASHINFER"
+    assert issubclass(cls.get_builder_cls(), fi.FlashInferMetadataBuilder)
+    assert issubclass(cls.get_impl_cls(), fi.FlashInferImpl)
+    assert cls.get_builder_cls() is not fi.FlashInferMetadataBuilder
+    assert cls.get_impl_cls() is not fi.FlashInferImpl
+    print("OK")
+    """
+    proc = run_python(code, CASCADE_ATTENTION="1")
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("value", [None, "0", "off"])
+def test_plugin_off_overrides_nothing(value):
+    env = {} if value is None else {"CASCADE_ATTENTION": value}
+    result, log = probe(**env)
+    assert result["path"] == VLLM_DEFAULT and not result["overridden"]
+    assert "cascade" not in log.lower()
+
+
+def test_empty_vllm_plugins_disables_the_plugin():
+    result, _ = probe(CASCADE_ATTENTION="1", VLLM_PLUGINS="")
+    assert result["path"] == VLLM_DEFAULT and not result["overridden"]
+
+
+def test_bad_toggle_aborts_startup_with_an_actionable_message():
+    proc = run_python(PROBE, CASCADE_ATTENTION="yes")
+    assert proc.returncode != 0
+    assert "ConfigError: CASCADE_ATTENTION='yes' is not valid" in proc.stderr
+    assert "1/true/on or 0/false/off" in proc.stderr
+
+
+def test_unsupported_flashinfer_version_warns_once_and_stays_off():
+    prelude = """
+    import vllm_cascade_plugin.compat as compat
+    real = compat.installed_version
+    compat.installed_version = lambda d: "0.5.3" if d == "flashinfer-python" else real(d)
+    """
+    result, log = probe(textwrap.dedent(prelude), CASCADE_ATTENTION="1")
+    assert result["path"] == VLLM_DEFAULT and not result["overridden"]
+    assert log.count("stays off") == 1
+    assert "FlashInfer 0.5.3 is outside the supported range" in log
+
+
+def test_register_is_idempotent_within_a_process():
+    code = """
+    from vllm_cascade_plugin import BACKEND_PATH, register
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    register(); register()
+    assert AttentionBackendEnum.FLASHINFER.get_path() == BACKEND_PATH
+    print("OK")
+    """
+    proc = run_python(code, CASCADE_ATTENTION="1")
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+    assert (proc.stdout + proc.stderr).count("cascade attention on") == 1
+
+
+def test_installed_flashinfer_has_the_api_we_call():
+    assert flashinfer_api_problems() == []
+
+
+def test_missing_flashinfer_api_is_reported(tmp_path):
+    (tmp_path / "prefill.py").write_text(
+        "class BatchPrefillWithPagedKVCacheWrapper:\n"
+        "    def __init__(self, float_workspace_buffer, kv_layout='NHD'): ...\n"
+        "    def plan(self, qo_indptr, paged_kv_indptr): ...\n")
+    (tmp_path / "cascade.py").write_text("def merge_state(v_a, s_a, v_b, s_b): ...\n")
+    problems = flashinfer_api_problems(tmp_path)
+    assert any("BatchPrefillWithPagedKVCacheWrapper.plan lacks parameter(s)" in p and "causal" in p
+               for p in problems)
+    assert "flashinfer.prefill.BatchPrefillWithPagedKVCacheWrapper.run is missing" in problems
+    assert "flashinfer.cascade.merge_state_in_place is missing" in problems

@@ -1,0 +1,71 @@
+"""Real vLLM objects on a machine without a GPU (see DESIGN.md, "Real vLLM classes on a CPU").
+
+Used by tests that construct vLLM's real FlashInfer builder and impl from a real VllmConfig.
+What cannot run here (FlashInfer kernels and wrappers, the Triton page-copy kernel) is swapped at
+its call site by the tests that need it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 1024,
+    "intermediate_size": 2816, "num_hidden_layers": 2, "num_attention_heads": 8,
+    "num_key_value_heads": 2, "head_dim": 128, "vocab_size": 32000,
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
+    "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+}
+
+
+@functools.cache
+def cpu_vllm_config(model_dir: str) -> Any:
+    import vllm.platforms
+    from vllm.platforms.cpu import CpuPlatform
+
+    # Without a GPU the platform is "unspecified" and configs fail with an empty device type.
+    # Set it before vllm.engine.arg_utils is imported: that module binds current_platform.
+    vllm.platforms._current_platform = CpuPlatform()
+    from vllm.engine.arg_utils import EngineArgs
+
+    Path(model_dir).mkdir(parents=True, exist_ok=True)
+    (Path(model_dir) / "config.json").write_text(json.dumps(TINY_LLAMA))
+    return EngineArgs(model=model_dir, load_format="dummy", skip_tokenizer_init=True,
+                      attention_backend="FLASHINFER", block_size=16, enforce_eager=True,
+                      max_model_len=4096).create_engine_config()
+
+
+def make_layers(config: Any, scales: list[Any]) -> list[str]:
+    """Create one real ``Attention`` layer per scale (registered in ``config``); return names."""
+    import vllm.v1.attention.backends.flashinfer as fi_module
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+
+    from vllm_cascade_plugin.backend import CascadeFlashInferBackend
+
+    fi_module.PIN_MEMORY = False  # pinned host buffers need CUDA
+    names = []
+    with set_current_vllm_config(config):
+        for scale in scales:
+            name = f"model.layers.{len(config.compilation_config.static_forward_context)}.attn"
+            Attention(8, 128, scale, num_kv_heads=2, cache_config=config.cache_config,
+                      prefix=name, attn_backend=CascadeFlashInferBackend)
+            names.append(name)
+    return names
+
+
+def make_builder(config: Any, layer_names: list[str]) -> Any:
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from vllm_cascade_plugin.backend import CascadeFlashInferBackend
+
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=128, dtype=torch.bfloat16)
+    with set_current_vllm_config(config):
+        return CascadeFlashInferBackend.get_builder_cls()(
+            spec, layer_names, config, torch.device("cpu"))
