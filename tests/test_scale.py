@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-vllm_cpu = pytest.importorskip("vllm_cpu")
+import vllm_cpu
 
 
 @pytest.fixture(scope="module")

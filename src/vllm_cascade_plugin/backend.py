@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass, fields
 from typing import Any
 
 from typing_extensions import override
@@ -16,8 +17,14 @@ from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.v1.attention.backends.flashinfer import (
     FlashInferBackend,
     FlashInferImpl,
+    FlashInferMetadata,
     FlashInferMetadataBuilder,
 )
+
+from . import compat, hooks, stats
+from .config import load_config
+from .cost import AttentionShape
+from .step import session
 
 logger = logging.getLogger("vllm.cascade_plugin")
 
@@ -39,17 +46,6 @@ def default_scale(head_size: int) -> float:
     return float(head_size) ** -0.5
 
 
-class CascadeFlashInferImpl(FlashInferImpl):
-    """FlashInfer attention that tolerates a model layer without a usable ``scale``."""
-
-    def __init__(self, num_heads: int, head_size: int, scale: Any, *args: Any, **kwargs: Any):
-        # The layer name is unknown here; the builder, which knows it, warns (see _check_scales).
-        self.cascade_scale_given = scale
-        if not usable_scale(scale):
-            scale = default_scale(head_size)
-        super().__init__(num_heads, head_size, scale, *args, **kwargs)
-
-
 def _check_scales(vllm_config: Any, layer_names: list[str]) -> None:
     """Warn once per layer whose impl had no usable ``scale``; make sure it has the default."""
     layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, layer_names)  # type: ignore[type-abstract]
@@ -69,11 +65,123 @@ def _check_scales(vllm_config: Any, layer_names: list[str]) -> None:
                 "using head_dim ** -0.5 = %.6g (head_dim=%d).", name, given, impl.scale, head_size)
 
 
+@dataclass
+class CascadeFlashInferMetadata(FlashInferMetadata):
+    """vLLM's FlashInfer metadata plus, on cascade steps, the planned executor."""
+
+    cascade: Any = None  # kernels.FlashInferCascadeExecutor, planned for this step
+
+
+def unsupported_reason(vllm_config: Any, kv_cache_spec: Any, impls: list[Any]) -> str | None:
+    """Why cascade cannot run for this model and engine configuration, or None."""
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    reasons = (
+        (vllm_config.speculative_config is not None, "speculative decoding"),
+        (getattr(parallel, "decode_context_parallel_size", 1) > 1, "decode context parallelism"),
+        (getattr(parallel, "prefill_context_parallel_size", 1) > 1,
+         "prefill context parallelism"),
+        (parallel.pipeline_parallel_size > 1, "pipeline parallelism"),
+        (getattr(model, "is_encoder_decoder", False), "encoder-decoder model"),
+        (kv_cache_spec.dtype != model.dtype, f"quantised KV cache ({kv_cache_spec.dtype})"),
+        (any(getattr(i, "kv_cache_dtype", "auto") not in ("auto", "bfloat16", "float16")
+             for i in impls), "quantised KV cache"),
+        (any(getattr(i, "sliding_window", (-1, -1)) not in ((-1, -1), None) for i in impls),
+         "sliding-window attention"),
+        (any(getattr(i, "alibi_slopes", None) is not None for i in impls), "ALiBi"),
+        (any(getattr(i, "sinks", None) is not None for i in impls), "attention sinks"),
+        (len({getattr(i, "logits_soft_cap", None) for i in impls}) > 1,
+         "layers with different logit soft-caps"),
+        (len({getattr(i, "scale", None) for i in impls}) > 1, "layers with different scales"),
+    )
+    for applies, reason in reasons:
+        if applies:
+            return reason
+    return None
+
+
 class CascadeFlashInferMetadataBuilder(FlashInferMetadataBuilder):
+    """Builds vLLM's metadata every step and, on cascade steps, plans the cascade executor."""
+
     @override
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: Any):
         _check_scales(vllm_config, layer_names)
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self._cascade_executor: Any = None
+        impls = [layer.impl for layer in get_layers_from_vllm_config(
+            vllm_config, AttentionLayerBase, layer_names).values()]  # type: ignore[type-abstract]
+        reason = unsupported_reason(vllm_config, kv_cache_spec, impls)
+        if reason is None:
+            from .kernels import unsupported_reason as kernel_reason
+
+            reason = kernel_reason(self.num_qo_heads, self.num_kv_heads, self.head_dim,
+                                   self.q_data_type_decode, kv_cache_spec.dtype,
+                                   window_left=self.window_left)
+        shape = AttentionShape(self.num_qo_heads, self.num_kv_heads, self.head_dim,
+                               kv_cache_spec.dtype.itemsize)
+        session.configure(load_config(), shape, self.page_size, reason)
+
+    @override
+    def build(self, common_prefix_len: int, common_attn_metadata: Any,
+              fast_build: bool = False) -> FlashInferMetadata:
+        # vLLM's own metadata is always built: it is the fallback of every cascade step.
+        metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        if fast_build:
+            return metadata
+        cm = common_attn_metadata
+        step = session.step_for(cm.query_start_loc_cpu.numpy(), cm.num_actual_tokens)
+        if step is None:
+            return metadata
+        try:
+            executor = self._executor()
+            executor.plan(step.plan, num_qo_heads=self.num_qo_heads,
+                          num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                          page_size=self.page_size, sm_scale=self.sm_scale,
+                          logits_soft_cap=self.logits_soft_cap,
+                          q_dtype=self.q_data_type_decode, kv_dtype=self.kv_cache_spec.dtype,
+                          device=self.device)
+        except Exception as exc:
+            stats.record_fallback("kernel planning error", f"{type(exc).__name__}: {exc}")
+            return metadata
+        stats.record_cascade(step.plan.stats.pages_flat, step.plan.stats.pages_cascade,
+                             step.decode)
+        return CascadeFlashInferMetadata(
+            **{f.name: getattr(metadata, f.name) for f in fields(metadata)}, cascade=executor)
+
+    def _executor(self) -> Any:
+        if self._cascade_executor is None:
+            from .kernels import FlashInferCascadeExecutor
+
+            self._cascade_executor = FlashInferCascadeExecutor(
+                self._get_workspace_buffer(), compat.kv_cache_layout(),
+                max_levels=session.config.max_levels if session.config else 3)
+        return self._cascade_executor
+
+
+class CascadeFlashInferImpl(FlashInferImpl):
+    """FlashInfer attention that runs cascade steps and tolerates a layer without a ``scale``."""
+
+    def __init__(self, num_heads: int, head_size: int, scale: Any, *args: Any, **kwargs: Any):
+        # The layer name is unknown here; the builder, which knows it, warns (see _check_scales).
+        self.cascade_scale_given = scale
+        if not usable_scale(scale):
+            scale = default_scale(head_size)
+        super().__init__(num_heads, head_size, scale, *args, **kwargs)
+
+    @override
+    def forward(self, layer: Any, query: Any, key: Any, value: Any, kv_cache: Any,
+                attn_metadata: Any, output: Any, output_scale: Any = None,
+                output_block_scale: Any = None) -> Any:
+        executor = getattr(attn_metadata, "cascade", None)
+        if executor is not None and output_scale is None and output_block_scale is None:
+            n = attn_metadata.num_actual_tokens
+            try:
+                k_cache, v_cache = compat.kv_cache_views(kv_cache, self.head_size)
+                executor.run(query[:n], k_cache, v_cache, output[:n])
+                return output
+            except Exception as exc:  # this layer runs flat; both paths compute the same thing
+                stats.record_fallback("kernel error", f"{type(exc).__name__}: {exc}")
+        return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                               output_scale, output_block_scale)
 
 
 class CascadeFlashInferBackend(FlashInferBackend):
@@ -88,3 +196,6 @@ class CascadeFlashInferBackend(FlashInferBackend):
     @override
     def get_builder_cls() -> type[FlashInferMetadataBuilder]:
         return CascadeFlashInferMetadataBuilder
+
+
+hooks.install()

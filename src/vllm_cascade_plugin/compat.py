@@ -14,6 +14,7 @@ import importlib.metadata
 import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
@@ -123,3 +124,35 @@ def check_environment() -> EnvironmentReport:
     if fi_version is not None:
         problems += flashinfer_api_problems()
     return EnvironmentReport(vllm_version, fi_version, problems)
+
+
+# --------------------------------------------------------------------------------------------
+# Runtime differences inside vLLM workers (these import vLLM and torch lazily).
+
+
+def kv_cache_layout() -> str:
+    """FlashInfer's layout string ("NHD"/"HND") for vLLM's KV cache.
+
+    vLLM 0.26-0.28 expose ``get_kv_cache_layout()``; 0.29+ resolve a ``KVCacheLayout`` enum.
+    """
+    from vllm.v1.attention.backends import utils
+
+    if hasattr(utils, "get_kv_cache_layout"):
+        return str(utils.get_kv_cache_layout())
+    raise NotImplementedError("KV cache layout API of vLLM >= 0.29 is not bridged yet")
+
+
+def kv_cache_views(kv_cache: Any, head_size: int) -> tuple[Any, Any]:
+    """(K, V) views of one layer's packed KV cache, as vLLM's own FlashInfer path makes them.
+
+    0.26+: the cache's logical shape is ``(num_blocks, num_kv_heads, block_size, 2 * head_size)``;
+    ``get_kv_cache_stride_order()`` permutes it to memory order (NHD: ``[blocks, block_size,
+    heads, 2 * head_size]``) and the last dim splits into K and V (strided, zero-copy views).
+    """
+    from vllm.utils.torch_utils import canonicalize_singleton_dim_strides
+    from vllm.v1.attention.backends.flashinfer import FlashInferBackend
+
+    order = FlashInferBackend.get_kv_cache_stride_order()
+    packed = canonicalize_singleton_dim_strides(kv_cache.permute(*order))
+    k, v = packed.split(head_size, dim=-1)
+    return k, v

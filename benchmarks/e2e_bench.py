@@ -1,0 +1,121 @@
+"""End-to-end throughput: vLLM's LLM with and without the plugin, one engine per configuration.
+
+Usage (on the GPU machine):
+    python benchmarks/e2e_bench.py --model examples/models/llama3-8b --out DIR \
+        [--workloads one_8k_prefix_x64] [--configs flash_attn,flashinfer,cascade]
+
+Dummy weights (``load_format="dummy"``: timing only), prefix caching on, vLLM's default compilation
+and CUDA-graph settings. Each workload is run once untimed (warms the prefix cache and kernels),
+then timed; the planner's CPU time is inside the timed region, since it runs in the engine step.
+Writes ``e2e.json`` (rows ``{"workload", "config", "out_tok_per_s", ...}``) with provenance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+CONFIGS = {  # name -> (attention backend, plugin environment)
+    "flash_attn": ("FLASH_ATTN", {}),
+    "flashinfer": ("FLASHINFER", {}),
+    "cascade": ("FLASHINFER", {"CASCADE_ATTENTION": "1"}),
+    # Cascade on every step with a shared level, whatever the cost model says.
+    "cascade_always": ("FLASHINFER", {"CASCADE_ATTENTION": "1", "CASCADE_POLICY": "always"}),
+}
+
+
+def workloads() -> dict[str, tuple[list[list[int]], dict]]:
+    rng = np.random.default_rng(0)
+
+    def tokens(n: int) -> list[int]:
+        return rng.integers(100, 30000, size=n).tolist()
+
+    prefix = tokens(8192)
+    return {
+        "one_8k_prefix_x64": ([prefix + tokens(16) for _ in range(64)],
+                              {"max_tokens": 256, "temperature": 0.0, "ignore_eos": True}),
+    }
+
+
+def run_one(model: str, config: str, names: list[str]) -> list[dict]:
+    """Runs inside the child process: one engine, the chosen workloads."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    backend, _ = CONFIGS[config]
+    llm = LLM(model=model, load_format="dummy", skip_tokenizer_init=True,
+              attention_backend=backend, enable_prefix_caching=True, max_model_len=16384,
+              gpu_memory_utilization=0.85, seed=0, enable_flashinfer_autotune=False)
+    rows = []
+    for name in names:
+        prompts, params = workloads()[name]
+        batch = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        llm.generate(batch, SamplingParams(**{**params, "max_tokens": 4}), use_tqdm=False)
+        start = time.perf_counter()
+        outputs = llm.generate(batch, SamplingParams(**params), use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        out_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        rows.append({"workload": name, "config": config, "out_tok_per_s": out_tokens / elapsed,
+                     "output_tokens": out_tokens, "seconds": elapsed})
+    if config.startswith("cascade"):
+        from vllm_cascade_plugin import stats
+
+        counters = stats.snapshot()
+        for row in rows:
+            row["plugin_counters"] = {"steps_planned": counters.steps_planned,
+                                      "steps_cascade": counters.steps_cascade,
+                                      "fallbacks": dict(counters.fallbacks)}
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="examples/models/llama3-8b")
+    parser.add_argument("--out", default="benchmarks/results/h200")
+    parser.add_argument("--workloads", default=",".join(workloads()))
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    names = args.workloads.split(",")
+    if args.child:
+        print("ROWS" + json.dumps(run_one(args.model, args.child, names)))
+        return 0
+    rows = []
+    for config in args.configs.split(","):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CASCADE_")}
+        env.update(CONFIGS[config][1], VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        proc = subprocess.run([sys.executable, __file__, "--model", args.model, "--workloads",
+                               args.workloads, "--child", config],
+                              env=env, capture_output=True, text=True)
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("ROWS")), None)
+        if proc.returncode != 0 or line is None:
+            print(proc.stdout[-3000:], proc.stderr[-5000:], file=sys.stderr)
+            return 1
+        rows += json.loads(line[4:])
+        print(json.dumps(rows[-1]), flush=True)
+    import flashinfer
+    import torch
+    import vllm
+
+    meta = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
+            "vllm": vllm.__version__, "flashinfer": flashinfer.__version__,
+            "torch": torch.__version__, "python": platform.python_version(),
+            "command": " ".join([Path(sys.executable).name, *sys.argv])}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "e2e.json").write_text(json.dumps(rows, indent=1))
+    (out / "e2e.meta.json").write_text(json.dumps(meta, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

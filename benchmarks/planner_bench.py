@@ -1,0 +1,129 @@
+"""Time the cascade planner on decode batches shaped like real shared-prefix workloads.
+
+Cold: a fresh planner on a new block table (new random block ids). Steady: one planner over
+the following decode steps: every row one token longer, and a row entering a new page gets a
+fresh block; rows have random own lengths, so each crosses a page every 16th step but some row
+crosses on every step. The block table is updated in place, as vLLM does.
+
+    PYTHONPATH=src python benchmarks/planner_bench.py [--quick] [--out benchmarks/results/cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from vllm_cascade_plugin.planner import CascadePlanner
+
+PAGE_SIZE = 16
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    requests: int
+    groups: int
+    shared_pages: int
+    own_tokens: tuple[int, int]  # private tokens per row, drawn uniformly from this range
+
+
+CASES = (
+    Case("1x32K", requests=256, groups=1, shared_pages=2048, own_tokens=(64, 256)),
+    Case("8 groups", requests=256, groups=8, shared_pages=2048, own_tokens=(64, 256)),
+    Case("16 groups", requests=1024, groups=16, shared_pages=240, own_tokens=(64, 256)),
+)
+
+
+class DecodeBatch:
+    """A block table for ``case`` (groups interleaved in batch order) that decodes in place."""
+
+    def __init__(self, case: Case, rng: np.random.Generator) -> None:
+        own = rng.integers(*case.own_tokens, size=case.requests)
+        self.seq_lens = case.shared_pages * PAGE_SIZE + own
+        self.query_lens = np.ones(case.requests, np.int32)
+        width = case.shared_pages + -(-case.own_tokens[1] // PAGE_SIZE) + 64
+        # Random distinct ids, as a block pool hands them out after a while.
+        ids = rng.permutation(case.requests * width + case.groups * case.shared_pages) + 1
+        self.block_table = ids[: case.requests * width].reshape(case.requests, width)
+        self.block_table = self.block_table.astype(np.int32)
+        prefixes = ids[case.requests * width :].reshape(case.groups, case.shared_pages)
+        self.block_table[:, : case.shared_pages] = prefixes[np.arange(case.requests) % case.groups]
+        self._next_id = int(ids.max()) + 1
+
+    def step(self) -> None:
+        """One decode step: a row whose last page is full gets a fresh block for its new token."""
+        entering = np.flatnonzero(self.seq_lens % PAGE_SIZE == 0)
+        self.block_table[entering, self.seq_lens[entering] // PAGE_SIZE] = np.arange(
+            self._next_id, self._next_id + entering.size
+        )
+        self._next_id += entering.size
+        self.seq_lens += 1
+
+    def plan(self, planner: CascadePlanner) -> int:
+        """Plan this step with ``planner``; returns the nanoseconds it took."""
+        start = time.perf_counter_ns()
+        planner.plan(self.block_table, self.seq_lens, self.query_lens, PAGE_SIZE)
+        return time.perf_counter_ns() - start
+
+
+def measure(case: Case, cold_runs: int, steady_steps: int) -> dict[str, object]:
+    rng = np.random.default_rng(0)
+    cold = []
+    for _ in range(cold_runs):
+        cold.append(DecodeBatch(case, rng).plan(CascadePlanner()))
+    batch = DecodeBatch(case, rng)
+    planner = CascadePlanner()
+    batch.plan(planner)
+    steady = []
+    for _ in range(steady_steps):
+        batch.step()
+        steady.append(batch.plan(planner))
+    return {
+        "case": case.name,
+        "requests": case.requests,
+        "pages": int(-(-batch.seq_lens.max() // PAGE_SIZE)),  # the longest row's
+        "steady_median_us": round(statistics.median(steady) / 1e3, 1),
+        "cold_median_us": round(statistics.median(cold) / 1e3, 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a few runs only (smoke test)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "cpu")
+    args = parser.parse_args()
+    cold_runs, steady_steps = (2, 5) if args.quick else (30, 400)
+    rows = [measure(case, cold_runs, steady_steps) for case in CASES]
+    print(f"{'case':<10} {'requests':>8} {'pages':>6} {'steady µs':>10} {'cold µs':>9}")
+    for row in rows:
+        print(
+            f"{row['case']:<10} {row['requests']:>8} {row['pages']:>6} "
+            f"{row['steady_median_us']:>10} {row['cold_median_us']:>9}"
+        )
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "planner.json").write_text(json.dumps(rows, indent=2) + "\n")
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.processor() or platform.machine()}/{os.cpu_count()}",
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+        "command": " ".join(["python", *sys.argv]),
+        "cold_runs": cold_runs,
+        "steady_steps": steady_steps,
+        "page_size": PAGE_SIZE,
+    }
+    (args.out / "planner.meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""What one worker process knows between the runner's step hook and the metadata builder.
+
+The runner hook (see :mod:`vllm_cascade_plugin.hooks`) plans each real engine step *before* vLLM
+picks the step's CUDA-graph mode, because a step that runs cascade must not replay a FULL graph of
+flat attention. The builder's ``build()`` runs later in the same step and takes the plan only if
+it describes exactly the batch it is given. numpy only: no vLLM import here.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import stats
+from .config import CascadeConfig
+from .cost import AttentionShape, CostModel, Decision, decide
+from .planner import CascadePlan, CascadePlanner
+
+
+@dataclass(frozen=True, eq=False)
+class StepPlan:
+    plan: CascadePlan
+    decision: Decision
+    query_start_loc: np.ndarray  # int32 [num_reqs + 1], the batch this plan is for
+    decode: bool  # every row has one query token
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.query_start_loc) - 1
+
+    def matches(self, query_start_loc: np.ndarray, num_actual_tokens: int) -> bool:
+        """Same rows and tokens (rows past ours may only be padding with no tokens)."""
+        n = self.num_reqs
+        qsl = np.asarray(query_start_loc)
+        total = int(self.query_start_loc[-1])
+        return (len(qsl) >= n + 1 and num_actual_tokens == total
+                and np.array_equal(qsl[: n + 1], self.query_start_loc)
+                and bool(np.all(qsl[n + 1:] == total)))
+
+
+class StepSession:
+    """Per-process planning state: limits, the attention shape, and the current step's plan."""
+
+    def __init__(self) -> None:
+        self.config: CascadeConfig | None = None
+        self.shape: AttentionShape | None = None
+        self.page_size = 0
+        self.disabled_reason: str | None = "no FlashInfer cascade builder yet"
+        self.cost_model = CostModel()
+        self.current: StepPlan | None = None
+        self._planner: CascadePlanner | None = None
+
+    def configure(self, config: CascadeConfig, shape: AttentionShape, page_size: int,
+                  disabled_reason: str | None) -> None:
+        """Called by each new builder: what the model's attention looks like, or why it can't."""
+        self.config, self.shape, self.page_size = config, shape, page_size
+        self.disabled_reason = disabled_reason
+        self._planner = CascadePlanner(max_levels=config.max_levels,
+                                       min_shared_pages=config.min_shared_pages)
+        if disabled_reason is not None:
+            stats.log_once(f"disabled:{disabled_reason}",
+                           "vllm-cascade-plugin: cascade attention is off for this model: %s; "
+                           "every step runs vLLM's flat FlashInfer attention.", disabled_reason)
+
+    @property
+    def active(self) -> bool:
+        return self.disabled_reason is None and self._planner is not None
+
+    def plan_step(self, block_table: np.ndarray, seq_lens: np.ndarray,
+                  query_lens: np.ndarray) -> StepPlan | None:
+        """Plan a real engine step (rows in the builder's order); None: run it flat.
+
+        A failure here never escapes into vLLM: the step runs flat and the reason is counted.
+        """
+        self.current = None
+        if not self.active:
+            return None
+        assert self._planner is not None and self.config is not None and self.shape is not None
+        decode = bool(np.all(query_lens == 1))
+        stats.record_planned(decode)
+        try:
+            plan = self._planner.plan(block_table, seq_lens, query_lens, self.page_size)
+            if plan.num_levels < 2:
+                decision = Decision(False, 0.0, 0.0, "no shared pages")
+            elif self.config.policy == "always":
+                decision = Decision(True, 0.0, 0.0, "CASCADE_POLICY=always")
+            else:
+                decision = decide(plan, self.shape, self.cost_model)
+        except Exception as exc:  # the engine must never fail because of the planner
+            stats.record_fallback("planner error", f"{type(exc).__name__}: {exc}")
+            return None
+        qsl = np.zeros(len(query_lens) + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=qsl[1:])
+        self.current = StepPlan(plan, decision, qsl, decode)
+        return self.current
+
+    def step_for(self, query_start_loc: np.ndarray, num_actual_tokens: int) -> StepPlan | None:
+        """The current plan if it is for this batch and chose cascade, else None."""
+        step = self.current
+        if step is None or not step.decision.use_cascade:
+            return None
+        if not step.matches(query_start_loc, num_actual_tokens):
+            stats.record_fallback("plan does not match the batch", level=logging.DEBUG)
+            return None
+        return step
+
+    def end_step(self) -> None:
+        self.current = None
+
+
+session = StepSession()

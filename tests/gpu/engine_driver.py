@@ -1,0 +1,130 @@
+"""One vLLM engine, the correctness workloads, per-token logprobs out (run as a subprocess).
+
+Usage: python engine_driver.py MODEL_DIR OUT_JSON [--workloads a,b,...] [--corrupt]
+
+The plugin is on or off by the caller's ``CASCADE_ATTENTION``; the runner by
+``VLLM_USE_V2_MODEL_RUNNER``. ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps the engine core and
+(TP=1) the worker in this process, so the plugin's counters can be read here and ``--corrupt``
+can shift every page id of every plan by one (the comparison must then fail).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+import numpy as np
+
+VOCAB = 32000
+NUM_BLOCKS = 1536  # a small KV cache: workload (f) must be preempted
+
+
+def _tokens(rng: np.random.Generator, n: int) -> list[int]:
+    return rng.integers(100, VOCAB - 100, size=n).tolist()
+
+
+def workloads(seed: int = 0) -> dict[str, tuple[list[list[int]], dict]]:
+    """name -> (prompts as token ids, SamplingParams keyword arguments)."""
+    rng = np.random.default_rng(seed)
+    greedy = {"temperature": 0.0, "max_tokens": 24, "logprobs": 2, "ignore_eos": True}
+    w: dict[str, tuple[list[list[int]], dict]] = {}
+    prefix = _tokens(rng, 8192)
+    w["a_one_8k_prefix_x64"] = ([prefix + _tokens(rng, 16) for _ in range(64)], greedy)
+    prefixes = [_tokens(rng, 2048) for _ in range(4)]
+    w["b_4_prefixes_x16_interleaved"] = (
+        [prefixes[i % 4] + _tokens(rng, 16) for i in range(64)], greedy)
+    system, docs = _tokens(rng, 2048), [_tokens(rng, 4096) for _ in range(4)]
+    w["c_tree_2k_system_4x4k_docs_x8"] = (
+        [system + docs[d] + _tokens(rng, 16) for q in range(8) for d in range(4)], greedy)
+    w["d_n8_sampling_16_prompts"] = (
+        [_tokens(rng, 1024) for _ in range(16)],
+        {**greedy, "n": 8, "temperature": 0.01, "seed": 1234})  # vLLM: n > 1 needs sampling
+    shared = _tokens(rng, 1024)
+    w["e_chunked_prefill_with_decodes"] = (
+        [shared + _tokens(rng, 16) for _ in range(24)]
+        + [_tokens(rng, int(rng.integers(3000, 6000))) for _ in range(6)],
+        {**greedy, "max_tokens": 48})
+    system = _tokens(rng, 512)
+    w["f_preemption_small_kv_cache"] = (
+        [system + _tokens(rng, int(rng.integers(800, 1600))) for _ in range(48)],
+        {**greedy, "max_tokens": 96})
+    return w
+
+
+def _corrupt_planner() -> None:
+    from vllm_cascade_plugin import planner
+
+    real = planner.CascadePlanner.plan
+
+    def shifted(self, *args, **kwargs):
+        plan = real(self, *args, **kwargs)
+        # Next block id, wrapping inside the cache (NUM_BLOCKS) so no kernel reads out of bounds.
+        levels = tuple(dataclasses.replace(level, kv_page_indices=level.kv_page_indices
+                                           % (NUM_BLOCKS - 1) + 1) for level in plan.levels)
+        return dataclasses.replace(plan, levels=levels)
+
+    planner.CascadePlanner.plan = shifted
+
+
+def _record(output) -> dict:
+    tokens, chosen, margins = [], [], []
+    for completion in output.outputs:
+        for token, top in zip(completion.token_ids, completion.logprobs, strict=True):
+            ranked = sorted((lp.logprob for lp in top.values()), reverse=True)
+            tokens.append(int(token))
+            chosen.append(float(top[token].logprob))
+            margins.append(ranked[0] - ranked[1] if len(ranked) > 1 else float("inf"))
+        tokens.append(-1)  # completion boundary: comparison restarts after it
+        chosen.append(0.0)
+        margins.append(0.0)
+    return {"tokens": tokens, "logprobs": chosen, "margins": margins}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("out")
+    parser.add_argument("--workloads", default="")
+    parser.add_argument("--corrupt", action="store_true")
+    args = parser.parse_args()
+    if args.corrupt:
+        _corrupt_planner()
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vllm_cascade_plugin import stats
+
+    llm = LLM(model=args.model, skip_tokenizer_init=True, attention_backend="FLASHINFER",
+              enable_prefix_caching=True, max_model_len=9216, max_num_batched_tokens=2048,
+              max_num_seqs=128, num_gpu_blocks_override=NUM_BLOCKS, gpu_memory_utilization=0.5,
+              seed=0, enable_flashinfer_autotune=False)
+    chosen = [w for w in args.workloads.split(",") if w]
+    results = {}
+    for name, (prompts, params) in workloads().items():
+        if chosen and not any(name.startswith(c) for c in chosen):
+            continue
+        before = stats.snapshot()
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                               SamplingParams(**params), use_tqdm=False)
+        after = stats.snapshot()
+        results[name] = {
+            "requests": [_record(o) for o in outputs],
+            "steps_planned": after.steps_planned - before.steps_planned,
+            "steps_cascade": after.steps_cascade - before.steps_cascade,
+            "decode_steps_planned": after.decode_steps_planned - before.decode_steps_planned,
+            "decode_steps_cascade": after.decode_steps_cascade - before.decode_steps_cascade,
+            "fallbacks": dict(after.fallbacks - before.fallbacks),
+        }
+    with open(args.out, "w") as f:
+        json.dump({"plugin": os.environ.get("CASCADE_ATTENTION", ""),
+                   "runner": "v1" if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "0" else "v2",
+                   "workloads": results}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""Engine level: vLLM's LLM with the plugin on vs. off, same prompts, greedy, both model runners.
+
+The model is the tiny Llama config with transformers' normal random initialisation (std 0.02),
+saved once: vLLM's dummy weights (~1e-3) make attention nearly uniform, so a wrong page would go
+unnoticed. Each configuration runs in its own process (the plugin registers at startup).
+
+Tolerances (issue 4): chosen-token logprobs agree within 0.02 on average and 0.1 at most,
+compared position by position up to the first token where the two runs diverge, and only where
+the top-2 margin exceeds 0.1 in both (below that, bf16 noise legitimately flips the argmax).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+HERE = Path(__file__).parent
+CONFIG = HERE.parents[1] / "examples" / "models" / "llama-tiny" / "config.json"
+MEAN_TOL, MAX_TOL, MARGIN = 0.02, 0.1, 0.1
+CASCADE_WORKLOADS = ("a_", "b_", "c_", "d_")  # cascade must run on >= 90% of their decode steps
+RESULTS: list[dict] = []
+_RUNS: dict[tuple, dict] = {}  # one engine per configuration per session, shared by the tests
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("llama-tiny-std002")
+    torch.manual_seed(0)
+    config = LlamaConfig.from_pretrained(CONFIG.parent)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
+    return str(out)
+
+
+def run_engine(model_dir: str, out: Path, *, plugin: bool, runner: str,
+               extra: tuple[str, ...] = ()) -> dict:
+    key = (plugin, runner, extra)
+    if key not in _RUNS:
+        _RUNS[key] = _run_engine(model_dir, out, plugin=plugin, runner=runner, extra=extra)
+    return _RUNS[key]
+
+
+def _run_engine(model_dir: str, out: Path, *, plugin: bool, runner: str,
+                extra: tuple[str, ...]) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CASCADE_")}
+    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0",
+               VLLM_USE_V2_MODEL_RUNNER="1" if runner == "v2" else "0")
+    if plugin:
+        env.update(CASCADE_ATTENTION="1", CASCADE_POLICY="always")
+    proc = subprocess.run([sys.executable, str(HERE / "engine_driver.py"), model_dir, str(out),
+                           *extra], env=env, capture_output=True, text=True, timeout=900)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-6000:]
+    assert "Traceback" not in log, log[-6000:]
+    return json.loads(out.read_text())
+
+
+def compare(on: dict, off: dict) -> tuple[float, float, int]:
+    """(max, mean) |Δ chosen logprob| over comparable positions, and how many there were."""
+    diffs: list[float] = []
+    for a, b in zip(on["requests"], off["requests"], strict=True):
+        for ta, tb, la, lb, ma, mb in zip(a["tokens"], b["tokens"], a["logprobs"],
+                                          b["logprobs"], a["margins"], b["margins"], strict=False):
+            if ta != tb:
+                break
+            if ta >= 0 and ma > MARGIN and mb > MARGIN:
+                diffs.append(abs(la - lb))
+    if not diffs:
+        return 0.0, 0.0, 0
+    return float(np.max(diffs)), float(np.mean(diffs)), len(diffs)
+
+
+def judge(name: str, runner: str, on: dict, off: dict) -> dict:
+    worst, mean, count = compare(on, off)
+    fraction = on["decode_steps_cascade"] / max(on["decode_steps_planned"], 1)
+    ok = count > 0 and worst <= MAX_TOL and mean <= MEAN_TOL
+    if name.startswith(CASCADE_WORKLOADS):
+        ok = ok and fraction >= 0.9
+    return {"workload": name, "runner": runner, "tensor_parallel_size": 1,
+            "max_abs_dlogprob": worst, "mean_abs_dlogprob": mean, "compared_tokens": count,
+            "cascade_step_fraction": fraction, "fallbacks": on["fallbacks"],
+            "outcome": "pass" if ok else "fail"}
+
+
+@pytest.mark.parametrize("runner", ["v2", "v1"])
+def test_cascade_engine_matches_flat_engine(model_dir, tmp_path, runner):
+    on = run_engine(model_dir, tmp_path / "on.json", plugin=True, runner=runner)
+    off = run_engine(model_dir, tmp_path / "off.json", plugin=False, runner=runner)
+    rows = [judge(name, runner, on["workloads"][name], off["workloads"][name])
+            for name in off["workloads"]]
+    RESULTS.extend(rows)
+    failed = [r for r in rows if r["outcome"] != "pass"]
+    assert not failed, json.dumps(failed, indent=1)
+
+
+def test_a_corrupted_plan_fails_the_engine_comparison(model_dir, tmp_path):
+    only_a = ("--workloads", "a_")
+    on = run_engine(model_dir, tmp_path / "bad.json", plugin=True, runner="v2",
+                    extra=(*only_a, "--corrupt"))
+    off = run_engine(model_dir, tmp_path / "off.json", plugin=False, runner="v2", extra=only_a)
+    name = "a_one_8k_prefix_x64"
+    row = judge(name, "v2", on["workloads"][name], off["workloads"][name])
+    RESULTS.append({**row, "workload": f"{name} (corrupted plan: must fail)"})
+    assert row["outcome"] == "fail", row
+
+
+def teardown_module() -> None:
+    out = os.environ.get("CASCADE_RESULTS_DIR")
+    if out and RESULTS:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "correctness.json").write_text(json.dumps(RESULTS, indent=1))

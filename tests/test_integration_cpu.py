@@ -1,0 +1,210 @@
+"""vLLM's real FlashInfer builder and impl (our subclasses) driven through build() and forward().
+
+Everything is vLLM's own code path on a real VllmConfig except what cannot run without a GPU,
+swapped at its call site: the Triton page-copy kernel and FlashInfer's wrappers of the parent's
+flat path, and the cascade executor's FlashInfer kernels (replaced by the reference executor).
+Outputs are compared with a plain dense softmax attention over the packed cache, written here.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+import vllm_cpu
+from vllm_cascade_plugin import reference, stats
+from vllm_cascade_plugin.step import session
+
+PAGE, HEADS, KV_HEADS, DIM, BLOCKS = 16, 8, 2, 128, 64
+SCALE = DIM**-0.5
+TOL = 1e-5  # fp32 end to end: summation order only
+
+
+class ReferenceExecutor:
+    """The GPU executor's plan()/run() interface over the pure-torch reference."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail, self.plan_args = fail, None
+
+    def plan(self, plan, **kwargs) -> None:
+        self.plan_args = (plan, kwargs)
+
+    def run(self, q, k_cache, v_cache, out) -> None:
+        if self.fail:
+            raise RuntimeError("injected kernel failure")
+        plan, kw = self.plan_args
+        o, _ = reference.run_plan(plan, q, k_cache, v_cache, sm_scale=kw["sm_scale"],
+                                  logits_soft_cap=kw["logits_soft_cap"])
+        out.copy_(o)
+
+
+def fake_wrapper(cls):
+    """A FlashInfer wrapper of the parent's flat path that plans nothing (its ctor needs CUDA)."""
+    return object.__new__(type(f"Fake{cls.__name__}", (cls,), {"plan": lambda *a, **k: None}))
+
+
+class CopyPageIndices:
+    """CPU version of vLLM's Triton ``_copy_page_indices_kernel[(num_reqs,)](...)``."""
+
+    def __getitem__(self, grid):
+        def run(indices, block_table, stride, indptr, BLOCK_SIZE):
+            for row in range(grid[0]):
+                start, end = int(indptr[row]), int(indptr[row + 1])
+                indices[start:end] = block_table[row, : end - start]
+        return run
+
+
+@pytest.fixture
+def engine(tmp_path_factory, monkeypatch):
+    import vllm.v1.attention.backends.flashinfer as fi
+
+    monkeypatch.setenv("CASCADE_POLICY", "always")
+    monkeypatch.setattr(fi, "_copy_page_indices_kernel", CopyPageIndices())
+    monkeypatch.setattr(fi, "fast_plan_decode", lambda wrapper, *a, **k: None)
+    config = vllm_cpu.cpu_vllm_config(str(tmp_path_factory.mktemp("tiny")))
+    names = vllm_cpu.make_layers(config, [SCALE, SCALE])
+    stats.reset()
+    builder = vllm_cpu.make_builder(config, names)
+    prefill = fake_wrapper(fi.BatchPrefillWithPagedKVCacheWrapper)
+    decode = fake_wrapper(fi.BatchDecodeWithPagedKVCacheWrapper)
+    monkeypatch.setattr(builder, "_get_prefill_wrapper", lambda *a, **k: prefill)
+    monkeypatch.setattr(builder, "_get_decode_wrapper", lambda *a, **k: decode)
+    layers = config.compilation_config.static_forward_context
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(config):  # as inside an engine step
+        yield config, builder, [layers[n] for n in names]
+    session.end_step()
+
+
+def batch():
+    """Decode rows first (vLLM's order): 4 rows share pages 11-15, two share nothing."""
+    rng = np.random.default_rng(0)
+    shared = np.arange(11, 16)
+    rows, seq, q = [], [], []
+    for i, (query, own, share) in enumerate([(1, 2, True), (1, 3, False), (1, 1, True),
+                                             (1, 2, False), (5, 2, True), (20, 3, True)]):
+        own_pages = 20 + 4 * i + np.arange(own)
+        pages = np.concatenate([shared, own_pages]) if share else own_pages
+        rows.append(pages)
+        seq.append((len(pages) - 1) * PAGE + int(rng.integers(1, PAGE + 1)))
+        q.append(query)
+    table = np.zeros((len(rows), 16), dtype=np.int32)
+    for r, pages in enumerate(rows):
+        table[r, : len(pages)] = pages
+    return table, np.array(seq, dtype=np.int32), np.array(q, dtype=np.int32)
+
+
+def common_metadata(table, seq, q):
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    qsl = torch.from_numpy(np.concatenate([[0], np.cumsum(q)]).astype(np.int32))
+    seq_t = torch.from_numpy(seq)
+    return CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq_t, num_reqs=len(q),
+        num_actual_tokens=int(qsl[-1]), max_query_len=int(q.max()), max_seq_len=int(seq.max()),
+        block_table_tensor=torch.from_numpy(table),
+        slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64),
+        seq_lens_cpu_upper_bound=seq_t, _seq_lens_cpu=seq_t)
+
+
+def packed_cache(generator):
+    """A layer's KV cache as vLLM allocates it: logical (B, H, N, 2D) over NHD memory."""
+    from vllm.v1.attention.backends.flashinfer import FlashInferBackend
+
+    shape = FlashInferBackend.get_kv_cache_shape(BLOCKS, PAGE, KV_HEADS, DIM)
+    order = FlashInferBackend.get_kv_cache_stride_order()
+    memory = torch.randn([shape[i] for i in order], generator=generator)  # [B, N, H, 2D]
+    return memory, memory.permute(*[order.index(i) for i in range(4)])
+
+
+def dense_attention(q, memory, table, seq, qlen):
+    """Per-request causal softmax attention straight from the packed cache memory."""
+    out, start = torch.empty_like(q), 0
+    for r in range(len(seq)):
+        pages = table[r, : -(-seq[r] // PAGE)]
+        kv = memory[torch.from_numpy(pages.astype(np.int64))].reshape(-1, KV_HEADS, 2 * DIM)
+        k, v = kv[: seq[r], :, :DIM], kv[: seq[r], :, DIM:]
+        k = k.repeat_interleave(HEADS // KV_HEADS, dim=1)
+        v = v.repeat_interleave(HEADS // KV_HEADS, dim=1)
+        qr = q[start: start + qlen[r]]
+        logits = torch.einsum("qhd,khd->hqk", qr, k) * SCALE
+        pos_q = torch.arange(seq[r] - qlen[r], seq[r])[:, None]
+        logits = logits.masked_fill(torch.arange(seq[r])[None, :] > pos_q, float("-inf"))
+        out[start: start + qlen[r]] = torch.einsum("hqk,khd->qhd", logits.softmax(-1), v)
+        start += qlen[r]
+    return out
+
+
+def test_real_builder_and_impl_run_a_cascade_step_exactly(engine):
+    _config, builder, layers = engine
+    table, seq, q = batch()
+    builder._cascade_executor = ReferenceExecutor()
+    step = session.plan_step(table, seq, q)  # what the runner hook does before CUDA graphs
+    assert step is not None and step.decision.use_cascade and step.plan.num_levels == 2
+    metadata = builder.build(0, common_metadata(table, seq, q))
+    assert metadata.cascade is builder._cascade_executor
+    _plan, kwargs = metadata.cascade.plan_args
+    assert kwargs["sm_scale"] == pytest.approx(SCALE) and kwargs["page_size"] == PAGE
+    g = torch.Generator().manual_seed(1)
+    tokens = int(q.sum())
+    for layer in layers:
+        memory, kv_cache = packed_cache(g)
+        query = torch.randn(tokens + 3, HEADS, DIM, generator=g)  # +3: padded token rows
+        output = torch.full_like(query, float("nan"))
+        layer.impl.forward(layer, query, None, None, kv_cache, metadata, output)
+        expected = dense_attention(query[:tokens], memory, table, seq, q)
+        torch.testing.assert_close(output[:tokens], expected, atol=TOL, rtol=TOL)
+    counters = stats.snapshot()
+    assert counters.steps_cascade == 1 and counters.pages_cascade < counters.pages_flat
+
+
+def test_plan_for_another_batch_is_not_used(engine):
+    _config, builder, _ = engine
+    table, seq, q = batch()
+    builder._cascade_executor = ReferenceExecutor()
+    session.plan_step(table, seq, q)
+    q2 = q.copy()
+    q2[-1] -= 1
+    metadata = builder.build(0, common_metadata(table, seq - (q - q2), q2))
+    assert getattr(metadata, "cascade", None) is None
+    assert stats.snapshot().fallbacks["plan does not match the batch"] == 1
+
+
+def test_kernel_failure_runs_the_layer_flat_and_logs_once(engine, monkeypatch, caplog):
+    from vllm.v1.attention.backends.flashinfer import FlashInferImpl
+
+    _config, builder, layers = engine
+    table, seq, q = batch()
+    builder._cascade_executor = ReferenceExecutor(fail=True)
+    session.plan_step(table, seq, q)
+    metadata = builder.build(0, common_metadata(table, seq, q))
+    flat_calls = []
+    monkeypatch.setattr(FlashInferImpl, "forward",
+                        lambda self, *args, **kw: flat_calls.append(args) or args[-1])
+    g = torch.Generator().manual_seed(2)
+    with caplog.at_level(logging.WARNING, logger="vllm.cascade_plugin"):
+        for layer in layers:
+            _, kv_cache = packed_cache(g)
+            query = torch.randn(int(q.sum()), HEADS, DIM, generator=g)
+            output = torch.empty_like(query)
+            layer.impl.forward(layer, query, None, None, kv_cache, metadata, output)
+    assert len(flat_calls) == len(layers)
+    assert stats.snapshot().fallbacks["kernel error"] == len(layers)
+    assert sum("kernel error" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_step_without_sharing_builds_plain_vllm_metadata(engine):
+    _config, builder, _ = engine
+    table, seq, q = batch()
+    for k, row in enumerate([0, 2, 4, 5]):  # nobody shares the prefix pages any more
+        table[row, :5] += 100 * (k + 1)
+    builder._cascade_executor = ReferenceExecutor()
+    step = session.plan_step(table, seq, q)
+    assert step is not None and not step.decision.use_cascade
+    metadata = builder.build(0, common_metadata(table, seq, q))
+    assert getattr(metadata, "cascade", None) is None
+    assert stats.snapshot().steps_cascade == 0
