@@ -70,6 +70,7 @@ class CascadeFlashInferMetadata(FlashInferMetadata):
     """vLLM's FlashInfer metadata plus, on cascade steps, the planned executor."""
 
     cascade: Any = None  # kernels.FlashInferCascadeExecutor, planned for this step
+    cascade_max_page: int = -1  # largest block id the plan reads
 
 
 def unsupported_reason(vllm_config: Any, kv_cache_spec: Any, impls: list[Any]) -> str | None:
@@ -145,7 +146,8 @@ class CascadeFlashInferMetadataBuilder(FlashInferMetadataBuilder):
         stats.record_cascade(step.plan.stats.pages_flat, step.plan.stats.pages_cascade,
                              step.decode)
         return CascadeFlashInferMetadata(
-            **{f.name: getattr(metadata, f.name) for f in fields(metadata)}, cascade=executor)
+            **{f.name: getattr(metadata, f.name) for f in fields(metadata)}, cascade=executor,
+            cascade_max_page=step.plan.stats.max_page)
 
     def _executor(self) -> Any:
         if self._cascade_executor is None:
@@ -176,8 +178,12 @@ class CascadeFlashInferImpl(FlashInferImpl):
             n = attn_metadata.num_actual_tokens
             try:
                 k_cache, v_cache = compat.kv_cache_views(kv_cache, self.head_size)
-                executor.run(query[:n], k_cache, v_cache, output[:n])
-                return output
+                if attn_metadata.cascade_max_page >= k_cache.shape[0]:  # before any kernel reads
+                    stats.record_fallback("block id out of range", f"block "
+                                          f"{attn_metadata.cascade_max_page} of {k_cache.shape[0]}")
+                else:
+                    executor.run(query[:n], k_cache, v_cache, output[:n])
+                    return output
             except Exception as exc:  # this layer runs flat; both paths compute the same thing
                 stats.record_fallback("kernel error", f"{type(exc).__name__}: {exc}")
         return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,

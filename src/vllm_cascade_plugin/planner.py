@@ -76,6 +76,7 @@ class PlanStats:
     shared_pages: tuple[int, ...]  # pages per shared group, same order as group_sizes
     num_tokens: int
     num_requests: int
+    max_page: int = -1  # largest block id any level reads (-1: none); checked against the cache
 
 
 @dataclass(frozen=True, eq=False)
@@ -97,7 +98,8 @@ class CascadePlan:
         return len(self.levels)
 
 
-__all__ = ["CascadeLevel", "CascadePlan", "CascadePlanner", "PlanStats", "plan_cascade"]
+__all__ = ["CascadeLevel", "CascadePlan", "CascadePlanner", "PlanStats", "plan_cascade",
+           "plan_violations"]
 
 # Pages a snapshot of the block table keeps beyond the longest shareable prefix, so that rows
 # growing by a page in steady decode do not force a re-copy of the snapshot every step.
@@ -562,6 +564,7 @@ def _assemble(shared: _SharedPart, structure: _Structure, step: _Step) -> Cascad
             shared_pages=shared.shared_pages,
             num_tokens=step.num_tokens,
             num_requests=len(step.rows),
+            max_page=max((int(level.kv_page_indices.max()) for level in levels), default=-1),
         ),
     )
 
@@ -592,3 +595,50 @@ def _own_level(structure: _Structure, step: _Step) -> CascadeLevel:
         rows=rows.astype(np.int32),
         causal=True,
     )
+
+
+def plan_violations(plan: CascadePlan, block_table: np.ndarray, seq_lens: np.ndarray,
+                    query_lens: np.ndarray) -> list[str]:
+    """Every way ``plan`` breaks its contract for this step; empty when it keeps it.
+
+    The ``CASCADE_DEBUG`` check, run before any kernel reads memory: per-group Python loops,
+    so it costs milliseconds on large batches. Inputs as for :func:`plan_cascade`.
+    """
+    page = plan.page_size
+    seq_lens = np.asarray(seq_lens, dtype=np.int64)
+    query_lens = np.asarray(query_lens, dtype=np.int64)
+    starts = np.concatenate(([0], np.cumsum(query_lens)))
+    covered: list[list[int]] = [[] for _ in seq_lens]
+    problems: list[str] = []
+    for depth, level in enumerate(plan.levels):
+        last = depth == plan.num_levels - 1
+        where = f"level {depth}"
+        if level.causal != last:
+            problems.append(f"{where}: only the last level may be causal")
+        groups = level.num_groups
+        if not (len(level.kv_page_indptr) == len(level.row_indptr) == groups + 1
+                and len(level.kv_last_page_len) == groups):
+            problems.append(f"{where}: array lengths disagree")
+            continue
+        if (np.diff(level.qo_indptr) <= 0).any() or (np.diff(level.kv_page_indptr) <= 0).any():
+            problems.append(f"{where}: empty segment")
+            continue
+        if not last and (level.kv_page_indices == 0).any():
+            problems.append(f"{where}: shares block 0")
+        if not ((level.kv_last_page_len >= 1) & (level.kv_last_page_len <= page)).all():
+            problems.append(f"{where}: last page length outside 1..{page}")
+        for g in range(groups):
+            rows = level.rows[level.row_indptr[g]:level.row_indptr[g + 1]]
+            pages = level.kv_page_indices[level.kv_page_indptr[g]:level.kv_page_indptr[g + 1]]
+            tokens = level.q_index[level.qo_indptr[g]:level.qo_indptr[g + 1]]
+            expected = np.concatenate([np.arange(starts[r], starts[r + 1]) for r in rows])
+            if not np.array_equal(tokens, expected):
+                problems.append(f"{where} group {g}: queries are not its rows' tokens")
+            for r in rows:
+                covered[r].extend(pages.tolist())
+                if not last and len(covered[r]) * page > seq_lens[r] - query_lens[r]:
+                    problems.append(f"{where} group {g}: row {r} shares a page it queries")
+    for r in np.flatnonzero(query_lens > 0):
+        if covered[r] != block_table[r, :-(-seq_lens[r] // page)].tolist():
+            problems.append(f"row {r}: its pages are not each read once, in order")
+    return problems

@@ -16,7 +16,7 @@ import numpy as np
 from . import stats
 from .config import CascadeConfig
 from .cost import AttentionShape, CostModel, Decision, decide
-from .planner import CascadePlan, CascadePlanner
+from .planner import CascadePlan, CascadePlanner, plan_violations
 
 
 @dataclass(frozen=True, eq=False)
@@ -82,6 +82,10 @@ class StepSession:
         stats.record_planned(decode)
         try:
             plan = self._planner.plan(block_table, seq_lens, query_lens, self.page_size)
+            if self.config.debug and (broken := plan_violations(plan, block_table, seq_lens,
+                                                                 query_lens)):
+                stats.record_fallback("plan invariant violated", "; ".join(broken[:3]))
+                return None
             if plan.num_levels < 2:
                 decision = Decision(False, 0.0, 0.0, "no shared pages")
             elif self.config.policy == "always":
