@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 CONFIGS = {  # name -> (attention backend, plugin environment)
     "flash_attn": ("FLASH_ATTN", {}),
@@ -90,7 +91,8 @@ def main() -> int:
         print("ROWS" + json.dumps(run_one(args.model, args.child, names)))
         return 0
     rows = []
-    for config in args.configs.split(","):
+    # One engine per configuration, each a few minutes: progress on a terminal only.
+    for config in tqdm(args.configs.split(","), desc="engines", unit="engine", disable=None):
         env = {k: v for k, v in os.environ.items() if not k.startswith("CASCADE_")}
         env.update(CONFIGS[config][1], VLLM_ENABLE_V1_MULTIPROCESSING="0")
         proc = subprocess.run([sys.executable, __file__, "--model", args.model, "--workloads",
@@ -101,7 +103,7 @@ def main() -> int:
             print(proc.stdout[-3000:], proc.stderr[-5000:], file=sys.stderr)
             return 1
         rows += json.loads(line[4:])
-        print(json.dumps(rows[-1]), flush=True)
+        tqdm.write(json.dumps(rows[-1]))
     import flashinfer
     import torch
     import vllm

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from vllm_cascade_plugin.planner import CascadePlanner
 
@@ -79,13 +80,14 @@ class DecodeBatch:
 def measure(case: Case, cold_runs: int, steady_steps: int) -> dict[str, object]:
     rng = np.random.default_rng(0)
     cold = []
-    for _ in range(cold_runs):
+    # Progress on stderr, and only on a terminal (disable=None): logs and CI stay clean.
+    for _ in tqdm(range(cold_runs), desc=f"{case.name}: cold", leave=False, disable=None):
         cold.append(DecodeBatch(case, rng).plan(CascadePlanner()))
     batch = DecodeBatch(case, rng)
     planner = CascadePlanner()
     batch.plan(planner)
     steady = []
-    for _ in range(steady_steps):
+    for _ in tqdm(range(steady_steps), desc=f"{case.name}: steady", leave=False, disable=None):
         batch.step()
         steady.append(batch.plan(planner))
     return {

@@ -1,5 +1,6 @@
-# Sourced by scripts/test.sh and scripts/demo.sh: builds (or reuses) the virtual environment for
-# one pinned requirements file and installs this checkout into it. Usage:
+# Sourced by scripts/test.sh, scripts/main.sh and scripts/flashinfer_matrix.sh: builds (or
+# reuses) the virtual environment for one pinned requirements file and installs this checkout
+# into it. Usage:
 #   source scripts/env.sh [requirements/vllm-0.26.0.txt]
 # The environment lives outside the clone, under ${CASCADE_VENV_CACHE:-~/.cache/vllm-cascade-plugin},
 # keyed by the hash of the requirements file and the Python version; a missing or half-built one

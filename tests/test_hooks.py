@@ -1,36 +1,54 @@
-"""Guards for every runtime patch of vLLM (hooks.py): they fail loudly when vLLM changes."""
+"""Guards for every runtime patch of vLLM (hooks.py): they fail loudly when vLLM changes.
 
+They run against whichever vLLM is installed; CI runs them on 0.26.0 and on 0.33.0.
+"""
+
+import dataclasses
 import inspect
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from vllm_cascade_plugin import hooks
+from vllm_cascade_plugin import compat, hooks
+from vllm_cascade_plugin.config import CascadeConfig
+from vllm_cascade_plugin.cost import AttentionShape
+from vllm_cascade_plugin.step import session
 
-EXPECTED_PARAMETERS = {
-    "initialize_metadata_builders": ["self", "kv_cache_config", "kernel_block_sizes"],
-    "_compute_cascade_attn_prefix_lens": [
-        "self", "num_scheduled_tokens", "num_computed_tokens", "num_common_prefix_blocks"],
-    "append_block_ids": ["self", "req_index", "new_block_ids", "overwrite"],
-    "dispatch": ["self", "num_reqs", "num_tokens", "uniform_token_count", "num_active_loras"],
+# What each wrapper reads of the patched method's arguments, by (module tail, class, method).
+ARGUMENTS_READ = {
+    ("gpu_model_runner", "GPUModelRunner", "execute_model"): ["self", "scheduler_output"],
+    ("gpu_model_runner", "GPUModelRunner", "_determine_batch_execution_and_padding"): ["self"],
+    ("cudagraph_dispatcher", "CudagraphDispatcher", "dispatch"): [
+        "self", "num_tokens", "uniform_decode", "has_lora", "num_active_loras", "valid_modes",
+        "invalid_modes"],
+    ("block_table", "BlockTables", "append_block_ids"): [
+        "self", "req_index", "new_block_ids", "overwrite"],
+    ("model_runner", "GPUModelRunner", "execute_model"): [
+        "self", "scheduler_output", "intermediate_tensors", "dummy_run"],
+    ("cudagraph_utils", "CudaGraphManager", "dispatch"): [
+        "self", "num_reqs", "num_tokens", "uniform_token_count", "num_active_loras"],
 }
+# Every way a V2 batch can match a captured graph: a new one could let a cascade step into a
+# FULL graph, so it must be looked at (and added to compat.V2_FULL_GRAPH_ARGUMENTS if it does).
+V2_GRAPH_MATCH_ARGUMENTS = {"desc", "num_reqs", "num_tokens", "num_active_loras", "num_ubatches",
+                            *compat.V2_FULL_GRAPH_ARGUMENTS}
 
 
 def original(fn):
     return getattr(fn, hooks._PATCHED, fn)
 
 
+def parameters(fn):
+    return list(inspect.signature(original(fn)).parameters)
+
+
 @pytest.mark.parametrize("target", hooks.patch_targets(),
                          ids=lambda t: f"{t[0].__module__}.{t[0].__name__}.{t[1]}")
-def test_patched_vllm_method_still_has_the_signature_we_wrap(target):
+def test_patched_vllm_method_still_takes_the_arguments_we_read(target):
     owner, name, _ = target
-    params = list(inspect.signature(original(getattr(owner, name))).parameters)
-    if name == "execute_model":
-        assert params[:2] == ["self", "scheduler_output"]
-        if "gpu.model_runner" in owner.__module__:
-            assert params[:4] == ["self", "scheduler_output", "intermediate_tensors", "dummy_run"]
-    else:
-        assert params == EXPECTED_PARAMETERS[name]
+    read = ARGUMENTS_READ[(owner.__module__.rsplit(".", 1)[1], owner.__name__, name)]
+    assert parameters(getattr(owner, name))[: len(read)] == read
 
 
 def test_install_wraps_every_target_once():
@@ -46,41 +64,125 @@ def source(owner, name):
     return inspect.getsource(original(getattr(owner, name)))
 
 
-def test_v1_runner_still_decides_cuda_graphs_after_its_cascade_hook():
+def in_order(text, *parts):
+    positions = [text.index(p) for p in parts]
+    return positions == sorted(positions)
+
+
+@pytest.fixture
+def active_session():
+    saved = dict(vars(session))
+    session.configure(CascadeConfig(enabled=True, policy="always"), AttentionShape(8, 2, 128, 2),
+                      16, None)
+    yield session
+    vars(session).update(saved)
+
+
+# ----------------------------------------------------------------------------------- V1 runner
+
+def test_v1_runner_plans_from_committed_rows_before_it_picks_cuda_graphs():
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     text = source(GPUModelRunner, "execute_model")
-    hook = text.index("self._compute_cascade_attn_prefix_lens(")
-    assert "if self.cascade_attn_enabled" in text[:hook]
-    decide = text.index("use_cascade_attn=cascade_attn_prefix_lens is not None")
-    build = text.index("self._build_attention_metadata(")
-    assert hook < decide < build
-    dispatch = source(GPUModelRunner, "_determine_batch_execution_and_padding")
-    assert "disable_full=use_cascade_attn" in dispatch
+    assert in_order(text, "self._update_states(scheduler_output)",
+                    "tokens = [scheduler_output.num_scheduled_tokens[i] for i in req_ids]",
+                    "self._prepare_inputs(", "self._determine_batch_execution_and_padding(",
+                    "self._build_attention_metadata(")
+    assert "block_table.commit_block_table(" in source(GPUModelRunner, "_prepare_inputs")
+    decide = source(GPUModelRunner, "_determine_batch_execution_and_padding")
+    assert "self.cudagraph_dispatcher.dispatch(" in decide and "invalid_modes=" in decide
+
+
+def test_v1_dispatcher_honours_invalid_modes_and_is_the_runners():
+    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    assert "allowed_modes -= invalid_modes" in source(CudagraphDispatcher, "dispatch")
+    assert "self.cudagraph_dispatcher = CudagraphDispatcher(" in inspect.getsource(
+        GPUModelRunner.__init__)
 
 
 def test_v1_block_table_rows_are_the_builder_rows():
     from vllm.v1.worker.block_table import BlockTable
+    from vllm.v1.worker.gpu_input_batch import InputBatch
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     build = source(GPUModelRunner, "_build_attention_metadata")
     assert "blk_table.get_device_tensor(num_reqs_padded)" in build
     init = inspect.getsource(BlockTable.__init__)
     assert "self.num_blocks_per_row" in init and "self.block_table = self._make_buffer(" in init
+    assert "self.num_computed_tokens_cpu" in inspect.getsource(InputBatch.__init__)
 
+
+def v1_runner(table, seq, q):
+    """A V1 runner's state for one step, as the hooks read it (rows in batch order)."""
+    n = len(q)
+    block_table = SimpleNamespace(block_table=SimpleNamespace(np=table),
+                                  num_blocks_per_row=-(-seq // 16))
+    batch = SimpleNamespace(num_reqs=n, req_ids=[f"r{i}" for i in range(n)],
+                            num_computed_tokens_cpu=seq - q, block_table=[block_table])
+    runner = SimpleNamespace(input_batch=batch, cudagraph_dispatcher=object(),
+                             kv_cache_config=SimpleNamespace(kv_cache_groups=[0]))
+    so = SimpleNamespace(num_scheduled_tokens=dict(zip(batch.req_ids, q.tolist(), strict=True)))
+    return runner, so
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_v1_cascade_steps_exclude_full_graphs_and_others_keep_vllms_choice(active_session,
+                                                                           shared):
+    from vllm.config import CUDAGraphMode
+
+    table = np.array([[5, 6, 7], [5, 6, 8], [5, 6, 9]], dtype=np.int32)
+    if not shared:
+        table[:, :2] += np.arange(3)[:, None] * 10
+    seq, q = np.array([40, 41, 42], dtype=np.int32), np.ones(3, dtype=np.int32)
+    runner, so = v1_runner(table, seq, q)
+    seen = []
+
+    def execute_model(self, scheduler_output, intermediate_tensors=None):
+        decide(self, num_tokens=3)
+        return "output"
+
+    def determine(self, num_tokens):
+        dispatch(self.cudagraph_dispatcher, num_tokens, uniform_decode=True, valid_modes=None,
+                 invalid_modes=None)
+        dispatch(self.cudagraph_dispatcher, num_tokens, valid_modes={CUDAGraphMode.PIECEWISE})
+
+    def vllm_dispatch(self, num_tokens, uniform_decode=False, has_lora=False,
+                      num_active_loras=0, valid_modes=None, invalid_modes=None):
+        seen.append((valid_modes, invalid_modes))
+
+    decide = hooks._v1_determine_batch_execution(determine)
+    dispatch = hooks._v1_dispatch(vllm_dispatch)
+    assert hooks._execute_model(execute_model)(runner, so) == "output"
+    # Only the first dispatch is ours to change: the second re-dispatches to an agreed mode.
+    first = {CUDAGraphMode.FULL} if shared else None
+    assert seen == [(None, first), ({CUDAGraphMode.PIECEWISE}, None)]
+    assert hooks._pending is None and session.current is None
+
+
+# ----------------------------------------------------------------------------------- V2 runner
 
 def test_v2_runner_updates_block_ids_before_dispatch_and_sorts_rows_like_we_do():
-    from vllm.v1.worker.gpu.model_runner import GPUModelRunner, sort_batch_req_ids
+    from vllm.v1.worker.gpu import dp_utils
+    from vllm.v1.worker.gpu.cudagraph_utils import ModelCudaGraphManager
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
     text = source(GPUModelRunner, "execute_model")
-    order = [text.index(s) for s in ("self.update_requests(scheduler_output)",
-                                     "self.block_tables.apply_staged_writes()",
-                                     "dispatch_cg_and_sync_dp(",
-                                     "self.prepare_inputs(scheduler_output, batch_desc)")]
-    assert order == sorted(order)
-    prepare = inspect.getsource(GPUModelRunner.prepare_inputs)
-    assert "sort_batch_req_ids(" in prepare and "self.req_states.req_id_to_index.get" in prepare
-    assert sort_batch_req_ids({"a": 5, "b": 1, "c": 1}, 1) == ["b", "c", "a"]
+    assert in_order(text, "self.update_requests(scheduler_output)",
+                    "self.block_tables.apply_staged_writes()", "dispatch_cg_and_sync_dp(",
+                    "self.prepare_inputs(")
+    assert "cudagraph_manager.dispatch(" in inspect.getsource(dp_utils.dispatch_cg_and_sync_dp)
+    assert "dispatch" not in vars(ModelCudaGraphManager)  # the runner's manager: ours wraps it
+    # The rows of a batch: sorted where vLLM sorts them (0.26-0.27: prepare_inputs; 0.28+: before
+    # dispatch, in gather_batch_req_state), then mapped to request slots as we map them.
+    sorter = getattr(GPUModelRunner, "gather_batch_req_state", GPUModelRunner.prepare_inputs)
+    text = inspect.getsource(sorter)
+    assert "sort_batch_req_ids(" in text and "self.req_states.req_id_to_index." in text
+    runner = SimpleNamespace(decode_query_len=1)
+    so = SimpleNamespace(num_scheduled_tokens={"a": 5, "b": 1, "c": 1},
+                         scheduled_spec_decode_tokens={})
+    assert compat.v2_batch_order(runner, so) == ["b", "c", "a"]
 
 
 class StagedRows:
@@ -98,14 +200,34 @@ class Counts:
         self.np = np.zeros(shape, dtype=np.int32)
 
 
-@pytest.mark.parametrize("bpk", [1, 2])
-def test_v2_block_id_mirror_equals_what_vllm_writes(bpk):
+def block_tables(**state):
+    """vLLM's real BlockTables methods over CPU stand-ins for its buffers."""
     from vllm.v1.worker.gpu.block_table import BlockTables
 
     hooks.install()
-    tables = object.__new__(BlockTables)  # vLLM's real methods, CPU stand-ins for its buffers
-    tables.num_kv_cache_groups, tables.blocks_per_kv_block = 1, [bpk]
+    tables = object.__new__(BlockTables)
+    tables.num_kv_cache_groups = 1
     tables.block_tables, tables.num_blocks = [StagedRows((4, 32))], Counts((1, 4))
+    vars(tables).update(state)
+    return tables
+
+
+def id_mappings():
+    """The BlockTables state that changes which ids it writes, in the installed release."""
+    from vllm.v1.worker.gpu.block_table import BlockTables
+
+    text = inspect.getsource(BlockTables)
+    cases = [{}]
+    if "self.blocks_per_kv_block" in text:  # 0.26-0.31: kernel blocks smaller than KV blocks
+        cases = [{"blocks_per_kv_block": [1]}, {"blocks_per_kv_block": [2]}]
+    if "redirect_writes_to_null_block" in text:  # 0.32+: elastic EP warm-up
+        cases.append({"redirect_writes_to_null_block": True})
+    return cases
+
+
+@pytest.mark.parametrize("state", id_mappings(), ids=str)
+def test_v2_block_id_mirror_equals_what_vllm_writes(state):
+    tables = block_tables(**state)
     tables.append_block_ids(2, ([7, 8, 9],), overwrite=True)
     tables.append_block_ids(2, ([10],), overwrite=False)
     tables.append_block_ids(1, ([3, 4],), overwrite=True)
@@ -114,37 +236,81 @@ def test_v2_block_id_mirror_equals_what_vllm_writes(bpk):
     for row in range(4):
         count = tables.num_blocks.np[0, row]
         assert np.array_equal(mirror[row, :count], tables.block_tables[0].gpu[row, :count])
-    assert tables.num_blocks.np[0, 2] == 2 * bpk
+
+
+def test_v2_graph_matching_takes_no_argument_we_do_not_know():
+    from vllm.v1.worker.gpu import cudagraph_utils
+
+    assert set(inspect.signature(cudagraph_utils._is_compatible).parameters) <= (
+        V2_GRAPH_MATCH_ARGUMENTS)
+
+
+def captured_graphs():
+    """vLLM's real CudaGraphManager over hand-made captures for batches of 8 tokens: FULL decode
+    graphs (uniform, and varlen where the release has them) before a PIECEWISE one."""
+    from vllm.config import CUDAGraphMode
+    from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor, CudaGraphManager
+
+    hooks.install()
+    full = [BatchExecutionDescriptor(CUDAGraphMode.FULL, 8, 8, uniform_token_count=1)]
+    if "max_query_len" in {f.name for f in dataclasses.fields(BatchExecutionDescriptor)}:
+        full.append(BatchExecutionDescriptor(CUDAGraphMode.FULL, 8, 8, max_query_len=1))
+    manager = object.__new__(CudaGraphManager)
+    manager._graphs_captured = True
+    manager._candidates = {(8, 0): [*full, BatchExecutionDescriptor(CUDAGraphMode.PIECEWISE, 8,
+                                                                    None)]}
+    manager._resolve_effective_loras = lambda n: n
+    return manager, len(full)
 
 
 def test_v2_dispatch_avoids_full_graphs_only_on_cascade_steps():
     from vllm.config import CUDAGraphMode
-    from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
 
-    calls = []
+    manager, num_full = captured_graphs()
+    varlen = {"max_query_len": 1} if "max_query_len" in parameters(manager.dispatch) else {}
 
-    def dispatch(self, num_reqs, num_tokens, uniform_token_count, num_active_loras):
-        calls.append(uniform_token_count)
-        mode = CUDAGraphMode.FULL if uniform_token_count == 1 else CUDAGraphMode.PIECEWISE
-        return BatchExecutionDescriptor(mode, num_tokens, num_reqs, uniform_token_count)
+    def mode(uniform, owner=manager):
+        return owner.dispatch(8, 8, uniform, 0, **varlen).cg_mode
 
-    class Manager:
-        pass
-
-    class Runner:
-        cudagraph_manager = Manager()
-
-    wrapped = hooks._v2_dispatch(dispatch)
-    manager = Runner.cudagraph_manager
-    assert hooks._pending is None
-    assert wrapped(manager, 8, 8, 1, 0).cg_mode == CUDAGraphMode.FULL  # no step: untouched
-    hooks._pending = step = hooks._PendingStep(Runner(), None)
+    full_for_any_decode = CUDAGraphMode.FULL if num_full > 1 else CUDAGraphMode.PIECEWISE
+    assert mode(1) == CUDAGraphMode.FULL and mode(None) == full_for_any_decode  # no step
+    hooks._pending = step = hooks._PendingStep(SimpleNamespace(cudagraph_manager=manager), None)
     try:
         step.cascade = False
-        assert wrapped(manager, 8, 8, 1, 0).cg_mode == CUDAGraphMode.FULL
+        assert mode(1) == CUDAGraphMode.FULL
         step.cascade = True
-        assert wrapped(manager, 8, 8, 1, 0).cg_mode == CUDAGraphMode.PIECEWISE
-        assert wrapped(Manager(), 8, 8, 1, 0).cg_mode == CUDAGraphMode.FULL  # another manager
+        assert mode(1) == CUDAGraphMode.PIECEWISE and mode(None) == CUDAGraphMode.PIECEWISE
+        assert mode(1, captured_graphs()[0]) == CUDAGraphMode.FULL  # another manager
     finally:
         hooks._pending = None
-    assert calls == [1, 1, None, 1]
+
+
+def test_v2_cascade_step_never_gets_a_full_graph_for_any_batch():
+    from vllm.config import CUDAGraphMode
+    from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
+
+    manager, _ = captured_graphs()
+    manager._candidates = {(8, 0): [BatchExecutionDescriptor(CUDAGraphMode.FULL, 8, 8)]}
+    hooks._pending = step = hooks._PendingStep(SimpleNamespace(cudagraph_manager=manager), None)
+    step.cascade = True
+    try:
+        desc = manager.dispatch(6, 8, 1, 0)
+    finally:
+        hooks._pending = None
+    assert (desc.cg_mode, desc.num_tokens, desc.num_reqs) == (CUDAGraphMode.NONE, 8, 6)
+
+
+def test_v2_dummy_profile_and_capture_runs_never_plan(active_session):
+    seen = []
+
+    def execute_model(self, scheduler_output, intermediate_tensors=None, dummy_run=False):
+        seen.append(hooks._pending)
+        return "output"
+
+    wrapped = hooks._execute_model(execute_model)
+    assert wrapped(object(), "dummy", dummy_run=True) == "output"
+    assert wrapped(object(), "dummy", None, True) == "output"
+    assert wrapped(object(), "real") == "output"
+    assert seen[0] is None and seen[1] is None
+    assert seen[2] is not None and seen[2].scheduler_output == "real"
+    assert hooks._pending is None and session.current is None  # cleared when the step ends

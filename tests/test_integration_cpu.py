@@ -8,6 +8,7 @@ Outputs are compared with a plain dense softmax attention over the packed cache,
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -99,26 +100,27 @@ def batch():
 
 
 def common_metadata(table, seq, q):
+    """vLLM's CommonAttentionMetadata for a batch, with the CPU fields the installed release has:
+    ``_seq_lens_cpu`` up to 0.29, ``req_idx`` (rows are requests 0..n-1 here) from 0.30."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
     qsl = torch.from_numpy(np.concatenate([[0], np.cumsum(q)]).astype(np.int32))
     seq_t = torch.from_numpy(seq)
+    cpu_fields = {"_seq_lens_cpu": seq_t, "req_idx": np.arange(len(q), dtype=np.int32)}
+    names = {f.name for f in dataclasses.fields(CommonAttentionMetadata)}
     return CommonAttentionMetadata(
         query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq_t, num_reqs=len(q),
         num_actual_tokens=int(qsl[-1]), max_query_len=int(q.max()), max_seq_len=int(seq.max()),
         block_table_tensor=torch.from_numpy(table),
         slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64),
-        seq_lens_cpu_upper_bound=seq_t, _seq_lens_cpu=seq_t)
+        seq_lens_cpu_upper_bound=seq_t, **{k: v for k, v in cpu_fields.items() if k in names})
 
 
 def packed_cache(generator):
-    """A layer's KV cache as vLLM allocates it: logical (B, H, N, 2D) over NHD memory."""
-    from vllm.v1.attention.backends.flashinfer import FlashInferBackend
-
-    shape = FlashInferBackend.get_kv_cache_shape(BLOCKS, PAGE, KV_HEADS, DIM)
-    order = FlashInferBackend.get_kv_cache_stride_order()
-    memory = torch.randn([shape[i] for i in order], generator=generator)  # [B, N, H, 2D]
-    return memory, memory.permute(*[order.index(i) for i in range(4)])
+    """A layer's KV cache as vLLM allocates it (0.26+): logical (B, H, N, 2D) over NHD memory,
+    vLLM's default layout on Hopper."""
+    memory = torch.randn(BLOCKS, PAGE, KV_HEADS, 2 * DIM, generator=generator)  # [B, N, H, 2D]
+    return memory, memory.permute(0, 2, 1, 3)
 
 
 def dense_attention(q, memory, table, seq, qlen):

@@ -28,12 +28,22 @@ print("RESULT" + json.dumps({"path": fi.get_path(), "overridden": fi.is_overridd
 """
 
 
+# vLLM configures its loggers on import up to 0.30; from 0.31 on the engine, the LLM class and
+# the CLI do it first thing, before plugins load. Every case starts as such a process.
+VLLM_LOGGING = """
+import vllm.logger
+if hasattr(vllm.logger, "configure_logging"):
+    from vllm.config.logging import LoggingConfig
+    vllm.logger.configure_logging(LoggingConfig())
+"""
+
+
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
     environ = {k: v for k, v in os.environ.items()
                if not k.startswith("CASCADE_") and k != "VLLM_PLUGINS"}
     environ.update(env)
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=environ,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-c", VLLM_LOGGING + textwrap.dedent(code)],
+                          env=environ, capture_output=True, text=True, timeout=300)
 
 
 def probe(prelude: str = "", **env: str) -> tuple[dict, str]:
@@ -89,16 +99,19 @@ def test_bad_toggle_aborts_startup_with_an_actionable_message():
     assert "1/true/on or 0/false/off" in proc.stderr
 
 
-def test_unsupported_flashinfer_version_warns_once_and_stays_off():
-    prelude = """
+@pytest.mark.parametrize(("distribution", "name", "version"), [
+    ("flashinfer-python", "FlashInfer", "0.5.3"), ("flashinfer-python", "FlashInfer", "0.8.0"),
+    ("vllm", "vLLM", "0.25.1"), ("vllm", "vLLM", "0.34.0")])
+def test_unsupported_version_warns_once_and_stays_off(distribution, name, version):
+    prelude = f"""
     import vllm_cascade_plugin.compat as compat
     real = compat.installed_version
-    compat.installed_version = lambda d: "0.5.3" if d == "flashinfer-python" else real(d)
+    compat.installed_version = lambda d: {version!r} if d == {distribution!r} else real(d)
     """
     result, log = probe(textwrap.dedent(prelude), CASCADE_ATTENTION="1")
     assert result["path"] == VLLM_DEFAULT and not result["overridden"]
     assert log.count("stays off") == 1
-    assert "FlashInfer 0.5.3 is outside the supported range" in log
+    assert f"{name} {version} is outside the supported range" in log
 
 
 def test_register_is_idempotent_within_a_process():

@@ -171,8 +171,15 @@ class BrokenRunner:
 
 def test_v1_runner_hook_failure_keeps_vllms_own_graph_choice():
     stats.reset()
-    wrapped = hooks._v1_compute_cascade_attn_prefix_lens(fail)
-    assert wrapped(BrokenRunner(), np.ones(2, np.int32), np.ones(2, np.int32), [0]) is None
+    calls = []
+    wrapped = hooks._v1_determine_batch_execution(lambda self, *a: calls.append(a) or "vllm's")
+    runner = BrokenRunner()
+    hooks._pending = step = hooks._PendingStep(runner, None)
+    try:
+        assert wrapped(runner, 4, 2) == "vllm's"
+    finally:
+        hooks._pending = None
+    assert calls == [(4, 2)] and step.cascade is False
     assert stats.snapshot().fallbacks["runner hook error"] == 1
 
 

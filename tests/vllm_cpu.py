@@ -35,20 +35,47 @@ def cpu_vllm_config(model_dir: str) -> Any:
 
     Path(model_dir).mkdir(parents=True, exist_ok=True)
     (Path(model_dir) / "config.json").write_text(json.dumps(TINY_LLAMA))
-    return EngineArgs(model=model_dir, load_format="dummy", skip_tokenizer_init=True,
-                      attention_backend="FLASHINFER", block_size=16, enforce_eager=True,
-                      max_model_len=4096).create_engine_config()
+    config = EngineArgs(model=model_dir, load_format="dummy", skip_tokenizer_init=True,
+                        attention_backend="FLASHINFER", block_size=16, enforce_eager=True,
+                        max_model_len=4096).create_engine_config()
+    resolve_kv_cache_layout(config)
+    return config
+
+
+def resolve_kv_cache_layout(config: Any) -> None:
+    """vLLM 0.29+: resolve the KV cache layout as the engine core does before workers start.
+
+    Earlier releases read the layout from ``get_kv_cache_layout()`` whenever it is needed.
+    """
+    from vllm.v1.attention.backends import utils
+
+    if not hasattr(utils, "resolve_kv_cache_layout"):
+        return
+    from vllm.v1.attention.backends.flashinfer import FlashInferBackend
+
+    names = [layout.name for layout in utils.get_supported_kv_cache_layouts([FlashInferBackend])]
+    utils.resolve_kv_cache_layout(config, [names])
 
 
 def make_layers(config: Any, scales: list[Any]) -> list[str]:
     """Create one real ``Attention`` layer per scale (registered in ``config``); return names."""
     import vllm.v1.attention.backends.flashinfer as fi_module
+    import vllm.v1.utils
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.attention import Attention
 
     from vllm_cascade_plugin.backend import CascadeFlashInferBackend
 
-    fi_module.PIN_MEMORY = False  # pinned host buffers need CUDA
+    # Pinned host buffers need CUDA. vLLM reads the flag at import, from the platform it knew
+    # then (a test may import vLLM before it sets the CPU platform); 0.33's CpuGpuBuffer pins
+    # on every copy.
+    fi_module.PIN_MEMORY = vllm.v1.utils.PIN_MEMORY = False
+    if hasattr(fi_module, "_get_multi_ctas_kv_counter_buffer"):
+        # 0.33: every impl sizes a trtllm-gen counter by the GPU's SM count and allocates it on
+        # CUDA. Our path never reads it; a CPU buffer of the same size stands in.
+        fi_module.get_device_sm_count = lambda device: 132
+        fi_module._get_multi_ctas_kv_counter_buffer = (
+            lambda min_bytes, device: torch.zeros(min_bytes, dtype=torch.uint8))
     names = []
     with set_current_vllm_config(config):
         for scale in scales:

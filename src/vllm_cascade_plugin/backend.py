@@ -82,6 +82,8 @@ def unsupported_reason(vllm_config: Any, kv_cache_spec: Any, impls: list[Any]) -
         (getattr(parallel, "prefill_context_parallel_size", 1) > 1,
          "prefill context parallelism"),
         (parallel.pipeline_parallel_size > 1, "pipeline parallelism"),
+        # Metadata is built per microbatch, so a step plan never matches it.
+        (getattr(parallel, "use_ubatching", False), "microbatching (dual-batch overlap)"),
         (getattr(model, "is_encoder_decoder", False), "encoder-decoder model"),
         (kv_cache_spec.dtype != model.dtype, f"quantised KV cache ({kv_cache_spec.dtype})"),
         (any(getattr(i, "kv_cache_dtype", "auto") not in ("auto", "bfloat16", "float16")
@@ -120,6 +122,8 @@ class CascadeFlashInferMetadataBuilder(FlashInferMetadataBuilder):
         shape = AttentionShape(self.num_qo_heads, self.num_kv_heads, self.head_dim,
                                kv_cache_spec.dtype.itemsize)
         session.configure(load_config(), shape, self.page_size, reason)
+        # Bytes of one page over every layer a step's plan serves: the saving the log line reports.
+        stats.set_page_bytes(kv_cache_spec.page_size_bytes * len(layer_names))
 
     @override
     def build(self, common_prefix_len: int, common_attn_metadata: Any,
@@ -154,7 +158,7 @@ class CascadeFlashInferMetadataBuilder(FlashInferMetadataBuilder):
             from .kernels import FlashInferCascadeExecutor
 
             self._cascade_executor = FlashInferCascadeExecutor(
-                self._get_workspace_buffer(), compat.kv_cache_layout(),
+                self._get_workspace_buffer(), compat.flashinfer_kv_layout(self),
                 max_levels=session.config.max_levels if session.config else 3)
         return self._cascade_executor
 
@@ -177,7 +181,8 @@ class CascadeFlashInferImpl(FlashInferImpl):
         if executor is not None and output_scale is None and output_block_scale is None:
             n = attn_metadata.num_actual_tokens
             try:
-                k_cache, v_cache = compat.kv_cache_views(kv_cache, self.head_size)
+                k_cache, v_cache = compat.kv_cache_views(kv_cache, self.head_size, self,
+                                                         attn_metadata)
                 if attn_metadata.cascade_max_page >= k_cache.shape[0]:  # before any kernel reads
                     stats.record_fallback("block id out of range", f"block "
                                           f"{attn_metadata.cascade_max_page} of {k_cache.shape[0]}")

@@ -10,8 +10,11 @@ version comparison wherever both are possible.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.metadata
 import importlib.util
+import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -130,29 +133,81 @@ def check_environment() -> EnvironmentReport:
 # Runtime differences inside vLLM workers (these import vLLM and torch lazily).
 
 
-def kv_cache_layout() -> str:
-    """FlashInfer's layout string ("NHD"/"HND") for vLLM's KV cache.
+def flashinfer_kv_layout(builder: Any) -> str:
+    """FlashInfer's layout string ("NHD"/"HND") of the KV cache a FlashInfer builder serves.
 
-    vLLM 0.26-0.28 expose ``get_kv_cache_layout()``; 0.29+ resolve a ``KVCacheLayout`` enum.
+    0.26-0.28: ``get_kv_cache_layout()``; 0.29+: the builder's resolved ``KVCacheLayout`` through
+    ``get_flashinfer_layout_string``, which is how vLLM's own builder plans its wrappers.
     """
     from vllm.v1.attention.backends import utils
 
-    if hasattr(utils, "get_kv_cache_layout"):
-        return str(utils.get_kv_cache_layout())
-    raise NotImplementedError("KV cache layout API of vLLM >= 0.29 is not bridged yet")
+    if hasattr(utils, "get_flashinfer_layout_string"):
+        return str(utils.get_flashinfer_layout_string(builder.kv_cache_layout))
+    return str(utils.get_kv_cache_layout())
 
 
-def kv_cache_views(kv_cache: Any, head_size: int) -> tuple[Any, Any]:
-    """(K, V) views of one layer's packed KV cache, as vLLM's own FlashInfer path makes them.
+def kv_cache_views(kv_cache: Any, head_size: int, impl: Any, attn_metadata: Any) -> tuple[Any, Any]:
+    """(K, V) views of one layer's packed KV cache, as vLLM's own FlashInfer forward makes them.
 
-    0.26+: the cache's logical shape is ``(num_blocks, num_kv_heads, block_size, 2 * head_size)``;
-    ``get_kv_cache_stride_order()`` permutes it to memory order (NHD: ``[blocks, block_size,
-    heads, 2 * head_size]``) and the last dim splits into K and V (strided, zero-copy views).
+    The cache's logical shape is ``(num_blocks, num_kv_heads, block_size, 2 * head_size)`` in every
+    supported release; a permutation puts it in memory order (NHD: ``[blocks, block_size, heads,
+    2 * head_size]``) and the last dim splits into K and V (strided, zero-copy views). Where the
+    permutation comes from: the metadata's ``kv_cache_layout`` (0.31+), the impl's
+    ``kv_cache_layout`` property (0.29-0.30), ``get_kv_cache_stride_order()`` (0.26-0.28).
     """
     from vllm.utils.torch_utils import canonicalize_singleton_dim_strides
-    from vllm.v1.attention.backends.flashinfer import FlashInferBackend
 
-    order = FlashInferBackend.get_kv_cache_stride_order()
+    layout = getattr(attn_metadata, "kv_cache_layout", None) or getattr(
+        impl, "kv_cache_layout", None)
+    if layout is not None:
+        order = layout.layer_view_order
+    else:
+        from vllm.v1.attention.backends.flashinfer import FlashInferBackend
+
+        order = FlashInferBackend.get_kv_cache_stride_order()
     packed = canonicalize_singleton_dim_strides(kv_cache.permute(*order))
     k, v = packed.split(head_size, dim=-1)
     return k, v
+
+
+def v2_block_ids_written(tables: Any, group: int, block_ids: list[int]) -> list[int]:
+    """The ids Model Runner V2's ``BlockTables.append_block_ids`` writes for ``block_ids``.
+
+    0.26-0.31 split each KV block into ``blocks_per_kv_block`` kernel blocks; 0.32+ write the ids
+    as given, or the null block 0 while ``redirect_writes_to_null_block`` is set (elastic EP).
+    """
+    if getattr(tables, "redirect_writes_to_null_block", False):
+        return [0] * len(block_ids)
+    per_kv_block = getattr(tables, "blocks_per_kv_block", None)
+    if per_kv_block is not None and per_kv_block[group] > 1:
+        n = per_kv_block[group]
+        return [b * n + k for b in block_ids for k in range(n)]
+    return list(block_ids)
+
+
+@functools.cache
+def _sort_takes_draft_tokens() -> bool:
+    from vllm.v1.worker.gpu.model_runner import sort_batch_req_ids
+
+    return "draft_tokens" in inspect.signature(sort_batch_req_ids).parameters
+
+
+def v2_batch_order(runner: Any, scheduler_output: Any) -> list[str]:
+    """A step's request ids in Model Runner V2's batch order, sorted as vLLM sorts them.
+
+    0.28+ take the step's draft tokens too (verification rows first).
+    """
+    from vllm.v1.worker.gpu.model_runner import sort_batch_req_ids
+
+    sort: Callable[..., list[str]] = sort_batch_req_ids  # its parameters differ by release
+    so = scheduler_output
+    if _sort_takes_draft_tokens():
+        return sort(so.num_scheduled_tokens, so.scheduled_spec_decode_tokens,
+                    runner.decode_query_len)
+    return sort(so.num_scheduled_tokens, runner.decode_query_len)
+
+
+# Arguments of Model Runner V2's ``CudaGraphManager.dispatch`` through which a batch matches a
+# FULL decode graph: ``uniform_token_count`` (0.26+) and ``max_query_len`` (0.28+, varlen decode
+# graphs). A cascade step passes None for each one the installed release has.
+V2_FULL_GRAPH_ARGUMENTS = ("uniform_token_count", "max_query_len")

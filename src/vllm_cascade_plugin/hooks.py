@@ -1,34 +1,39 @@
 """Every runtime patch the plugin makes to vLLM's model runners, in one place.
 
 Why patches at all: vLLM's metadata builder learns of a step only after the step's CUDA-graph
-mode is fixed, gets block ids only as a GPU tensor, and Model Runner V2 never passes a common
-prefix. So a small wrapper in each runner plans the step on the CPU first, and forbids a FULL
-graph replay (which would skip our attention Python) only on steps that will run cascade. Steps
-without sharing keep exactly the graphs vLLM would use without the plugin.
+mode is fixed, gets block ids only as a GPU tensor, and never passes a common prefix (0.32+ have
+no cascade at all). So a small wrapper in each runner plans the step on the CPU first, and forbids
+a FULL graph replay (which would skip our attention Python) only on steps that will run cascade.
+Steps without sharing keep exactly the graphs vLLM would use without the plugin.
 
-Each wrapper calls the original first or last, never replaces it, and swallows its own failures
-(a failing hook costs the step its cascade, never the engine). The list is mirrored in the README
-and guarded by ``tests/test_hooks.py``, which fails loudly when a patched vLLM symbol changes.
+Each wrapper calls the original, never replaces it, and swallows its own failures (a failing hook
+costs the step its cascade, never the engine). Every patched method exists with the arguments we
+read in vLLM 0.26 through 0.33; what differs between releases is asked of :mod:`.compat`. The
+list is mirrored in the README and guarded by ``tests/test_hooks.py``, which fails loudly when a
+patched vLLM symbol changes.
 
 V1 runner (``VLLM_USE_V2_MODEL_RUNNER=0``), ``vllm.v1.worker.gpu_model_runner.GPUModelRunner``:
-  ``initialize_metadata_builders``  turn on the runner's (otherwise dead) cascade hook;
-  ``_compute_cascade_attn_prefix_lens``  plan the step; a non-None result disables FULL graphs;
-  ``execute_model``  forget the plan when the step ends.
+  ``execute_model``  remember a real step; forget its plan when the step ends;
+  ``_determine_batch_execution_and_padding``  plan the step (its CPU block table is committed);
+  ``vllm.v1.cudagraph_dispatcher.CudagraphDispatcher.dispatch``  ``invalid_modes`` gets FULL on
+  cascade steps (what vLLM's own cascade did through ``use_cascade_attn`` up to 0.31).
 V2 runner, ``vllm.v1.worker.gpu``:
   ``block_table.BlockTables.append_block_ids``  keep a CPU mirror of the block ids;
-  ``model_runner.GPUModelRunner.execute_model``  remember the step's scheduler output;
+  ``model_runner.GPUModelRunner.execute_model``  remember a real (not dummy) step;
   ``cudagraph_utils.CudaGraphManager.dispatch``  plan the step; no FULL graph for cascade steps.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from . import stats
+from . import compat, stats
 from .step import session
 
 _PATCHED = "__cascade_plugin_original__"
@@ -55,47 +60,88 @@ def _plan_rows(block_table: np.ndarray, num_blocks: np.ndarray, seq_lens: np.nda
     return step is not None and step.decision.use_cascade
 
 
-# ----------------------------------------------------------------------------------- V1 runner
-
-def _v1_initialize_metadata_builders(original: Callable[..., Any]) -> Callable[..., Any]:
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, *args, **kwargs)
-        # The runner calls _compute_cascade_attn_prefix_lens only with this flag on. Our wrapper
-        # of that method never runs vLLM's own (disabled, broken) FlashInfer cascade.
-        self.cascade_attn_enabled = session.active
-        return result
-    return wrapper
+class _PendingStep:
+    def __init__(self, runner: Any, scheduler_output: Any) -> None:
+        self.runner, self.scheduler_output = runner, scheduler_output
+        self.cascade: bool | None = None  # planned yet, and its verdict
 
 
-def _v1_compute_cascade_attn_prefix_lens(original: Callable[..., Any]) -> Callable[..., Any]:
-    def wrapper(self: Any, num_scheduled_tokens: np.ndarray, num_computed_tokens: np.ndarray,
-                num_common_prefix_blocks: list[int]) -> list[list[int]] | None:
+_pending: _PendingStep | None = None
+
+
+def _plan_once(step: _PendingStep, plan: Callable[[_PendingStep], bool]) -> bool:
+    """The step's verdict, planned on first use (dispatch runs again under data parallelism)."""
+    if step.cascade is None:
         try:
-            if len(self.kv_cache_config.kv_cache_groups) != 1:
-                stats.record_fallback("more than one KV cache group")
-                return None
-            table = self.input_batch.block_table[0]
-            n = len(num_scheduled_tokens)
-            query_lens = np.asarray(num_scheduled_tokens, dtype=np.int32)
-            seq_lens = (np.asarray(num_computed_tokens[:n], dtype=np.int32) + query_lens)
-            if not _plan_rows(table.block_table.np[:n], table.num_blocks_per_row[:n], seq_lens,
-                              query_lens):
-                return None
+            step.cascade = plan(step)
         except Exception as exc:
             session.end_step()
+            step.cascade = False
             stats.record_fallback("runner hook error", f"{type(exc).__name__}: {exc}")
-            return None
-        # Non-None disables FULL graphs for this step; the zeros keep common_prefix_len at 0.
-        return [[0] * len(groups) for groups in self.attn_groups]
-    return wrapper
+    return step.cascade
 
 
-def _end_step(original: Callable[..., Any]) -> Callable[..., Any]:
+def _execute_model(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Both runners: a real step is pending while it runs; its plan ends with it."""
+    signature = inspect.signature(original)
+
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        global _pending
+        call = signature.bind(self, *args, **kwargs)
+        # V2 runs its profile and CUDA-graph capture steps through here too, as dummy runs.
+        real = session.active and not call.arguments.get("dummy_run", False)
+        _pending = _PendingStep(self, call.arguments["scheduler_output"]) if real else None
         try:
             return original(self, *args, **kwargs)
         finally:
+            _pending = None
             session.end_step()
+    return wrapper
+
+
+# ----------------------------------------------------------------------------------- V1 runner
+
+def _v1_plan(step: _PendingStep) -> bool:
+    runner, so = step.runner, step.scheduler_output
+    if len(runner.kv_cache_config.kv_cache_groups) != 1:
+        stats.record_fallback("more than one KV cache group")
+        return False
+    batch = runner.input_batch
+    n = batch.num_reqs
+    if n == 0:  # a step without requests runs a dummy batch (external launcher under DP)
+        return False
+    query_lens = np.fromiter(map(so.num_scheduled_tokens.__getitem__, batch.req_ids),
+                             dtype=np.int32, count=n)
+    seq_lens = np.asarray(batch.num_computed_tokens_cpu[:n], dtype=np.int32) + query_lens
+    table = batch.block_table[0]
+    return _plan_rows(table.block_table.np[:n], table.num_blocks_per_row[:n], seq_lens,
+                      query_lens)
+
+
+def _v1_determine_batch_execution(original: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        step = _pending
+        if step is not None and step.runner is self:
+            _plan_once(step, _v1_plan)
+        return original(self, *args, **kwargs)
+    return wrapper
+
+
+def _v1_dispatch(original: Callable[..., Any]) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        step = _pending
+        if step is None or not step.cascade or step.runner.cudagraph_dispatcher is not self:
+            return original(self, *args, **kwargs)
+        call = signature.bind(self, *args, **kwargs)
+        # A re-dispatch to the mode data-parallel ranks agreed on (valid_modes) stays as it is.
+        if call.arguments.get("valid_modes") is None:
+            from vllm.config import CUDAGraphMode
+
+            call.arguments["invalid_modes"] = {
+                CUDAGraphMode.FULL, *(call.arguments.get("invalid_modes") or ())}
+        return original(*call.args, **call.kwargs)
     return wrapper
 
 
@@ -113,10 +159,7 @@ def _v2_append_block_ids(original: Callable[..., Any]) -> Callable[..., Any]:
             if mirror is None:
                 mirror = np.zeros(tuple(self.block_tables[0].gpu.shape), dtype=np.int32)
                 self.__dict__[_MIRROR] = mirror
-            ids = new_block_ids[0]
-            bpk = self.blocks_per_kv_block[0]
-            if bpk > 1:
-                ids = [b * bpk + k for b in ids for k in range(bpk)]
+            ids = compat.v2_block_ids_written(self, 0, new_block_ids[0])
             mirror[req_index, start:start + len(ids)] = ids
         except Exception as exc:
             self.__dict__[_MIRROR] = False  # never plan from a mirror that missed a write
@@ -125,31 +168,7 @@ def _v2_append_block_ids(original: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-class _PendingStep:
-    def __init__(self, runner: Any, scheduler_output: Any) -> None:
-        self.runner, self.scheduler_output = runner, scheduler_output
-        self.cascade: bool | None = None  # planned yet, and its verdict
-
-
-_pending: _PendingStep | None = None
-
-
-def _v2_execute_model(original: Callable[..., Any]) -> Callable[..., Any]:
-    def wrapper(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        global _pending
-        dummy = kwargs.get("dummy_run", args[1] if len(args) > 1 else False)
-        _pending = None if dummy or not session.active else _PendingStep(self, scheduler_output)
-        try:
-            return original(self, scheduler_output, *args, **kwargs)
-        finally:
-            _pending = None
-            session.end_step()
-    return wrapper
-
-
 def _v2_plan(step: _PendingStep) -> bool:
-    from vllm.v1.worker.gpu.model_runner import sort_batch_req_ids
-
     runner, so = step.runner, step.scheduler_output
     tables = runner.block_tables
     if tables.num_kv_cache_groups != 1:
@@ -159,7 +178,7 @@ def _v2_plan(step: _PendingStep) -> bool:
     if mirror is None or mirror is False:
         stats.record_fallback("no CPU block ids")
         return False
-    req_ids = sort_batch_req_ids(so.num_scheduled_tokens, runner.decode_query_len)
+    req_ids = compat.v2_batch_order(runner, so)
     n = len(req_ids)
     index = np.fromiter(map(runner.req_states.req_id_to_index.__getitem__, req_ids),
                         dtype=np.int64, count=n)
@@ -171,44 +190,45 @@ def _v2_plan(step: _PendingStep) -> bool:
 
 
 def _v2_dispatch(original: Callable[..., Any]) -> Callable[..., Any]:
-    def wrapper(self: Any, num_reqs: int, num_tokens: int, uniform_token_count: int | None,
-                num_active_loras: int) -> Any:
+    signature = inspect.signature(original)
+    full_graph_arguments = [a for a in compat.V2_FULL_GRAPH_ARGUMENTS
+                            if a in signature.parameters]
+
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         step = _pending
-        if step is None or step.runner.cudagraph_manager is not self:
-            return original(self, num_reqs, num_tokens, uniform_token_count, num_active_loras)
-        if step.cascade is None:  # dispatch runs again under data parallelism: plan once
-            try:
-                step.cascade = _v2_plan(step)
-            except Exception as exc:
-                session.end_step()
-                step.cascade = False
-                stats.record_fallback("runner hook error", f"{type(exc).__name__}: {exc}")
-        if not step.cascade:
-            return original(self, num_reqs, num_tokens, uniform_token_count, num_active_loras)
-        # No uniform token count: the FULL decode graphs do not match, PIECEWISE ones still do.
-        desc = original(self, num_reqs, num_tokens, None, num_active_loras)
+        if (step is None or step.runner.cudagraph_manager is not self
+                or not _plan_once(step, _v2_plan)):
+            return original(self, *args, **kwargs)
+        call = signature.bind(self, *args, **kwargs)
+        # Neither a uniform token count nor a query-length bound: no FULL decode graph matches,
+        # PIECEWISE ones still do.
+        for name in full_graph_arguments:
+            call.arguments[name] = None
+        desc = original(*call.args, **call.kwargs)
         from vllm.config import CUDAGraphMode
 
-        if desc.cg_mode == CUDAGraphMode.FULL:
-            desc = type(desc)(cg_mode=CUDAGraphMode.NONE, num_tokens=num_tokens,
-                              num_reqs=num_reqs, num_active_loras=desc.num_active_loras)
+        if desc.cg_mode == CUDAGraphMode.FULL:  # a FULL graph for any batch: run eagerly instead
+            desc = dataclasses.replace(desc, cg_mode=CUDAGraphMode.NONE,
+                                       num_tokens=call.arguments["num_tokens"],
+                                       num_reqs=call.arguments["num_reqs"])
         return desc
     return wrapper
 
 
 def patch_targets() -> list[tuple[type, str, Callable[[Callable[..., Any]], Callable[..., Any]]]]:
     """(class, method, wrapper factory) for every patch; imports vLLM's runner modules."""
+    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
     from vllm.v1.worker.gpu.block_table import BlockTables
     from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1Runner
 
     return [
-        (V1Runner, "initialize_metadata_builders", _v1_initialize_metadata_builders),
-        (V1Runner, "_compute_cascade_attn_prefix_lens", _v1_compute_cascade_attn_prefix_lens),
-        (V1Runner, "execute_model", _end_step),
+        (V1Runner, "execute_model", _execute_model),
+        (V1Runner, "_determine_batch_execution_and_padding", _v1_determine_batch_execution),
+        (CudagraphDispatcher, "dispatch", _v1_dispatch),
         (BlockTables, "append_block_ids", _v2_append_block_ids),
-        (V2Runner, "execute_model", _v2_execute_model),
+        (V2Runner, "execute_model", _execute_model),
         (CudaGraphManager, "dispatch", _v2_dispatch),
     ]
 

@@ -1,14 +1,22 @@
 """Per-process counters of what the plugin did, and the "log once per reason" rule.
 
-Read them with :func:`snapshot` (tests, the periodic log line, metrics). Pure stdlib.
+Read them with :func:`snapshot` (tests, the periodic log line, metrics). Pure stdlib here; the
+Prometheus counters live in :mod:`vllm_cascade_plugin.metrics`, imported on first use.
+
+Every ``CASCADE_LOG_INTERVAL`` seconds (default 60, ``0`` = off) the first planned step after
+the interval logs one INFO line with what happened since the last line; an idle worker logs
+nothing. The clock is read once per planned step (a monotonic clock, ~50 ns).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 logger = logging.getLogger("vllm.cascade_plugin")
 
@@ -28,11 +36,40 @@ _lock = threading.Lock()
 _counters = Counters()
 _logged: set[str] = set()
 
+# The periodic log line. Tests replace _clock with a fake one.
+_clock: Callable[[], float] = time.monotonic
+_page_bytes = 0  # bytes of one KV page over every layer a plan serves; 0 = unknown
+_interval_s: float | None = None  # CASCADE_LOG_INTERVAL, read on the first planned step
+_next_log = 0.0
+_last_logged = Counters()
+_metrics: Any = None  # metrics.PrometheusCounters once created; False when unavailable
+
+
+def set_page_bytes(page_bytes: int) -> None:
+    """Bytes one KV page holds across all the layers a step's plan serves (K and V).
+
+    The metadata builder knows them: ``kv_cache_spec.page_size_bytes * len(layer_names)``.
+    Until set, the log line and metrics report pages but no bytes.
+    """
+    global _page_bytes
+    _page_bytes = int(page_bytes)
+
+
+def page_bytes() -> int:
+    return _page_bytes
+
 
 def record_planned(decode: bool) -> None:
+    now = _clock()
     with _lock:
+        line = _due_line(now)  # the steps before this one, whose cascade counts are complete
         _counters.steps_planned += 1
         _counters.decode_steps_planned += decode
+    sink = _sink()
+    if sink is not None:
+        sink.planned(decode)
+    if line is not None:
+        logger.info(*line)
 
 
 def record_cascade(pages_flat: int, pages_cascade: int, decode: bool) -> None:
@@ -41,6 +78,9 @@ def record_cascade(pages_flat: int, pages_cascade: int, decode: bool) -> None:
         _counters.decode_steps_cascade += decode
         _counters.pages_flat += pages_flat
         _counters.pages_cascade += pages_cascade
+    sink = _sink()
+    if sink is not None:
+        sink.cascade(pages_flat, pages_cascade, decode, _page_bytes)
 
 
 def record_fallback(reason: str, detail: str = "", *, level: int = logging.WARNING) -> None:
@@ -49,6 +89,9 @@ def record_fallback(reason: str, detail: str = "", *, level: int = logging.WARNI
         _counters.fallbacks[reason] += 1
         first = reason not in _logged
         _logged.add(reason)
+    sink = _sink()
+    if sink is not None:
+        sink.fallback(reason)
     if first:
         logger.log(level, "vllm-cascade-plugin: falling back to flat attention (%s)%s; "
                    "logged once per reason.", reason, f": {detail}" if detail else "")
@@ -64,12 +107,100 @@ def log_once(key: str, message: str, *args: object, level: int = logging.INFO) -
 
 def snapshot() -> Counters:
     with _lock:
-        return replace(_counters, fallbacks=Counter(_counters.fallbacks))
+        return _copy(_counters)
 
 
 def reset() -> None:
-    """Forget counts and logged reasons (tests)."""
-    global _counters
+    """Forget counts, logged reasons and the log line's timer (tests)."""
+    global _counters, _interval_s, _last_logged
     with _lock:
         _counters = Counters()
         _logged.clear()
+        _interval_s = None
+        _last_logged = Counters()
+
+
+def _copy(counters: Counters) -> Counters:
+    return replace(counters, fallbacks=Counter(counters.fallbacks))
+
+
+def _sink() -> Any:
+    """The Prometheus counters, created on first use; None when prometheus_client is missing."""
+    global _metrics
+    if _metrics is None:
+        try:
+            from .metrics import PrometheusCounters
+
+            _metrics = PrometheusCounters()
+        except Exception as exc:  # metrics are a convenience: never fail a step for them
+            _metrics = False
+            logger.info("vllm-cascade-plugin: no Prometheus metrics in this process (%s: %s).",
+                        type(exc).__name__, exc)
+    return _metrics or None
+
+
+def _due_line(now: float) -> tuple[object, ...] | None:
+    """Under the lock: the log line's arguments when one is due, else None."""
+    global _interval_s, _next_log, _last_logged
+    if _interval_s is None:
+        _interval_s = _read_interval()
+        _next_log = now + _interval_s
+        _last_logged = _copy(_counters)
+        return None
+    if _interval_s <= 0 or now < _next_log:
+        return None
+    elapsed = now - (_next_log - _interval_s)
+    since = _difference(_counters, _last_logged)
+    _last_logged = _copy(_counters)
+    _next_log = now + _interval_s
+    return format_line(since, _counters, elapsed, _page_bytes)
+
+
+def _read_interval() -> float:
+    from .config import ConfigError, load_config
+
+    try:
+        return load_config().log_interval_s
+    except ConfigError:  # vLLM has already refused to start with it; stay quiet
+        return 0.0
+
+
+def _difference(now: Counters, before: Counters) -> Counters:
+    return Counters(
+        steps_planned=now.steps_planned - before.steps_planned,
+        steps_cascade=now.steps_cascade - before.steps_cascade,
+        decode_steps_planned=now.decode_steps_planned - before.decode_steps_planned,
+        decode_steps_cascade=now.decode_steps_cascade - before.decode_steps_cascade,
+        pages_flat=now.pages_flat - before.pages_flat,
+        pages_cascade=now.pages_cascade - before.pages_cascade,
+        fallbacks=now.fallbacks - before.fallbacks,
+    )
+
+
+def _percent(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.1f}%" if whole else "n/a"
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if abs(n) < 1000 or unit == "PB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def format_line(since: Counters, total: Counters, elapsed_s: float,
+                page_bytes: int) -> tuple[object, ...]:
+    """The periodic log line as ``logger.info`` arguments (a format string, then values)."""
+    fallbacks = ", ".join(f"{reason} {n}" for reason, n in sorted(since.fallbacks.items()))
+    saved = since.pages_flat - since.pages_cascade
+    if page_bytes:
+        total_saved = (total.pages_flat - total.pages_cascade) * page_bytes
+        kv = f"{_bytes(saved * page_bytes)} saved ({_bytes(total_saved)} since start)"
+    else:
+        kv = "bytes unknown (page size not set)"
+    return ("vllm-cascade-plugin: last %.0f s: %d steps, %s ran cascade (decode steps: %s); "
+            "fallbacks: %s; KV pages read on cascade steps: %s instead of %s flat, %s.",
+            elapsed_s, since.steps_planned, _percent(since.steps_cascade, since.steps_planned),
+            _percent(since.decode_steps_cascade, since.decode_steps_planned), fallbacks or "none",
+            f"{since.pages_cascade:,}", f"{since.pages_flat:,}", kv)

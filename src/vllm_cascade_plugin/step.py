@@ -98,6 +98,12 @@ class StepSession:
         qsl = np.zeros(len(query_lens) + 1, dtype=np.int32)
         np.cumsum(query_lens, out=qsl[1:])
         self.current = StepPlan(plan, decision, qsl, decode)
+        if stats.logger.isEnabledFor(logging.DEBUG):
+            stats.logger.debug(
+                "cascade step: %s (%s); %d levels, groups %s, pages %d flat -> %d; totals %s",
+                "cascade" if decision.use_cascade else "flat", decision.reason, plan.num_levels,
+                plan.stats.group_sizes, plan.stats.pages_flat, plan.stats.pages_cascade,
+                stats.snapshot())
         return self.current
 
     def step_for(self, query_start_loc: np.ndarray, num_actual_tokens: int) -> StepPlan | None:

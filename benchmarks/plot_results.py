@@ -1,0 +1,117 @@
+"""Render the benchmark JSON of one or more result folders as PNG plots beside it.
+
+    python benchmarks/plot_results.py benchmarks/results/h200 [benchmarks/results/cpu ...]
+
+``e2e.json`` -> ``e2e.png`` (output tokens/s per engine configuration, and the ratio to flat
+FlashInfer); ``planner.json`` -> ``planner.png`` (planner CPU time per decode step). Needs
+matplotlib (imported only here, lazily): ``pip install matplotlib``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+E2E_LABELS = {  # e2e_bench.py configuration -> label, in plotting order
+    "flash_attn": "FLASH_ATTN\n(vLLM default)",
+    "flashinfer": "FLASHINFER\n(flat)",
+    "cascade": "cascade\n(policy auto)",
+    "cascade_always": "cascade\n(policy always)",
+}
+
+
+def _meta(folder: Path, name: str) -> dict[str, Any]:
+    path = folder / f"{name}.meta.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def plot_e2e(folder: Path, plt: Any) -> Path:
+    rows = json.loads((folder / "e2e.json").read_text())
+    meta = _meta(folder, "e2e")
+    workloads = sorted({r["workload"] for r in rows})
+    fig, axes = plt.subplots(1, len(workloads), figsize=(7.5 * len(workloads), 5), squeeze=False)
+    for ax, workload in zip(axes[0], workloads, strict=True):
+        by_config = {r["config"]: r for r in rows if r["workload"] == workload}
+        configs = [c for c in E2E_LABELS if c in by_config] + sorted(
+            c for c in by_config if c not in E2E_LABELS)
+        speeds = [by_config[c]["out_tok_per_s"] for c in configs]
+        base = by_config.get("flashinfer", {}).get("out_tok_per_s")
+        bars = ax.bar([E2E_LABELS.get(c, c) for c in configs], speeds,
+                      color=["#999999" if c.startswith("flash") else "#2a7ab9" for c in configs])
+        for bar, config, speed in zip(bars, configs, speeds, strict=True):
+            note = f"{speed:,.0f}"
+            if base:
+                note += f"\n{speed / base:.2f}x"
+            counters = by_config[config].get("plugin_counters")
+            if counters:
+                note += f"\ncascade {counters['steps_cascade']}/{counters['steps_planned']} steps"
+            ax.annotate(note, (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        ha="center", va="bottom", fontsize=8)
+        ax.set_ylabel("output tokens/s")
+        ax.set_ylim(0, max(speeds) * 1.3)
+        ax.set_title(workload, fontsize=10)
+    fig.suptitle(f"End to end on {meta.get('gpu', '?')}: vLLM {meta.get('vllm', '?')}, "
+                 f"FlashInfer {meta.get('flashinfer', '?')}\n{meta.get('model', '')}", fontsize=9)
+    fig.tight_layout()
+    out = folder / "e2e.png"
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def plot_planner(folder: Path, plt: Any) -> Path:
+    rows = json.loads((folder / "planner.json").read_text())
+    meta = _meta(folder, "planner")
+    labels = [f"{r['case']}\n{r['requests']} requests, {r['pages']} pages" for r in rows]
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for offset, key, label in ((-0.2, "steady_median_us", "steady decode step"),
+                               (0.2, "cold_median_us", "cold (new block table)")):
+        bars = ax.bar([i + offset for i in x], [r[key] for r in rows], width=0.4, label=label)
+        ax.bar_label(bars, fmt="%.0f", fontsize=8)
+    ax.set_xticks(list(x), labels, fontsize=8)
+    ax.set_ylabel("planner time per step, µs (median)")
+    ax.legend()
+    ax.set_title(f"Cascade planner, CPU {meta.get('machine', '?')} (machine/cores), "
+                 f"numpy {meta.get('numpy', '?')}", fontsize=10)
+    fig.tight_layout()
+    out = folder / "planner.png"
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+PLOTS = {"e2e.json": plot_e2e, "planner.json": plot_planner}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folders", nargs="+", type=Path, help="result folders")
+    args = parser.parse_args(argv)
+    try:
+        import matplotlib
+    except ImportError:
+        print("plot_results: matplotlib is not installed (pip install matplotlib)",
+              file=sys.stderr)
+        return 1
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = 0
+    for folder in args.folders:
+        for name, plot in PLOTS.items():
+            if (folder / name).is_file():
+                print(f"plot_results: {plot(folder, plt)}")
+                written += 1
+    if not written:
+        print(f"plot_results: no {' or '.join(PLOTS)} in {', '.join(map(str, args.folders))}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""The plugin's counters as Prometheus metrics, in the worker processes that count them.
+
+vLLM serves ``/metrics`` from its API server process, while the plugin counts in the processes
+that run the model (the engine core, or one worker per GPU). ``prometheus_client`` joins processes
+only in its multiprocess mode: when ``PROMETHEUS_MULTIPROC_DIR`` names a folder in the environment
+vLLM starts in, every process writes its metrics there and ``/metrics`` adds them up. vLLM sets it
+itself for ``--api-server-count`` > 1; otherwise set it to an empty folder before ``vllm serve``.
+Without it these counters stay in the worker's own registry and ``/metrics`` never shows them.
+
+Every series carries ``tp_rank``: tensor-parallel workers plan the same steps, so count steps on
+``tp_rank="0"`` and sum bytes over all ranks (each rank reads its own share of the KV heads).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter
+
+PREFIX = "vllm_cascade_"
+
+
+def _tp_rank() -> str:
+    # A vLLM worker has imported (and initialised) vLLM's parallel state before its first step;
+    # anywhere else there is a single worker and nothing to import.
+    parallel_state = sys.modules.get("vllm.distributed.parallel_state")
+    try:
+        return str(parallel_state.get_tensor_model_parallel_rank()) if parallel_state else "0"
+    except Exception:  # imported but not initialised: not a worker
+        return "0"
+
+
+class PrometheusCounters:
+    """One set of counters per process, mirroring :class:`vllm_cascade_plugin.stats.Counters`."""
+
+    def __init__(self, registry: CollectorRegistry = REGISTRY, tp_rank: str | None = None):
+        rank = _tp_rank() if tp_rank is None else tp_rank
+
+        def counter(name: str, documentation: str, labels: tuple[str, ...] = ()) -> Any:
+            made = Counter(PREFIX + name, documentation, ["tp_rank", *labels], registry=registry)
+            return made if labels else made.labels(rank)
+
+        self._rank = rank
+        self.steps_planned = counter("steps_planned", "Engine steps the cascade planner saw.")
+        self.steps_cascade = counter("steps_cascade", "Engine steps that ran cascade attention.")
+        self.decode_steps_planned = counter(
+            "decode_steps_planned", "Pure-decode engine steps the cascade planner saw.")
+        self.decode_steps_cascade = counter(
+            "decode_steps_cascade", "Pure-decode engine steps that ran cascade attention.")
+        self._fallbacks = counter(
+            "fallbacks", "Steps or layer calls that ran flat attention instead, by reason.",
+            ("reason",))
+        self.kv_pages_flat = counter(
+            "kv_pages_flat", "KV pages flat attention would have read on the cascade steps.")
+        self.kv_pages_cascade = counter(
+            "kv_pages_cascade", "KV pages cascade attention read on the cascade steps.")
+        self.kv_bytes_saved = counter(
+            "kv_bytes_saved",
+            "KV-cache bytes cascade attention did not read, over all layers of this worker.")
+
+    def planned(self, decode: bool) -> None:
+        self.steps_planned.inc()
+        if decode:
+            self.decode_steps_planned.inc()
+
+    def cascade(self, pages_flat: int, pages_cascade: int, decode: bool, page_bytes: int) -> None:
+        self.steps_cascade.inc()
+        if decode:
+            self.decode_steps_cascade.inc()
+        self.kv_pages_flat.inc(pages_flat)
+        self.kv_pages_cascade.inc(pages_cascade)
+        if page_bytes and pages_flat > pages_cascade:
+            self.kv_bytes_saved.inc((pages_flat - pages_cascade) * page_bytes)
+
+    def fallback(self, reason: str) -> None:
+        self._fallbacks.labels(self._rank, reason).inc()

@@ -1,0 +1,173 @@
+"""The ``vllm-cascade`` command on a CPU: check, demo, bench, and usage errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_cascade_plugin import cli, demo
+from vllm_cascade_plugin.config import CascadeConfig
+
+ROOT = Path(__file__).parents[1]
+SMALL = ["--system-tokens", "64", "--documents", "2", "--document-tokens", "256",
+         "--questions", "3", "--max-tokens", "20"]
+
+
+def run_cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    environ = {k: v for k, v in os.environ.items()
+               if not k.startswith("CASCADE_") and k != "VLLM_PLUGINS"}
+    environ.update(env)
+    return subprocess.run([sys.executable, "-m", "vllm_cascade_plugin.cli", *args], env=environ,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith("CASCADE_") or name == "VLLM_PLUGINS":
+            monkeypatch.delenv(name)
+    return monkeypatch
+
+
+def test_check_with_the_plugin_on_registers_for_real_and_exits_0():
+    proc = run_cli("check", CASCADE_ATTENTION="1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for expected in ("Python", "torch", "GPU", "vLLM", "FlashInfer", "CASCADE_LOG_INTERVAL",
+                     "Entry point vllm.general_plugins:cascade found",
+                     "registers vllm_cascade_plugin.backend.CascadeFlashInferBackend",
+                     "--attention-backend FLASHINFER"):
+        assert expected in proc.stdout
+    assert "Traceback" not in proc.stderr
+
+
+def test_check_with_the_plugin_off_says_why_and_exits_1(clean_env, capsys):
+    assert cli.main(["check"]) == 1
+    out = capsys.readouterr().out
+    assert "the plugin stays OFF" in out and "CASCADE_ATTENTION is off" in out
+
+
+def test_check_names_a_bad_knob_and_the_plugins_filter(clean_env, capsys):
+    clean_env.setenv("CASCADE_ATTENTION", "1")
+    clean_env.setenv("CASCADE_MAX_LEVELS", "1")
+    clean_env.setenv("VLLM_PLUGINS", "other")
+    assert cli.main(["check"]) == 1
+    out = capsys.readouterr().out
+    assert "CASCADE_MAX_LEVELS='1' is not valid" in out
+    assert "VLLM_PLUGINS does not list 'cascade'" in out
+
+
+def test_demo_on_a_cpu_prints_the_plan_the_check_and_the_gpu_run(clean_env, capsys):
+    assert cli.main(["demo", "--cpu", *SMALL]) == 0
+    out = capsys.readouterr().out
+    assert "6 requests = 2 documents x 3 questions" in out
+    assert "level 1, shared: 1 group of 6 requests, 4 pages per group" in out
+    assert "level 2, shared: 2 groups of 3 requests, 16 pages per group" in out
+    assert "level 3, per request: 6 requests" in out
+    assert "KV pages read per layer" in out and "Cost model" in out
+    assert "tolerance 1e-04: PASS" in out
+    assert "On a GPU, `vllm-cascade demo` runs this workload in vLLM" in out
+
+
+def test_demo_with_a_bad_knob_exits_1_with_the_message(clean_env, capsys):
+    clean_env.setenv("CASCADE_MIN_SHARED_PAGES", "0")
+    assert cli.main(["demo", "--cpu", *SMALL]) == 1
+    assert "CASCADE_MIN_SHARED_PAGES='0' is not valid" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [
+    [], ["frobnicate"], ["demo", "--documents", "0"], ["demo", "--questions", "many"],
+    ["demo", "--model", "/no/such/model"], ["demo", "--policy", "sometimes"],
+    ["bench", "--nope"], ["check", "extra"],
+])
+def test_bad_arguments_are_a_usage_error(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 2
+    assert "usage: vllm-cascade" in capsys.readouterr().err
+
+
+def test_bad_arguments_show_no_traceback():
+    proc = run_cli("demo", "--max-tokens", "-3")
+    assert proc.returncode == 2
+    assert "usage: vllm-cascade demo" in proc.stderr and "must be >= 1" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_demo_gpu_path_reports_both_engines(clean_env, capsys, monkeypatch, tmp_path):
+    """The GPU branch with the two engines replaced by canned runs (no GPU needed)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
+    seen = []
+
+    def fake_engine(model, workload, *, plugin, policy, log):
+        seen.append((model, plugin, policy))
+        tokens = [[5, 6, 7]] * workload.requests
+        logprobs = [[-1.0, -2.0, -3.0 if plugin else -3.02]] * workload.requests
+        return demo.EngineRun(plugin, 90.0 if plugin else 100.0, 1.0, 3 * workload.requests,
+                              tokens, logprobs, steps_planned=20, steps_cascade=18 * plugin,
+                              fallbacks={})
+
+    monkeypatch.setattr(demo, "run_engine", fake_engine)
+    assert cli.main(["demo", "--model", "llama-tiny", "--policy", "always", *SMALL]) == 0
+    out = capsys.readouterr().out
+    assert seen == [("llama-tiny", False, "always"), ("llama-tiny", True, "always")]
+    assert "plugin off 100 tok/s, plugin on 90 tok/s (0.90x)" in out
+    assert "cascade ran on 18 of 20 engine steps; fallbacks: none" in out
+    assert "max |d| 0.0200" in out and "6 of 6 sequences identical" in out
+
+
+def test_compare_stops_each_pair_at_its_first_differing_token():
+    on = demo.EngineRun(True, 1.0, 1.0, 6, [[1, 2, 3], [4, 5, 6]], [[0.0, -1.0, -9.0],
+                                                                    [-1.0, -1.0, -1.0]])
+    off = demo.EngineRun(False, 1.0, 1.0, 6, [[1, 9, 3], [4, 5, 6]], [[-0.5, -1.0, 0.0],
+                                                                     [-1.0, -1.1, -1.0]])
+    agreement = demo.compare(on, off)
+    assert agreement.compared_tokens == 4  # 1 of the first pair, all 3 of the second
+    assert agreement.max_abs_dlogprob == pytest.approx(0.5)
+    assert agreement.identical_sequences == 1
+
+
+def test_prefix_cache_shares_full_blocks_of_identical_prefixes_only():
+    shared = list(range(100, 140))  # 2 full pages and 8 tokens of a third
+    a, b = shared + [1] * 10, shared + [2] * 10
+    table, seq_lens, query_lens = demo.prefix_cached_step([a, b, a], generated=5, page_size=16)
+    assert (table[0, :2] == table[1, :2]).all() and table[0, 2] != table[1, 2]
+    assert (table[0, :3] == table[2, :3]).all()  # identical full third page: shared too
+    assert table[0, 3] != table[2, 3]  # the partial page (prompt tail + generated) is private
+    assert seq_lens.tolist() == [55, 55, 55] and query_lens.tolist() == [1, 1, 1]
+    assert 0 not in table[:, :4]
+
+
+def test_plan_demo_matches_flat_attention_and_predicts_the_saving():
+    result = demo.plan_demo(demo.Workload(64, 2, 256, 3, 16, 20), "llama-tiny", CascadeConfig())
+    assert result.check.passed and result.plan.num_levels == 3
+    assert result.plan.stats.pages_cascade < result.plan.stats.pages_flat
+    assert result.page_bytes == 2 * 16 * 2 * 128 * 2 * 4
+
+
+@pytest.mark.parametrize("name", sorted(demo.MODELS))
+def test_demo_models_equal_the_shipped_configs(name):
+    shipped = json.loads((ROOT / "examples" / "models" / name / "config.json").read_text())
+    assert demo.MODELS[name] == shipped
+
+
+def test_bench_on_a_cpu_runs_the_planner_and_skips_gpu_parts(tmp_path, capsys):
+    assert cli.main(["bench", "--quick", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "[1/4] planner (CPU)" in out
+    assert "[2/4] kernels (GPU): skipped" in out
+    assert "[3/4] end to end, vLLM (GPU): skipped, needs a CUDA GPU" in out
+    rows = json.loads((tmp_path / "planner.json").read_text())
+    assert {r["case"] for r in rows} and all(r["steady_median_us"] > 0 for r in rows)
+    if importlib.util.find_spec("matplotlib") is None:
+        assert "[4/4] plots (PNG): skipped, matplotlib is not installed" in out
+    else:
+        assert (tmp_path / "planner.png").stat().st_size > 0

@@ -1,0 +1,167 @@
+"""The per-process counters, the periodic log line (on a fake clock) and the Prometheus metrics."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from vllm_cascade_plugin import stats
+from vllm_cascade_plugin.metrics import PrometheusCounters
+
+PAGE_BYTES = 2 * 16 * 8 * 128 * 2 * 32  # K+V, 16 tokens, 8 kv heads, d=128, bf16, 32 layers
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    fake = FakeClock()
+    monkeypatch.setattr(stats, "_clock", fake)
+    monkeypatch.setenv("CASCADE_LOG_INTERVAL", "60")
+    monkeypatch.setattr(stats, "_page_bytes", 0)
+    stats.reset()
+    yield fake
+    stats.reset()
+
+
+def lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "vllm.cascade_plugin" and "last" in r.getMessage()]
+
+
+def cascade_step(decode: bool = True) -> None:
+    stats.record_planned(decode)
+    stats.record_cascade(pages_flat=1000, pages_cascade=100, decode=decode)
+
+
+def test_no_line_before_the_interval_then_one_line_with_the_interval_numbers(clock, caplog):
+    caplog.set_level(logging.INFO, logger="vllm.cascade_plugin")
+    stats.set_page_bytes(PAGE_BYTES)
+    for _ in range(3):
+        cascade_step()
+        clock.now += 10
+    stats.record_planned(decode=False)  # a mixed step that ran flat
+    stats.record_fallback("kernel error", level=logging.DEBUG)
+    assert lines(caplog) == []
+    clock.now += 31  # 61 s after the first planned step
+    stats.record_planned(decode=True)
+    [line] = lines(caplog)
+    assert "last 61 s: 4 steps, 75.0% ran cascade (decode steps: 100.0%)" in line
+    assert "fallbacks: kernel error 1" in line
+    assert "300 instead of 3,000 flat" in line
+    saved = 2700 * PAGE_BYTES / 1e9
+    assert f"{saved:.2f} GB saved ({saved:.2f} GB since start)" in line
+
+
+def test_second_line_counts_only_its_own_interval(clock, caplog):
+    caplog.set_level(logging.INFO, logger="vllm.cascade_plugin")
+    stats.set_page_bytes(PAGE_BYTES)
+    cascade_step()
+    clock.now += 60
+    stats.record_planned(decode=True)  # first line: the cascade step before this one
+    clock.now += 59
+    stats.record_planned(decode=True)
+    assert len(lines(caplog)) == 1
+    clock.now += 1
+    stats.record_planned(decode=True)  # second line: the 2 flat steps since the first
+    first, second = lines(caplog)
+    assert "last 60 s: 1 steps, 100.0% ran cascade" in first
+    assert "last 60 s: 2 steps, 0.0% ran cascade" in second and "fallbacks: none" in second
+    assert "0 instead of 0 flat, 0 B saved (" in second
+
+
+def test_an_idle_worker_logs_nothing_and_resumes_on_the_next_step(clock, caplog):
+    caplog.set_level(logging.INFO, logger="vllm.cascade_plugin")
+    cascade_step()
+    clock.now += 3600  # idle: no step, no line
+    assert lines(caplog) == []
+    cascade_step()
+    [line] = lines(caplog)
+    assert "last 3600 s: 1 steps" in line and "bytes unknown" in line
+
+
+def test_interval_zero_turns_the_line_off(clock, caplog, monkeypatch):
+    monkeypatch.setenv("CASCADE_LOG_INTERVAL", "0")
+    stats.reset()
+    caplog.set_level(logging.INFO, logger="vllm.cascade_plugin")
+    for _ in range(5):
+        cascade_step()
+        clock.now += 1e6
+    assert lines(caplog) == []
+    assert stats.snapshot().steps_cascade == 5
+
+
+def test_interval_is_read_once(clock, caplog, monkeypatch):
+    caplog.set_level(logging.INFO, logger="vllm.cascade_plugin")
+    cascade_step()
+    monkeypatch.setenv("CASCADE_LOG_INTERVAL", "5")  # too late: read on the first step
+    clock.now += 30
+    cascade_step()
+    assert lines(caplog) == []
+
+
+def test_snapshot_is_a_copy(clock):
+    stats.record_fallback("x", level=logging.DEBUG)
+    snap = stats.snapshot()
+    snap.fallbacks["x"] += 10
+    assert stats.snapshot().fallbacks["x"] == 1
+
+
+def test_prometheus_counters_mirror_the_records():
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    counters = PrometheusCounters(registry, tp_rank="0")
+    counters.planned(decode=True)
+    counters.planned(decode=False)
+    counters.cascade(1000, 100, decode=True, page_bytes=10)
+    counters.fallback("kernel error")
+
+    def value(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(f"vllm_cascade_{name}_total", {"tp_rank": "0", **labels})
+
+    assert value("steps_planned") == 2 and value("decode_steps_planned") == 1
+    assert value("steps_cascade") == 1 and value("decode_steps_cascade") == 1
+    assert value("kv_pages_flat") == 1000 and value("kv_pages_cascade") == 100
+    assert value("kv_bytes_saved") == 9000
+    assert value("fallbacks", reason="kernel error") == 1
+
+
+WORKER = """
+from vllm_cascade_plugin import stats
+stats.set_page_bytes(10)
+stats.record_planned(True)
+stats.record_cascade(1000, 100, True)
+stats.record_fallback("kernel error")
+"""
+
+API_SERVER = """
+from prometheus_client import generate_latest
+from vllm.v1.metrics.prometheus import get_prometheus_registry
+print(generate_latest(get_prometheus_registry()).decode())
+"""
+
+
+def test_worker_counters_reach_vllms_metrics_registry_in_multiprocess_mode(tmp_path):
+    """A worker process counts; vLLM's /metrics registry, in another process, shows the sums."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CASCADE_")}
+    env["PROMETHEUS_MULTIPROC_DIR"] = str(tmp_path)
+    for _ in range(2):  # two worker processes (e.g. two data-parallel engines) add up
+        subprocess.run([sys.executable, "-c", textwrap.dedent(WORKER)], env=env, check=True,
+                       capture_output=True, timeout=120)
+    served = subprocess.run([sys.executable, "-c", textwrap.dedent(API_SERVER)], env=env,
+                            check=True, capture_output=True, text=True, timeout=300).stdout
+    assert 'vllm_cascade_steps_cascade_total{tp_rank="0"} 2.0' in served
+    assert 'vllm_cascade_kv_bytes_saved_total{tp_rank="0"} 18000.0' in served
+    assert 'vllm_cascade_fallbacks_total{reason="kernel error",tp_rank="0"} 2.0' in served
