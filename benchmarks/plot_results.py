@@ -3,8 +3,10 @@
     python benchmarks/plot_results.py benchmarks/results/h200 [benchmarks/results/cpu ...]
 
 ``e2e.json`` -> ``e2e.png`` (output tokens/s per engine configuration, and the ratio to flat
-FlashInfer); ``planner.json`` -> ``planner.png`` (planner CPU time per decode step). Needs
-matplotlib (imported only here, lazily): ``pip install matplotlib``.
+FlashInfer); ``planner.json`` -> ``planner.png`` (planner CPU time per decode step);
+``kernel_grid.json`` -> ``kernel_grid.png`` (ms per attention layer call against B, one panel per
+prefix length, the five methods and the bandwidth/compute floor). Needs matplotlib (imported
+only here, lazily): ``pip install matplotlib``.
 """
 
 from __future__ import annotations
@@ -84,7 +86,70 @@ def plot_planner(folder: Path, plt: Any) -> Path:
     return out
 
 
-PLOTS = {"e2e.json": plot_e2e, "planner.json": plot_planner}
+KERNEL_STYLES = {  # kernel_bench.py method -> (label, line style), in legend order
+    "plugin": ("plugin (what it runs)", {"color": "#2a7ab9", "lw": 2.5, "marker": "o",
+                                         "zorder": 5}),
+    "plugin_cascade": ("plugin executor (always cascade)",
+                       {"color": "#2a7ab9", "lw": 1, "ls": "--", "marker": "."}),
+    "fi_decode": ("FlashInfer decode (vLLM flat)", {"color": "#777777", "marker": "s"}),
+    "fi_cascade": ("FlashInfer MultiLevelCascade", {"color": "#e08a1e", "marker": "^"}),
+    "fa3_decode": ("FA3 decode (vLLM FLASH_ATTN)", {"color": "#3a9a3a", "marker": "v"}),
+    "fa3_cascade": ("FA3 cascade_attention (vLLM <= 0.31)", {"color": "#c0392b", "marker": "D"}),
+}
+
+
+def _kernel_panel(ax: Any, rows: list[dict[str, Any]], x_key: str) -> None:
+    rows = sorted(rows, key=lambda r: r[x_key])
+    xs = [r[x_key] for r in rows]
+    for method, (label, style) in KERNEL_STYLES.items():
+        points = [(x, r["ms"].get(method)) for x, r in zip(xs, rows, strict=True)]
+        points = [(x, y) for x, y in points if isinstance(y, (int, float))]
+        if points:
+            ax.plot(*zip(*points, strict=True), label=label, ms=4, **style)
+    ax.plot(xs, [r["floor_ms"] for r in rows], color="black", ls=":", label="floor (4.3 TB/s, "
+            "790 TFLOP/s)")
+    for x, r in zip(xs, rows, strict=True):
+        if not r.get("ok", True):
+            ax.annotate("ERR", (x, r["floor_ms"]), color="red", fontsize=8, ha="center")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.grid(True, which="both", alpha=0.3)
+
+
+def plot_kernels(folder: Path, plt: Any) -> Path:
+    rows = json.loads((folder / "kernel_grid.json").read_text())
+    meta = _meta(folder, "kernel_grid")
+    single = [r for r in rows if r["groups"] == 1]
+    prefixes = sorted({r["P"] for r in single})
+    grouped = {(r["B"], r["P"]) for r in rows if r["groups"] > 1}
+    panels = len(prefixes) + len(grouped)
+    fig, axes = plt.subplots(1, max(panels, 1), figsize=(4.2 * max(panels, 1), 4.6),
+                             squeeze=False, sharey=True)
+    axes = list(axes[0])
+    for ax, prefix in zip(axes, prefixes, strict=False):
+        _kernel_panel(ax, [r for r in single if r["P"] == prefix], "B")
+        ax.set_title(f"P = {prefix} shared tokens, 1 group", fontsize=9)
+        ax.set_xlabel("B (requests, 1 query token each)")
+    for ax, (batch, prefix) in zip(axes[len(prefixes):], sorted(grouped), strict=False):
+        _kernel_panel(ax, [r for r in rows if r["B"] == batch and r["P"] == prefix], "groups")
+        ax.set_title(f"B = {batch}, P = {prefix} per group", fontsize=9)
+        ax.set_xlabel("groups (each its own prefix)")
+    axes[0].set_ylabel("ms per attention layer call (median GPU time)")
+    axes[0].legend(fontsize=7, loc="upper left")
+    own = sorted({r["S"] for r in rows})
+    fig.suptitle(f"Decode attention, Llama-3-8B heads (32 q / 8 kv, d=128), bf16, page 16, "
+                 f"{'/'.join(map(str, own))} own tokens per request\n{meta.get('gpu', '?')}: "
+                 f"vLLM {meta.get('vllm', '?')}, FlashInfer {meta.get('flashinfer', '?')}, "
+                 f"torch {meta.get('torch', '?')}, {meta.get('date', '?')}", fontsize=9)
+    fig.tight_layout()
+    out = folder / "kernel_grid.png"
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+PLOTS = {"e2e.json": plot_e2e, "planner.json": plot_planner, "kernel_grid.json": plot_kernels}
 
 
 def main(argv: list[str] | None = None) -> int:

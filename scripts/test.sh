@@ -39,7 +39,7 @@ PY
 }
 
 failed=()
-ruff check src tests benchmarks examples || failed+=("ruff")
+ruff check src tests benchmarks examples scripts || failed+=("ruff")
 mypy || failed+=("mypy")
 suite requirements/vllm-0.26.0.txt "$venv_026" "$@" || failed+=("vLLM 0.26.0 suite")
 suite requirements/vllm-0.33.0.txt "$venv_033" "$@" || failed+=("vLLM 0.33.0 suite")

@@ -171,3 +171,26 @@ def test_bench_on_a_cpu_runs_the_planner_and_skips_gpu_parts(tmp_path, capsys):
         assert "[4/4] plots (PNG): skipped, matplotlib is not installed" in out
     else:
         assert (tmp_path / "planner.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_bench_on_a_gpu_runs_the_kernel_grid_before_the_engines(tmp_path, capsys, monkeypatch,
+                                                                quick):
+    """The GPU branch with every benchmark process replaced by a recorder (no GPU needed)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    commands = []
+
+    def record(command, cwd, check):
+        commands.append(command)
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(cli.subprocess, "run", record)
+    assert cli.main(["bench", "--out", str(tmp_path), *(["--quick"] if quick else [])]) == 0
+    scripts = [Path(c[1]).name for c in commands]
+    assert scripts[:3] == ["planner_bench.py", "kernel_bench.py", "e2e_bench.py"]
+    kernel = commands[1]
+    assert kernel[0] == sys.executable and Path(kernel[1]) == ROOT / "benchmarks/kernel_bench.py"
+    assert kernel[2:] == ["--out", str(tmp_path.resolve()), *(["--quick"] if quick else [])]
+    assert "[2/4] kernels (GPU): " in capsys.readouterr().out

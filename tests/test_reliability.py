@@ -276,3 +276,24 @@ def test_unsupported_configuration_is_reported_once_at_info(caplog):
     session = StepSession()
     session.configure(CascadeConfig(enabled=True), AttentionShape(8, 2, 128, 2), 16, "ALiBi")
     assert session.plan_step(*batch()) is None and not session.active
+
+
+def test_device_bytes_counts_the_executors_scratch_and_forgets_dead_executors():
+    """The soak attributes memory growth with kernels.device_bytes(): it must add up exactly."""
+    import gc
+
+    import torch
+
+    from vllm_cascade_plugin import kernels
+
+    baseline = kernels.device_bytes()
+    executor = kernels.FlashInferCascadeExecutor(torch.empty(1024, dtype=torch.uint8))
+    executor._scratch.take("lse", (100, 8), torch.float32, torch.device("cpu"))
+    executor._scratch.take("level_out", (100, 8, 64), torch.bfloat16, torch.device("cpu"))
+    assert kernels.device_bytes() - baseline == 100 * 8 * 4 + 100 * 8 * 64 * 2
+    # A smaller request reuses the buffer: nothing grows.
+    executor._scratch.take("lse", (10, 8), torch.float32, torch.device("cpu"))
+    assert kernels.device_bytes() - baseline == 100 * 8 * 4 + 100 * 8 * 64 * 2
+    del executor
+    gc.collect()
+    assert kernels.device_bytes() == baseline

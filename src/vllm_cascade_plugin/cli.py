@@ -219,7 +219,8 @@ def bench(args: argparse.Namespace) -> int:
     steps.append(("kernels (GPU)",
                   "benchmarks/kernel_bench.py does not exist yet" if not kernel.is_file()
                   else "needs a CUDA GPU" if not gpu
-                  else [*python, str(kernel), "--out", str(out)]))
+                  else [*python, str(kernel), "--out", str(out),
+                        *(["--quick"] if args.quick else [])]))
     model = root / "examples" / "models" / args.model
     steps.append(("end to end, vLLM (GPU)", "needs a CUDA GPU" if not gpu else
                   [*python, "benchmarks/e2e_bench.py", "--out", str(out), "--model",

@@ -12,6 +12,7 @@ Only vLLM workers import this module (it imports torch and flashinfer at the top
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import flashinfer
@@ -118,6 +119,24 @@ class _Scratch:
         return buf[:numel].view(shape)
 
 
+_EXECUTORS: weakref.WeakSet[FlashInferCascadeExecutor] = weakref.WeakSet()
+
+
+def device_bytes() -> int:
+    """GPU memory the plugin holds in this process beyond vLLM's (soak tests attribute growth).
+
+    Scratch buffers plus each FlashInfer wrapper's int workspace; the float workspace is vLLM's
+    own FlashInfer buffer, shared, and not counted.
+    """
+    total = 0
+    for executor in list(_EXECUTORS):
+        total += sum(b.numel() * b.element_size() for b in executor._scratch._buffers.values())
+        for wrapper in executor._wrappers:
+            buf = getattr(wrapper, "_int_workspace_buffer", None)
+            total += 0 if buf is None else buf.numel() * buf.element_size()
+    return total
+
+
 class FlashInferCascadeExecutor:
     """Runs cascade plans with one FlashInfer batch-prefill wrapper per level.
 
@@ -140,6 +159,7 @@ class FlashInferCascadeExecutor:
         self._wrappers: list[flashinfer.BatchPrefillWithPagedKVCacheWrapper] = []
         self._scratch = _Scratch()
         self._step: _Step | None = None
+        _EXECUTORS.add(self)
 
     def plan(
         self,

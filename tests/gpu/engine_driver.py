@@ -1,17 +1,21 @@
 """One vLLM engine, the correctness workloads, per-token logprobs out (run as a subprocess).
 
-Usage: python engine_driver.py MODEL_DIR OUT_JSON [--workloads a,b,...] [--corrupt]
+Usage: python engine_driver.py MODEL_DIR OUT_JSON [--workloads a,b,...] [--corrupt] [--tp N]
 
 The plugin is on or off by the caller's ``CASCADE_ATTENTION``; the runner by
 ``VLLM_USE_V2_MODEL_RUNNER``. ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps the engine core and
-(TP=1) the worker in this process, so the plugin's counters can be read here and ``--corrupt``
-can shift every page id of every plan by one (the comparison must then fail).
+(TP=1) the worker in this process, so ``--corrupt`` can shift every page id of every plan by one
+(the comparison must then fail) and every call of the plugin's per-step code (planner, executor
+plan and run) runs under ``torch.cuda.set_sync_debug_mode("error")``: a GPU->CPU synchronisation
+there is recorded in ``sync_violations``. The plugin's counters are read from the workers with
+``collective_rpc`` (they live in the worker processes when ``--tp`` > 1).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -20,6 +24,7 @@ import numpy as np
 
 VOCAB = 32000
 NUM_BLOCKS = 1536  # a small KV cache: workload (f) must be preempted
+SYNC_VIOLATIONS: list[str] = []
 
 
 def _tokens(rng: np.random.Generator, n: int) -> list[int]:
@@ -69,6 +74,53 @@ def _corrupt_planner() -> None:
     planner.CascadePlanner.plan = shifted
 
 
+def _forbid_syncs() -> None:
+    """Raise (and record) on any GPU->CPU synchronisation inside the plugin's per-step code.
+
+    The debug mode is process-wide; with the engine in this process (TP=1, no multiprocessing)
+    only this thread drives the GPU, so it catches nothing but our own calls. Catches what goes
+    through torch's CUDA API (``.item()``, ``.cpu()``, blocking copies, stream syncs).
+    """
+    import torch
+
+    from vllm_cascade_plugin import kernels, step
+
+    def guard(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            previous = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return fn(*args, **kwargs)
+            except RuntimeError as exc:
+                if "synchroniz" in str(exc):
+                    SYNC_VIOLATIONS.append(f"{fn.__qualname__}: {exc}")
+                raise
+            finally:
+                torch.cuda.set_sync_debug_mode(previous)
+        return wrapper
+
+    for owner, name in ((step.StepSession, "plan_step"),
+                        (kernels.FlashInferCascadeExecutor, "plan"),
+                        (kernels.FlashInferCascadeExecutor, "run")):
+        setattr(owner, name, guard(getattr(owner, name)))
+
+
+def _worker_counters(worker) -> dict:
+    """Runs in each worker (collective_rpc): the plugin's counters there, as plain data."""
+    from vllm_cascade_plugin import stats
+
+    counters = stats.snapshot()
+    return {**dataclasses.asdict(counters), "fallbacks": dict(counters.fallbacks)}
+
+
+def _counters(llm) -> dict:
+    per_worker = llm.collective_rpc(_worker_counters)
+    # Every tensor-parallel rank plans the same steps: rank 0 speaks for all, the others agree.
+    assert all(c == per_worker[0] for c in per_worker), per_worker
+    return per_worker[0]
+
+
 def _record(output) -> dict:
     tokens, chosen, margins = [], [], []
     for completion in output.outputs:
@@ -89,39 +141,50 @@ def main() -> int:
     parser.add_argument("out")
     parser.add_argument("--workloads", default="")
     parser.add_argument("--corrupt", action="store_true")
+    parser.add_argument("--tp", type=int, default=1)
     args = parser.parse_args()
     if args.corrupt:
         _corrupt_planner()
+    if args.tp == 1 and os.environ.get("CASCADE_ATTENTION"):
+        _forbid_syncs()
 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vllm_cascade_plugin import stats
-
+    tp_args = {}
+    if args.tp > 1:
+        # Plain NCCL all-reduce (NVLink multicast off, as the machine requires): vLLM 0.26's
+        # all-reduce+RMSNorm fusion pass defaults to FlashInfer's "mnnvl" backend, which creates
+        # NVLink multicast objects; it crashed the engine (illegal address) on the H200 pair.
+        os.environ.setdefault("VLLM_FLASHINFER_ALLREDUCE_BACKEND", "trtllm")
+        tp_args = {"disable_custom_all_reduce": True,
+                   "compilation_config": {"pass_config": {"fuse_allreduce_rms": False}}}
     llm = LLM(model=args.model, skip_tokenizer_init=True, attention_backend="FLASHINFER",
               enable_prefix_caching=True, max_model_len=9216, max_num_batched_tokens=2048,
               max_num_seqs=128, num_gpu_blocks_override=NUM_BLOCKS, gpu_memory_utilization=0.5,
-              seed=0, enable_flashinfer_autotune=False)
+              seed=0, enable_flashinfer_autotune=False,
+              tensor_parallel_size=args.tp, **tp_args)
     chosen = [w for w in args.workloads.split(",") if w]
     results = {}
     for name, (prompts, params) in workloads().items():
         if chosen and not any(name.startswith(c) for c in chosen):
             continue
-        before = stats.snapshot()
+        before = _counters(llm)
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                                SamplingParams(**params), use_tqdm=False)
-        after = stats.snapshot()
+        after = _counters(llm)
         results[name] = {
             "requests": [_record(o) for o in outputs],
-            "steps_planned": after.steps_planned - before.steps_planned,
-            "steps_cascade": after.steps_cascade - before.steps_cascade,
-            "decode_steps_planned": after.decode_steps_planned - before.decode_steps_planned,
-            "decode_steps_cascade": after.decode_steps_cascade - before.decode_steps_cascade,
-            "fallbacks": dict(after.fallbacks - before.fallbacks),
+            **{key: after[key] - before[key] for key in (
+                "steps_planned", "steps_cascade", "decode_steps_planned", "decode_steps_cascade")},
+            "fallbacks": {reason: count - before["fallbacks"].get(reason, 0)
+                          for reason, count in after["fallbacks"].items()
+                          if count > before["fallbacks"].get(reason, 0)},
         }
     with open(args.out, "w") as f:
         json.dump({"plugin": os.environ.get("CASCADE_ATTENTION", ""),
                    "runner": "v1" if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "0" else "v2",
+                   "tensor_parallel_size": args.tp, "sync_violations": SYNC_VIOLATIONS,
                    "workloads": results}, f)
     return 0
 

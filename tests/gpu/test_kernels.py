@@ -168,8 +168,8 @@ SCENARIOS: dict[str, tuple[Callable[[np.random.Generator], Batch], int]] = {
     "sampling_siblings": (sampling_siblings, 2),
     "prefill_chunks_and_decodes": (prefill_chunks_and_decodes, 2),
 }
-HEADS = pytest.mark.parametrize(("num_qo_heads", "num_kv_heads"), [(32, 8), (8, 2)],
-                                ids=["32q8kv", "8q2kv"])
+HEADS = pytest.mark.parametrize(("num_qo_heads", "num_kv_heads"), [(32, 8), (8, 2), (4, 1)],
+                                ids=["32q8kv", "8q2kv", "4q1kv"])
 HEAD_DIMS = pytest.mark.parametrize("head_dim", [128, 64], ids=["d128", "d64"])
 
 
