@@ -25,6 +25,13 @@ E2E_LABELS = {  # e2e_bench.py configuration -> label, in plotting order
 }
 
 
+
+def _save(fig: Any, out: Path, plt: Any) -> Path:
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
 def _meta(folder: Path, name: str) -> dict[str, Any]:
     path = folder / f"{name}.meta.json"
     return json.loads(path.read_text()) if path.is_file() else {}
@@ -57,11 +64,7 @@ def plot_e2e(folder: Path, plt: Any) -> Path:
         ax.set_title(workload, fontsize=10)
     fig.suptitle(f"End to end on {meta.get('gpu', '?')}: vLLM {meta.get('vllm', '?')}, "
                  f"FlashInfer {meta.get('flashinfer', '?')}\n{meta.get('model', '')}", fontsize=9)
-    fig.tight_layout()
-    out = folder / "e2e.png"
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return _save(fig, folder / "e2e.png", plt)
 
 
 def plot_planner(folder: Path, plt: Any) -> Path:
@@ -142,11 +145,7 @@ def plot_kernels(folder: Path, plt: Any) -> Path:
                  f"{'/'.join(map(str, own))} own tokens per request\n{meta.get('gpu', '?')}: "
                  f"vLLM {meta.get('vllm', '?')}, FlashInfer {meta.get('flashinfer', '?')}, "
                  f"torch {meta.get('torch', '?')}, {meta.get('date', '?')}", fontsize=9)
-    fig.tight_layout()
-    out = folder / "kernel_grid.png"
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return _save(fig, folder / "kernel_grid.png", plt)
 
 
 PLOTS = {"e2e.json": plot_e2e, "planner.json": plot_planner, "kernel_grid.json": plot_kernels}

@@ -64,6 +64,8 @@ from typing import Any
 
 import numpy as np
 
+from vllm_cascade_plugin import agreement
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = ROOT / "examples" / "models" / "llama-tiny"
 ISSUE_FIELDS = ("requests", "aborts", "preemptions", "cascade_step_fraction", "max_abs_dlogprob",
@@ -94,8 +96,7 @@ ENGINE = {"skip_tokenizer_init": True, "attention_backend": "FLASHINFER",
           "enable_flashinfer_autotune": False}
 PLUGIN_ENV = {"CASCADE_ATTENTION": "1", "CASCADE_POLICY": "always", "CASCADE_DEBUG": "1"}
 
-# Judging. Logprob tolerances: the correctness issue's, as in tests/gpu/test_engine.py.
-MEAN_TOL, MAX_TOL, MARGIN = 0.02, 0.1, 0.1
+# Judging (logprobs: vllm_cascade_plugin.agreement, the rule of tests/gpu/test_engine.py).
 MEMORY_TOL = 0.01
 WATCHDOG_S = 60.0
 # Fallbacks that mean the plugin caught an error of its own (the step then ran flat).
@@ -220,40 +221,6 @@ def completion_problem(n: int, max_tokens: int, finished: bool,
     return None
 
 
-def record_completion(output: Any) -> dict[str, list]:
-    """Tokens, chosen-token logprobs and top-2 margins of a RequestOutput (engine_driver's)."""
-    tokens, chosen, margins = [], [], []
-    for completion in output.outputs:
-        for token, top in zip(completion.token_ids, completion.logprobs, strict=True):
-            ranked = sorted((lp.logprob for lp in top.values()), reverse=True)
-            tokens.append(int(token))
-            chosen.append(float(top[token].logprob))
-            margins.append(ranked[0] - ranked[1] if len(ranked) > 1 else float("inf"))
-        tokens.append(-1)  # completion boundary: comparison restarts after it
-        chosen.append(0.0)
-        margins.append(0.0)
-    return {"tokens": tokens, "logprobs": chosen, "margins": margins}
-
-
-def compare(run: Sequence[dict], replay: Sequence[dict]) -> tuple[float, float, int]:
-    """(max, mean) |Δ chosen logprob| and the number of positions compared.
-
-    The rule of tests/gpu/test_engine.py: position by position up to the first token where the
-    two runs diverge, only where both top-2 margins exceed MARGIN.
-    """
-    diffs: list[float] = []
-    for a, b in zip(run, replay, strict=True):
-        for ta, tb, la, lb, ma, mb in zip(a["tokens"], b["tokens"], a["logprobs"],
-                                          b["logprobs"], a["margins"], b["margins"], strict=False):
-            if ta != tb:
-                break
-            if ta >= 0 and ma > MARGIN and mb > MARGIN:
-                diffs.append(abs(la - lb))
-    if not diffs:
-        return 0.0, 0.0, 0
-    return float(np.max(diffs)), float(np.mean(diffs)), len(diffs)
-
-
 def error_lines(log: str) -> list[str]:
     """Lines of a phase's log that report an error: vLLM's ERROR lines, tracebacks, CUDA errors."""
     return [line for line in log.splitlines() if ERROR_LINE.search(line)]
@@ -274,7 +241,8 @@ def judge(run: dict | None, replay: dict | None, settings: dict[str, Any],
     plugin_errors = {r: n for r, n in fallbacks.items() if ERROR_FALLBACK.search(r)}
     ran, replayed = run.get("subset", {}), (replay or {}).get("subset", {})
     ids = [i for i in ran if i in replayed]
-    worst, mean, compared = compare([ran[i] for i in ids], [replayed[i] for i in ids])
+    worst, mean, compared = agreement.compare([ran[i] for i in ids],
+                                              [replayed[i] for i in ids])
     identical = sum(ran[i]["tokens"] == replayed[i]["tokens"] for i in ids)
     before, after = run.get("memory_before") or {}, run.get("memory_after") or {}
     memory_change = (after["used_mib"] - before["used_mib"]) / before["used_mib"] if (
@@ -294,11 +262,10 @@ def judge(run: dict | None, replay: dict | None, settings: dict[str, Any],
         ("completion", incomplete == 0 and failed == 0 and run.get("completed", 0) > 0,
          f"{run.get('completed', 0):,} completed; {incomplete} not aborted but incomplete, "
          f"{failed} raised; {run.get('problems', [])[:5]}"),
-        ("logprobs", len(ids) == SUBSET_SIZE and compared > 0 and worst <= MAX_TOL
-         and mean <= MEAN_TOL,
+        ("logprobs", len(ids) == SUBSET_SIZE and agreement.agrees(worst, mean, compared),
          f"{len(ids)} of {SUBSET_SIZE} subset requests compared ({identical} identical), "
-         f"{compared} tokens: max |d| {worst:.4f} (<= {MAX_TOL}), mean {mean:.4f} "
-         f"(<= {MEAN_TOL})"),
+         f"{compared} tokens: max |d| {worst:.4f} (<= {agreement.MAX_TOL}), mean {mean:.4f} "
+         f"(<= {agreement.MEAN_TOL})"),
         ("no_hang", hang is None and exit_codes.get("run") is not None,
          hang or "a request produced output at least every "
          f"{WATCHDOG_S:.0f} s while any was in flight"),
@@ -452,7 +419,7 @@ class Tally:
             return
         self.completed += 1
         if spec.kind == "subset":
-            self.subset[spec.request_id] = record_completion(final)
+            self.subset[spec.request_id] = agreement.record(final)
 
 
 class Drive:

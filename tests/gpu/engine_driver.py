@@ -22,6 +22,8 @@ import sys
 
 import numpy as np
 
+from vllm_cascade_plugin import agreement
+
 VOCAB = 32000
 NUM_BLOCKS = 1536  # a small KV cache: workload (f) must be preempted
 SYNC_VIOLATIONS: list[str] = []
@@ -121,20 +123,6 @@ def _counters(llm) -> dict:
     return per_worker[0]
 
 
-def _record(output) -> dict:
-    tokens, chosen, margins = [], [], []
-    for completion in output.outputs:
-        for token, top in zip(completion.token_ids, completion.logprobs, strict=True):
-            ranked = sorted((lp.logprob for lp in top.values()), reverse=True)
-            tokens.append(int(token))
-            chosen.append(float(top[token].logprob))
-            margins.append(ranked[0] - ranked[1] if len(ranked) > 1 else float("inf"))
-        tokens.append(-1)  # completion boundary: comparison restarts after it
-        chosen.append(0.0)
-        margins.append(0.0)
-    return {"tokens": tokens, "logprobs": chosen, "margins": margins}
-
-
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
@@ -174,7 +162,7 @@ def main() -> int:
                                SamplingParams(**params), use_tqdm=False)
         after = _counters(llm)
         results[name] = {
-            "requests": [_record(o) for o in outputs],
+            "requests": [agreement.record(o) for o in outputs],
             **{key: after[key] - before[key] for key in (
                 "steps_planned", "steps_cascade", "decode_steps_planned", "decode_steps_cascade")},
             "fallbacks": {reason: count - before["fallbacks"].get(reason, 0)

@@ -4,9 +4,10 @@ The model is the tiny Llama config with transformers' normal random initialisati
 saved once: vLLM's dummy weights (~1e-3) make attention nearly uniform, so a wrong page would go
 unnoticed. Each configuration runs in its own process (the plugin registers at startup).
 
-Tolerances (issue 4): chosen-token logprobs agree within 0.02 on average and 0.1 at most,
-compared position by position up to the first token where the two runs diverge, and only where
-the top-2 margin exceeds 0.1 in both (below that, bf16 noise legitimately flips the argmax).
+Tolerances (issue 4, in ``vllm_cascade_plugin.agreement``): chosen-token logprobs agree within
+0.02 on average and 0.1 at most, compared position by position up to the first token where the
+two runs diverge, and only where the top-2 margin exceeds 0.1 in both (below that, bf16 noise
+legitimately flips the argmax).
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
+from vllm_cascade_plugin import agreement
+
 HERE = Path(__file__).parent
 CONFIG = HERE.parents[1] / "examples" / "models" / "llama-tiny" / "config.json"
-MEAN_TOL, MAX_TOL, MARGIN = 0.02, 0.1, 0.1
 CASCADE_WORKLOADS = ("a_", "b_", "c_", "d_")  # cascade must run on >= 90% of their decode steps
 RESULTS: list[dict] = []
 _RUNS: dict[tuple, dict] = {}  # one engine per configuration per session, shared by the tests
@@ -68,25 +69,10 @@ def _run_engine(model_dir: str, out: Path, *, plugin: bool, runner: str,
     return json.loads(out.read_text())
 
 
-def compare(on: dict, off: dict) -> tuple[float, float, int]:
-    """(max, mean) |Δ chosen logprob| over comparable positions, and how many there were."""
-    diffs: list[float] = []
-    for a, b in zip(on["requests"], off["requests"], strict=True):
-        for ta, tb, la, lb, ma, mb in zip(a["tokens"], b["tokens"], a["logprobs"],
-                                          b["logprobs"], a["margins"], b["margins"], strict=False):
-            if ta != tb:
-                break
-            if ta >= 0 and ma > MARGIN and mb > MARGIN:
-                diffs.append(abs(la - lb))
-    if not diffs:
-        return 0.0, 0.0, 0
-    return float(np.max(diffs)), float(np.mean(diffs)), len(diffs)
-
-
 def judge(name: str, runner: str, on: dict, off: dict, tp: int = 1) -> dict:
-    worst, mean, count = compare(on, off)
+    worst, mean, count = agreement.compare(on["requests"], off["requests"])
     fraction = on["decode_steps_cascade"] / max(on["decode_steps_planned"], 1)
-    ok = count > 0 and worst <= MAX_TOL and mean <= MEAN_TOL
+    ok = agreement.agrees(worst, mean, count)
     if name.startswith(CASCADE_WORKLOADS):
         ok = ok and fraction >= 0.9
     return {"workload": name, "runner": runner, "tensor_parallel_size": tp,
