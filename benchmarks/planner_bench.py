@@ -3,7 +3,9 @@
 Cold: a fresh planner on a new block table (new random block ids). Steady: one planner over
 the following decode steps: every row one token longer, and a row entering a new page gets a
 fresh block; rows have random own lengths, so each crosses a page every 16th step but some row
-crosses on every step. The block table is updated in place, as vLLM does.
+crosses on every step. The block table is updated in place, as vLLM does. Pre-check: what the
+runner hooks do first every step, ``nothing_shared`` on the rows' first block ids; on a batch
+without sharing (the "no sharing" case: every request its own 2K-token prompt) it is all they do.
 
     PYTHONPATH=src python benchmarks/planner_bench.py [--quick] [--out benchmarks/results/cpu]
 """
@@ -24,7 +26,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from vllm_cascade_plugin.planner import CascadePlanner
+from vllm_cascade_plugin.planner import CascadePlanner, nothing_shared
 
 PAGE_SIZE = 16
 
@@ -42,6 +44,7 @@ CASES = (
     Case("1x32K", requests=256, groups=1, shared_pages=2048, own_tokens=(64, 256)),
     Case("8 groups", requests=256, groups=8, shared_pages=2048, own_tokens=(64, 256)),
     Case("16 groups", requests=1024, groups=16, shared_pages=240, own_tokens=(64, 256)),
+    Case("no sharing", requests=256, groups=256, shared_pages=128, own_tokens=(64, 256)),
 )
 
 
@@ -70,6 +73,12 @@ class DecodeBatch:
         self._next_id += entering.size
         self.seq_lens += 1
 
+    def precheck(self) -> tuple[bool, int]:
+        """The hooks' pre-check on this step: (nothing shared?, nanoseconds it took)."""
+        start = time.perf_counter_ns()
+        skip = nothing_shared(self.block_table[:, 0], self.seq_lens, self.query_lens, PAGE_SIZE)
+        return skip, time.perf_counter_ns() - start
+
     def plan(self, planner: CascadePlanner) -> int:
         """Plan this step with ``planner``; returns the nanoseconds it took."""
         start = time.perf_counter_ns()
@@ -86,9 +95,12 @@ def measure(case: Case, cold_runs: int, steady_steps: int) -> dict[str, object]:
     batch = DecodeBatch(case, rng)
     planner = CascadePlanner()
     batch.plan(planner)
-    steady = []
+    steady, precheck, skipped = [], [], set()
     for _ in tqdm(range(steady_steps), desc=f"{case.name}: steady", leave=False, disable=None):
         batch.step()
+        skip, ns = batch.precheck()
+        precheck.append(ns)
+        skipped.add(skip)
         steady.append(batch.plan(planner))
     return {
         "case": case.name,
@@ -96,6 +108,9 @@ def measure(case: Case, cold_runs: int, steady_steps: int) -> dict[str, object]:
         "pages": int(-(-batch.seq_lens.max() // PAGE_SIZE)),  # the longest row's
         "steady_median_us": round(statistics.median(steady) / 1e3, 1),
         "cold_median_us": round(statistics.median(cold) / 1e3, 1),
+        "precheck_median_us": round(statistics.median(precheck) / 1e3, 1),
+        # What the hooks skip the planner on: the pre-check must say so on every step, or never.
+        "planner_skipped": skipped.pop() if len(skipped) == 1 else None,
     }
 
 
@@ -106,11 +121,13 @@ def main() -> None:
     args = parser.parse_args()
     cold_runs, steady_steps = (2, 5) if args.quick else (30, 400)
     rows = [measure(case, cold_runs, steady_steps) for case in CASES]
-    print(f"{'case':<10} {'requests':>8} {'pages':>6} {'steady µs':>10} {'cold µs':>9}")
+    print(f"{'case':<10} {'requests':>8} {'pages':>6} {'steady µs':>10} {'cold µs':>9} "
+          f"{'pre-check µs':>12} {'skips planner':>13}")
     for row in rows:
         print(
             f"{row['case']:<10} {row['requests']:>8} {row['pages']:>6} "
-            f"{row['steady_median_us']:>10} {row['cold_median_us']:>9}"
+            f"{row['steady_median_us']:>10} {row['cold_median_us']:>9} "
+            f"{row['precheck_median_us']:>12} {row['planner_skipped']!s:>13}"
         )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "planner.json").write_text(json.dumps(rows, indent=2) + "\n")

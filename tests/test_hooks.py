@@ -161,6 +161,28 @@ def test_v1_cascade_steps_exclude_full_graphs_and_others_keep_vllms_choice(activ
     assert hooks._pending is None and session.current is None
 
 
+def test_a_step_whose_rows_start_on_different_blocks_skips_the_planner(active_session,
+                                                                       monkeypatch):
+    """No two first block ids alike: no sharing possible, so the block table is never planned."""
+    from vllm_cascade_plugin import stats
+
+    calls = []
+    real_plan = session._planner.plan
+    monkeypatch.setattr(session._planner, "plan",
+                        lambda *args, **kwargs: calls.append(1) or real_plan(*args, **kwargs))
+    seq, q = np.array([40, 41, 42], dtype=np.int32), np.ones(3, dtype=np.int32)
+    before = stats.snapshot()
+    unshared = np.array([[5, 6, 7], [15, 16, 8], [25, 26, 9]], dtype=np.int32)
+    assert hooks._v1_plan(hooks._PendingStep(*v1_runner(unshared, seq, q))) is False
+    assert calls == [] and session.current is None
+    shared = np.array([[5, 6, 7], [5, 6, 8], [25, 26, 9]], dtype=np.int32)
+    assert hooks._v1_plan(hooks._PendingStep(*v1_runner(shared, seq, q))) is True
+    assert calls == [1]
+    after = stats.snapshot()
+    # Both steps count as planned decode steps; only the second ran the planner.
+    assert after.decode_steps_planned - before.decode_steps_planned == 2
+
+
 # ----------------------------------------------------------------------------------- V2 runner
 
 def test_v2_runner_updates_block_ids_before_dispatch_and_sorts_rows_like_we_do():

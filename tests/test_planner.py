@@ -573,3 +573,28 @@ def test_planner_bench_quick_writes_rows(tmp_path):
         for row in rows
     )
     assert json.loads((tmp_path / "planner.meta.json").read_text())["command"]
+
+
+@given(batch=batches(), limits=limits)
+def test_nothing_shared_never_skips_a_step_that_has_a_shared_level(batch, limits):
+    """The hooks skip the planner when nothing_shared() says so: the planner must agree."""
+    skip = planner_module.nothing_shared(batch.block_table[:, 0], batch.seq_lens,
+                                         batch.query_lens, batch.page_size)
+    if skip:
+        assert batch.plan(**limits).num_levels <= 1
+
+
+def test_nothing_shared_sees_sharing_only_where_a_whole_page_precedes_the_queries():
+    # Rows 0 and 1 start with block 7; row 2 with block 9.
+    first = np.array([7, 7, 9])
+    page = 16
+    # Both rows sharing block 7 have a whole page before their queries: sharing is possible.
+    assert not planner_module.nothing_shared(first, [40, 33, 40], [1, 1, 1], page)
+    # Row 1 is a prefill chunk starting inside its first page: block 7 is not shareable there.
+    assert planner_module.nothing_shared(first, [40, 33, 40], [1, 30, 1], page)
+    # Padding rows (no query) and block 0 never count.
+    assert planner_module.nothing_shared(first, [40, 33, 40], [1, 0, 1], page)
+    assert planner_module.nothing_shared(np.array([0, 0, 9]), [40, 40, 40], [1, 1, 1], page)
+    # Distinct first blocks: nothing can be shared, whatever follows them.
+    assert planner_module.nothing_shared(np.array([3, 4, 5]), [400] * 3, [1] * 3, page)
+    assert planner_module.nothing_shared(np.array([], np.int32), [], [], page)

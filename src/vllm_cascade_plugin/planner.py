@@ -98,8 +98,8 @@ class CascadePlan:
         return len(self.levels)
 
 
-__all__ = ["CascadeLevel", "CascadePlan", "CascadePlanner", "PlanStats", "plan_cascade",
-           "plan_violations"]
+__all__ = ["CascadeLevel", "CascadePlan", "CascadePlanner", "PlanStats", "nothing_shared",
+           "plan_cascade", "plan_violations"]
 
 # Pages a snapshot of the block table keeps beyond the longest shareable prefix, so that rows
 # growing by a page in steady decode do not force a re-copy of the snapshot every step.
@@ -135,6 +135,23 @@ def plan_cascade(
     step = _read_step(block_table, seq_lens, query_lens, page_size)
     structure = _build(step, _shareable_pages(step), max_levels, min_shared_pages)
     return _assemble(_emit_shared(structure, step), structure, step)
+
+
+def nothing_shared(first_pages: np.ndarray, seq_lens: np.ndarray, query_lens: np.ndarray,
+                   page_size: int) -> bool:
+    """True when no two rows can share a page, judged from each row's first block id alone.
+
+    Every shared prefix starts at a row's first page, and only rows with a whole page before
+    their first query token (not block 0) can share one; if those rows' first block ids are all
+    different, :func:`plan_cascade` finds no shared level. ``O(R log R)``, without reading the
+    rest of the block table: a step without sharing skips the planner. ``False`` proves nothing.
+    """
+    seq_lens = np.asarray(seq_lens, dtype=np.int64)
+    query_lens = np.asarray(query_lens, dtype=np.int64)
+    first_pages = np.asarray(first_pages)
+    candidate = ((seq_lens - query_lens) // page_size >= 1) & (query_lens > 0) & (first_pages != 0)
+    firsts = first_pages[candidate]
+    return firsts.size < 2 or np.unique(firsts).size == firsts.size
 
 
 class CascadePlanner:

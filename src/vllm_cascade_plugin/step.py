@@ -16,7 +16,7 @@ import numpy as np
 from . import stats
 from .config import CascadeConfig
 from .cost import AttentionShape, CostModel, Decision, decide
-from .planner import CascadePlan, CascadePlanner, plan_violations
+from .planner import CascadePlan, CascadePlanner, nothing_shared, plan_violations
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,6 +68,26 @@ class StepSession:
     def active(self) -> bool:
         return self.disabled_reason is None and self._planner is not None
 
+    def skip_unshared(self, first_pages: np.ndarray, seq_lens: np.ndarray,
+                      query_lens: np.ndarray) -> bool:
+        """Count a real step that provably shares no page as planned and flat; True if so.
+
+        The runner hooks ask this first, from each row's first block id, and call
+        :meth:`plan_step` (which needs the whole block table) only when it answers False.
+        With ``CASCADE_DEBUG=1`` the planner runs anyway and must agree (see :meth:`plan_step`).
+        """
+        self.current = None
+        if not self.active or (self.config is not None and self.config.debug):
+            return False
+        try:
+            if not nothing_shared(first_pages, seq_lens, query_lens, self.page_size):
+                return False
+        except Exception as exc:  # the full planner decides instead
+            stats.record_fallback("planner error", f"{type(exc).__name__}: {exc}")
+            return False
+        stats.record_planned(bool(np.all(np.asarray(query_lens) == 1)))
+        return True
+
     def plan_step(self, block_table: np.ndarray, seq_lens: np.ndarray,
                   query_lens: np.ndarray) -> StepPlan | None:
         """Plan a real engine step (rows in the builder's order); None: run it flat.
@@ -82,10 +102,15 @@ class StepSession:
         stats.record_planned(decode)
         try:
             plan = self._planner.plan(block_table, seq_lens, query_lens, self.page_size)
-            if self.config.debug and (broken := plan_violations(plan, block_table, seq_lens,
-                                                                 query_lens)):
-                stats.record_fallback("plan invariant violated", "; ".join(broken[:3]))
-                return None
+            if self.config.debug:
+                broken = plan_violations(plan, block_table, seq_lens, query_lens)
+                if (plan.num_levels > 1 and block_table.shape[1] > 0
+                        and nothing_shared(block_table[:, 0], seq_lens, query_lens,
+                                           self.page_size)):
+                    broken.append("nothing_shared() would have skipped a step with sharing")
+                if broken:
+                    stats.record_fallback("plan invariant violated", "; ".join(broken[:3]))
+                    return None
             if plan.num_levels < 2:
                 decision = Decision(False, 0.0, 0.0, "no shared pages")
             elif self.config.policy == "always":
