@@ -33,6 +33,9 @@ CONFIGS = {  # name -> (attention backend, plugin environment)
     "cascade_always": ("FLASHINFER", {"CASCADE_ATTENTION": "1", "CASCADE_POLICY": "always"}),
 }
 
+# The longest workload: a 16K-token prefix, 64 own tokens and 256 generated ones.
+MAX_MODEL_LEN = 16384 + 512
+
 
 def workloads() -> dict[str, tuple[list[list[int]], dict]]:
     rng = np.random.default_rng(0)
@@ -40,11 +43,20 @@ def workloads() -> dict[str, tuple[list[list[int]], dict]]:
     def tokens(n: int) -> list[int]:
         return rng.integers(100, 30000, size=n).tolist()
 
+    greedy = {"max_tokens": 256, "temperature": 0.0, "ignore_eos": True}
     prefix = tokens(8192)
-    return {
-        "one_8k_prefix_x64": ([prefix + tokens(16) for _ in range(64)],
-                              {"max_tokens": 256, "temperature": 0.0, "ignore_eos": True}),
-    }
+    w = {"one_8k_prefix_x64": ([prefix + tokens(16) for _ in range(64)], greedy)}
+    # The performance issue's four targets.
+    prefix = tokens(16384)
+    w["b128_16k_prefix_64_own"] = ([prefix + tokens(64) for _ in range(128)], greedy)
+    prefixes = [tokens(8192) for _ in range(8)]
+    w["8_prefixes_8k_x16_interleaved"] = (
+        [prefixes[i % 8] + tokens(64) for i in range(128)], greedy)
+    w["n16_sampling_32_prompts_4k"] = (
+        [tokens(4096) for _ in range(32)],
+        {**greedy, "n": 16, "temperature": 0.8, "seed": 0})
+    w["no_sharing_256_random_2k"] = ([tokens(2048) for _ in range(256)], greedy)
+    return w
 
 
 def run_one(model: str, config: str, names: list[str]) -> list[dict]:
@@ -54,7 +66,7 @@ def run_one(model: str, config: str, names: list[str]) -> list[dict]:
 
     backend, _ = CONFIGS[config]
     llm = LLM(model=model, load_format="dummy", skip_tokenizer_init=True,
-              attention_backend=backend, enable_prefix_caching=True, max_model_len=16384,
+              attention_backend=backend, enable_prefix_caching=True, max_model_len=MAX_MODEL_LEN,
               gpu_memory_utilization=0.85, seed=0, enable_flashinfer_autotune=False)
     rows = []
     for name in names:

@@ -26,11 +26,11 @@ from the environment and is never switched inside a process:
 It passes when: at least ``--min-requests`` were submitted over at least ``--duration`` s; every
 request that was not aborted finished with ``length`` (all its tokens) or ``stop``, ``n`` times;
 the subset's chosen-token logprobs agree with the replay within 0.02 on average and 0.1 at most
-(tests/gpu/test_engine.py's rule); the watchdog never fired; device memory after the drive is
-within 1% of a baseline taken after its first minute (both read idle, after
-``torch.cuda.empty_cache()``, so the allocator's cache is not mistaken for a leak); neither log
-has an ERROR line, a traceback or a CUDA error; aborts, preemptions, ``n`` > 1 and cascade steps
-all happened; the plugin caught no error of its own (a fallback for an error); both phases
+(``vllm_cascade_plugin.agreement``, the engine tests' rule); the watchdog never fired; device
+memory after the drive is within 1% of a baseline taken after its first minute (both read idle,
+after ``torch.cuda.empty_cache()``, so the allocator's cache is not mistaken for a leak); neither
+log has an ERROR line, a traceback or a CUDA error; aborts, preemptions, ``n`` > 1 and cascade
+steps all happened; the plugin caught no error of its own (a fallback for an error); both phases
 exited 0.
 
 The model is ``--model``'s weights, or, for a folder with a ``config.json`` only (the default,

@@ -1,0 +1,64 @@
+"""The end-to-end benchmark's workloads are the ones the performance targets name (no GPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("e2e_bench", ROOT / "benchmarks" / "e2e_bench.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _workloads() -> dict:
+    return _module().workloads()
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_b128_16k_prefix_64_own_tokens_256_generated():
+    prompts, params = _workloads()["b128_16k_prefix_64_own"]
+    assert len(prompts) == 128 and {len(p) for p in prompts} == {16384 + 64}
+    assert {tuple(p[:16384]) for p in prompts} == {tuple(prompts[0][:16384])}
+    assert _common_prefix(prompts[0], prompts[1]) == 16384  # random own tokens differ at once
+    assert params["max_tokens"] == 256 and params["ignore_eos"]
+
+
+def test_eight_8k_prefixes_times_16_interleaved():
+    prompts, _ = _workloads()["8_prefixes_8k_x16_interleaved"]
+    assert len(prompts) == 128
+    groups = [tuple(p[:8192]) for p in prompts]
+    assert len(set(groups)) == 8
+    assert all(groups[i] == groups[i % 8] for i in range(128))  # interleaved in request order
+    assert all(_common_prefix(prompts[i], prompts[i + 1]) == 0 for i in range(7))
+
+
+def test_n16_sampling_on_32_prompts_of_4k():
+    prompts, params = _workloads()["n16_sampling_32_prompts_4k"]
+    assert len(prompts) == 32 and {len(p) for p in prompts} == {4096}
+    assert params["n"] == 16 and params["temperature"] > 0
+    assert max(_common_prefix(a, b) for a in prompts for b in prompts if a is not b) < 16
+
+
+def test_no_sharing_256_random_2k_prompts():
+    prompts, _ = _workloads()["no_sharing_256_random_2k"]
+    assert len(prompts) == 256 and {len(p) for p in prompts} == {2048}
+    # Not even one KV page (16 tokens) in common: the plugin can only cost time here.
+    assert len({tuple(p[:16]) for p in prompts}) == 256
+
+
+def test_every_workload_fits_the_engines_max_model_len():
+    module = _module()
+    for prompts, params in module.workloads().values():
+        assert max(map(len, prompts)) + params["max_tokens"] <= module.MAX_MODEL_LEN
