@@ -1,53 +1,101 @@
-"""The analytic cost model: measured winners, no cascade without sharing, sane trends."""
+"""The cost model against the H200 measurements it is calibrated on; no cascade without sharing."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from test_planner import run_python
 from vllm_cascade_plugin.cost import AttentionShape, CostModel, decide
+from vllm_cascade_plugin.demo import Workload, prefix_cached_step
 from vllm_cascade_plugin.planner import plan_cascade
 
-H200_LAYER = AttentionShape(num_qo_heads=32, num_kv_heads=8, head_dim=128, dtype_bytes=2)
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results" / "h200"
+# Llama-3-8B: the shape the defaults are calibrated on, and its 32 layers.
+H200_LAYER = AttentionShape(num_qo_heads=32, num_kv_heads=8, head_dim=128, dtype_bytes=2,
+                            num_layers=32)
+PER_LAYER = dataclasses.replace(CostModel(), step_fixed_us=0.0)  # kernels only
 
 
-def shared_prefix_decode(requests: int, prefix: int, own: int = 128, page_size: int = 16):
-    """Decode step of ``requests`` rows sharing ``prefix`` tokens, each with ``own`` more."""
+def shared_prefix_decode(requests: int, prefix: int, own: int = 128, page_size: int = 16,
+                         groups: int = 1):
+    """Decode step of ``requests`` rows in ``groups`` contiguous groups, each group sharing its
+    own ``prefix`` tokens, each row with ``own`` more."""
     shared, own_pages = prefix // page_size, -(-own // page_size)
     table = np.zeros((requests, shared + own_pages), np.int32)
-    table[:, :shared] = np.arange(1, shared + 1)
-    table[:, shared:] = shared + 1 + np.arange(requests * own_pages).reshape(requests, own_pages)
+    group = np.arange(requests) // (requests // groups)
+    table[:, :shared] = 1 + group[:, None] * shared + np.arange(shared)
+    first_own = 1 + groups * shared
+    table[:, shared:] = first_own + np.arange(requests * own_pages).reshape(requests, own_pages)
     seq_lens = np.full(requests, prefix + own)
     return plan_cascade(table, seq_lens, np.ones(requests, np.int32), page_size)
 
 
-# (B, P): FlashInfer decode ms, FlashInfer MultiLevelCascade ms, one H200 layer (DESIGN.md).
-MEASURED = {
-    (8, 512): (0.064, 0.105),
-    (64, 2048): (0.119, 0.196),
-    (256, 2048): (0.351, 0.441),
-    (128, 8192): (0.561, 0.368),
-    (256, 8192): (1.062, 0.539),
-    (64, 32768): (0.949, 0.585),
-    (256, 32768): (3.697, 0.807),
-}
+def kernel_grid() -> list[dict]:
+    """The H200 kernel grid: flat FlashInfer decode vs. the plugin's executor, per layer."""
+    return json.loads((RESULTS / "kernel_grid.json").read_text())
 
 
-@pytest.mark.parametrize(("requests", "prefix"), list(MEASURED))
-def test_model_picks_the_measured_winner(requests, prefix):
-    flat_ms, cascade_ms = MEASURED[requests, prefix]
-    decision = decide(shared_prefix_decode(requests, prefix), H200_LAYER)
-    assert decision.use_cascade == (cascade_ms < flat_ms), decision.reason
+@pytest.mark.parametrize("row", kernel_grid(), ids=lambda r: f"B{r['B']}-P{r['P']}-G{r['groups']}")
+def test_per_layer_terms_pick_the_faster_kernel_on_every_grid_row(row):
+    flat_us, cascade_us = 1e3 * row["ms"]["fi_decode"], 1e3 * row["ms"]["plugin_cascade"]
+    plan = shared_prefix_decode(row["B"], row["P"], row["S"], groups=row["groups"])
+    decision = decide(plan, H200_LAYER, PER_LAYER)
+    if decision.use_cascade:  # never slower than flat ...
+        assert cascade_us < flat_us, decision.reason
+    if cascade_us * (1 + PER_LAYER.margin) < flat_us:  # ... and no clear win missed
+        assert decision.use_cascade, decision.reason
+
+
+def test_per_layer_estimates_follow_the_grid():
+    errors = []
+    for row in kernel_grid():
+        plan = shared_prefix_decode(row["B"], row["P"], row["S"], groups=row["groups"])
+        d = decide(plan, H200_LAYER, PER_LAYER)
+        errors += [np.log(d.flat_us / (1e3 * row["ms"]["fi_decode"])),
+                   np.log(d.cascade_us / (1e3 * row["ms"]["plugin_cascade"]))]
+    errors = np.abs(errors)
+    assert np.mean(errors) < 0.1  # 6% when calibrated
+    assert np.max(errors) < 0.6  # the 16-group row's cascade: the model's known blind spot
+
+
+def test_per_step_cost_reproduces_the_end_to_end_verdicts():
+    """Workload (a) measured slower with cascade on every step, the demo faster: so decide."""
+    e2e = {r["config"]: r["out_tok_per_s"] for r in json.loads((RESULTS / "e2e.json").read_text())}
+    assert e2e["cascade_always"] < e2e["flashinfer"]
+    assert not decide(shared_prefix_decode(64, 8192, own=16 + 128), H200_LAYER).use_cascade
+
+    demo = re.search(r"plugin off ([\d,]+) tok/s, plugin on ([\d,]+) tok/s",
+                     (RESULTS / "demo.txt").read_text())
+    assert demo is not None
+    off, on = (float(x.replace(",", "")) for x in demo.groups())
+    assert on > off
+    workload = Workload()
+    table, seq_lens, query_lens = prefix_cached_step(workload.prompts(32000),
+                                                     workload.max_tokens // 2)
+    assert decide(plan_cascade(table, seq_lens, query_lens, 16), H200_LAYER).use_cascade
+
+
+def test_per_step_cost_is_spread_over_the_layers():
+    plan = shared_prefix_decode(128, 8192)
+    one = decide(plan, dataclasses.replace(H200_LAYER, num_layers=1))
+    many = decide(plan, H200_LAYER)
+    assert one.flat_us == many.flat_us
+    assert one.cascade_us - many.cascade_us == pytest.approx(
+        CostModel().step_fixed_us * (1 - 1 / 32))
 
 
 def test_single_level_plan_is_always_flat():
     table = np.arange(1, 256 * 2048 + 1).reshape(256, 2048).astype(np.int32)  # nothing shared
     plan = plan_cascade(table, np.full(256, 2048 * 16), np.ones(256, np.int32), 16)
     assert plan.num_levels == 1
-    eager = CostModel(margin=-0.99, level_fixed_us=0.0, request_us=0.0)
+    eager = CostModel(margin=-0.99, level_fixed_us=0.0, request_us=0.0, step_fixed_us=0.0)
     decision = decide(plan, H200_LAYER, eager)
     assert not decision.use_cascade and decision.cascade_us == decision.flat_us
 
@@ -87,3 +135,15 @@ def test_cost_model_is_frozen_and_documented():
 def test_cost_imports_numpy_only():
     code = "import sys, vllm_cascade_plugin.cost; print('torch' in sys.modules)"
     assert run_python("-c", code).strip() == "False"
+
+
+def test_the_shipped_defaults_are_the_calibration_of_the_committed_measurements(tmp_path):
+    """benchmarks/calibrate_cost.py on benchmarks/results/h200 gives exactly CostModel()."""
+    import shutil
+
+    for name in ("kernel_grid.json", "e2e.json", "demo.txt"):
+        shutil.copy(RESULTS / name, tmp_path / name)
+    run_python(str(REPO / "benchmarks" / "calibrate_cost.py"), "--results", str(tmp_path))
+    fitted = json.loads((tmp_path / "cost_calibration.json").read_text())["fitted"]
+    shipped = CostModel()
+    assert fitted == {name: pytest.approx(getattr(shipped, name), rel=1e-3) for name in fitted}

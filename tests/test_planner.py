@@ -569,9 +569,13 @@ def test_planner_bench_quick_writes_rows(tmp_path):
     run_python(str(REPO / "benchmarks" / "planner_bench.py"), "--quick", "--out", str(tmp_path))
     rows = json.loads((tmp_path / "planner.json").read_text())
     assert rows and all(
-        set(row) == {"case", "requests", "pages", "steady_median_us", "cold_median_us"}
+        set(row) == {"case", "requests", "pages", "steady_median_us", "cold_median_us",
+                     "precheck_median_us", "planner_skipped"}
         for row in rows
     )
+    # The pre-check lets the hooks skip the planner on the batch without sharing, and only there.
+    assert {row["case"]: row["planner_skipped"] for row in rows} == {
+        "1x32K": False, "8 groups": False, "16 groups": False, "no sharing": True}
     assert json.loads((tmp_path / "planner.meta.json").read_text())["command"]
 
 

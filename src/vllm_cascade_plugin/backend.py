@@ -120,7 +120,7 @@ class CascadeFlashInferMetadataBuilder(FlashInferMetadataBuilder):
                                    self.q_data_type_decode, kv_cache_spec.dtype,
                                    window_left=self.window_left)
         shape = AttentionShape(self.num_qo_heads, self.num_kv_heads, self.head_dim,
-                               kv_cache_spec.dtype.itemsize)
+                               kv_cache_spec.dtype.itemsize, num_layers=len(layer_names))
         session.configure(load_config(), shape, self.page_size, reason)
         # Bytes of one page over every layer a step's plan serves: the saving the log line reports.
         stats.set_page_bytes(kv_cache_spec.page_size_bytes * len(layer_names))

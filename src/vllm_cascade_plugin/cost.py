@@ -1,26 +1,33 @@
-"""When does a cascade plan beat flat attention? A first analytic model, numpy/stdlib only.
+"""When does a cascade plan beat flat attention? An analytic model, numpy/stdlib only.
 
 Flat FlashInfer decode streams every row's KV pages; a cascade reads a group's shared pages
-once but pays a fixed cost per level, a small cost per request, and runs each shared group as one
-dense prefill whose KV streaming is limited by how few thread blocks one group keeps busy.
-The defaults are fitted to one H200 layer call (bf16, 32 q / 8 kv heads, head_dim 128, page 16,
-FlashInfer 0.6.14), decode with one shared prefix P and 128 own tokens per request:
+once but pays a fixed cost per level, a small cost per request, runs each shared group as one
+dense prefill whose KV streaming is limited by how few thread blocks one group keeps busy, and
+pays once per step for planning its levels on the host and running attention outside FULL CUDA
+graphs. Estimates are per attention layer call (µs); the per-step cost is spread over the
+model's layers.
 
-======  =====  ==========  ============  ==========  =============
-B       P      flat (ms)   cascade (ms)  model flat  model cascade
-======  =====  ==========  ============  ==========  =============
-8       512    0.064       0.105         0.042       0.117
-64      2048   0.119       0.196         0.103       0.211
-256     2048   0.351       0.441         0.294       0.472
-128     8192   0.561       0.368         0.525       0.370
-256     8192   1.062       0.539         1.009       0.544
-64      32768  0.949       0.585         0.998       0.570
-256     32768  3.697       0.807         3.873       0.831
-======  =====  ==========  ============  ==========  =============
+The defaults are calibrated on an H200 (bf16, 32 q / 8 kv heads, head_dim 128, page 16,
+vLLM 0.26.0, FlashInfer 0.6.14) by ``benchmarks/calibrate_cost.py``: the per-layer terms on the
+22 rows of ``benchmarks/results/h200/kernel_grid.json`` (decode, B requests behind P shared
+tokens, 128 own each; mean |log error| 6%, and the model picks the faster of the two at every
+row), the per-step term on two end-to-end runs (``e2e.json`` workload (a), ``demo.txt``). Some
+rows, per layer without the per-step term (µs):
 
-The model picks every measured winner, with the cascade within 11% and flat within 16% (34%
-at the smallest point, where fixed costs dominate). Calibration on the device replaces these
-numbers later.
+======  =====  ======  ==========  ============  ==========  =============
+B       P      groups  flat        cascade       model flat  model cascade
+======  =====  ======  ==========  ============  ==========  =============
+8       512    1       18          34            20          34
+64      8192   1       246         206           256         209
+256     8192   1       940         435           973         460
+256     32768  1       3567        754           3795        777
+256     8192   16      949         783           973         466
+======  =====  ======  ==========  ============  ==========  =============
+
+The 16-group row shows what the model misses: many small groups cost more than their bytes
+say. With the per-step term (3.05 ms over 32 layers, ~95 µs a layer) the model keeps 64
+requests behind an 8K prefix flat, which is what end-to-end measured, and runs cascade from
+about 128 requests x 8K or 64 x 32K.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ class AttentionShape:
     num_kv_heads: int
     head_dim: int
     dtype_bytes: int
+    num_layers: int = 1  # attention layers one step's plan serves; per-step costs spread over them
 
 
 @dataclass(frozen=True)
@@ -59,16 +67,22 @@ class CostModel:
     group_bandwidth : bytes/s one shared group streams its pages at: one group keeps only a few
         thread blocks busy, so this is far below HBM; fitted from the cascade's slope in P.
     shared_bandwidth : bytes/s all groups of one level together can reach (HBM).
+    step_fixed_us : what a cascade step costs beyond its kernels, once per step (spread over
+        ``AttentionShape.num_layers``): planning every level on the host and running attention
+        outside FULL CUDA graphs. Measured end to end: the gap between the step times of flat
+        FlashInfer and cascade-on-every-step runs and the model's kernel saving over 32 layers
+        (3.2 ms at 64 requests, 2.9 ms at 128; Llama-3-8B shape, H200).
     margin : the cascade must be faster by this fraction to be chosen (model error, noise).
     """
 
-    flat_fixed_us: float = 40.0
-    flat_bandwidth: float = 9e12
-    level_fixed_us: float = 50.0
-    request_us: float = 1.3
-    flops: float = 400e12
-    group_bandwidth: float = 0.35e12
-    shared_bandwidth: float = 4e12
+    flat_fixed_us: float = 17.3
+    flat_bandwidth: float = 9.13e12
+    level_fixed_us: float = 8.39
+    request_us: float = 1.26
+    flops: float = 790e12
+    group_bandwidth: float = 0.317e12
+    shared_bandwidth: float = 4.8e12
+    step_fixed_us: float = 3050.0
     margin: float = 0.1
 
 
@@ -118,6 +132,7 @@ def decide(plan: CascadePlan, shape: AttentionShape, model: CostModel = CostMode
     for level in plan.levels[:-1]:
         bandwidth = min(level.num_groups * model.group_bandwidth, model.shared_bandwidth)
         cascade_us += stream_us(len(level.kv_page_indices), pairs(level) * flop_per_pair, bandwidth)
+    cascade_us += model.step_fixed_us / max(shape.num_layers, 1)
     use_cascade = cascade_us * (1 + model.margin) < flat_us
     verdict = "cascade" if use_cascade else "flat"
     reason = f"{verdict}: cascade {cascade_us:.0f} us vs flat {flat_us:.0f} us"

@@ -101,8 +101,10 @@ def attention_shape(config: dict[str, Any]) -> tuple[AttentionShape, int]:
     """The model's attention shape (bf16/fp16 KV cache) and its number of layers."""
     heads = int(config["num_attention_heads"])
     head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
-    shape = AttentionShape(heads, int(config.get("num_key_value_heads", heads)), head_dim, 2)
-    return shape, int(config["num_hidden_layers"])
+    layers = int(config["num_hidden_layers"])
+    shape = AttentionShape(heads, int(config.get("num_key_value_heads", heads)), head_dim, 2,
+                           num_layers=layers)
+    return shape, layers
 
 
 # ------------------------------------------------------------------------------- CPU: the plan
@@ -366,8 +368,10 @@ def describe_plan(demo: PlanDemo, config: CascadeConfig) -> list[str]:
         f"({flat / max(cascade, 1):.1f}x fewer)",
         f"KV bytes per decode step, {demo.model} ({demo.layers} layers, {s.num_kv_heads} KV "
         f"heads x {s.head_dim}, 16-bit): {flat * gb:.2f} GB flat vs {cascade * gb:.2f} GB cascade",
-        f"Cost model (fit on an H200, FlashInfer 0.6.14), per layer call: flat "
-        f"{demo.decision.flat_us:.0f} us, cascade {demo.decision.cascade_us:.0f} us",
+        f"Cost model (calibrated on an H200, FlashInfer 0.6.14), per layer call: flat "
+        f"{demo.decision.flat_us:.0f} us, cascade {demo.decision.cascade_us:.0f} us (with its "
+        f"per-step cost, {CostModel().step_fixed_us / 1e3:.2f} ms, spread over {demo.layers} "
+        "layers)",
         "  -> CASCADE_POLICY=auto runs this step " + (
             "as cascade" if demo.decision.use_cascade else "flat") +
         f" (cascade must win by {CostModel().margin:.0%}); CASCADE_POLICY=always: as cascade.",
