@@ -313,6 +313,7 @@ def judge(run: dict | None, replay: dict | None, settings: dict[str, Any],
         "memory_after_mib": after.get("used_mib"),
         "memory_change_fraction": memory_change,
         "memory_raw_mib": [before.get("used_raw_mib"), after.get("used_raw_mib")],
+        "memory_samples": run.get("memory_samples", []),
         "error_lines": n_errors,
         "plugin_counters": counters,
         "fallbacks": fallbacks,
@@ -385,6 +386,20 @@ def _device_memory(worker: object) -> dict[str, Any]:
             "plugin_mib": plugin, "gpu": torch.cuda.get_device_name()}
 
 
+def _memory_sample(worker: object) -> dict[str, Any]:
+    """Live torch allocations and the plugin's buffers, read under load (no sync, no emptying).
+
+    Taken with every progress line: a leak grows steadily through the run, one-time growth
+    (a buffer sized by the largest step so far) levels off.
+    """
+    import torch
+
+    plugin = None
+    if "vllm_cascade_plugin.kernels" in sys.modules:
+        plugin = sys.modules["vllm_cascade_plugin.kernels"].device_bytes() / 2**20
+    return {"allocated_mib": torch.cuda.memory_allocated() / 2**20, "plugin_mib": plugin}
+
+
 # --- The run and replay phases (child processes).
 
 @dataclasses.dataclass
@@ -434,6 +449,7 @@ class Drive:
         self.failures: list[str] = []
         self.start = time.monotonic()
         self.memory_before: dict | None = None
+        self.memory_samples: list[dict] = []
         self.counters_start: dict | None = None
         self.preemptions_start = 0
 
@@ -565,6 +581,10 @@ class Drive:
                 "decode_steps_planned"]
             done = counters["decode_steps_cascade"] - self.counters_start["decode_steps_cascade"]
             cascade = f"{done / planned:.1%}" if planned else "n/a"
+        sample = await self.measure(_memory_sample, "memory sample")
+        if sample is not None:
+            self.memory_samples.append({"t_s": round(time.monotonic() - self.start, 1),
+                                        **sample})
         print(f"soak: {time.monotonic() - self.start:.0f} s: {t.submitted:,} submitted, "
               f"{t.finished:,} finished, {len(self.tasks)} in flight, {t.aborts:,} aborted, "
               f"{t.incomplete} incomplete, {t.errors} raised, "
@@ -586,7 +606,8 @@ class Drive:
                 "kinds": dict(t.kinds), "problems": t.problems,
                 "preemptions": preemptions() - self.preemptions_start,
                 "counters": counters, "memory_before": self.memory_before,
-                "memory_after": memory_after, "duration_s": duration_s, "hang": self.hang,
+                "memory_after": memory_after, "memory_samples": self.memory_samples,
+                "duration_s": duration_s, "hang": self.hang,
                 "failures": self.failures,
                 "gpu": (memory_after or self.memory_before or {}).get("gpu"),
                 "subset": t.subset}

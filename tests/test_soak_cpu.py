@@ -281,6 +281,7 @@ class FakeEngine:
 
     def __init__(self, stall: str | None = None):
         self.stall, self.aborted, self.errored, self.closed = stall, set(), False, False
+        self.samples = 0
 
     async def generate(self, prompt: Any, params: Any, request_id: str):
         if request_id == self.stall:
@@ -307,6 +308,9 @@ class FakeEngine:
     async def collective_rpc(self, function: Any) -> list[dict]:
         if function is soak._device_memory:
             return [{"used_mib": 3000.0, "used_raw_mib": 3100.0, "gpu": "fake"}]
+        if function is soak._memory_sample:
+            self.samples += 1
+            return [{"allocated_mib": 1000.0 + self.samples, "plugin_mib": 12.0}]
         return [{"decode_steps_planned": 10, "decode_steps_cascade": 9, "fallbacks": {}}]
 
     async def do_log_stats(self) -> None:
@@ -341,6 +345,12 @@ def test_the_drive_reaches_its_count_aborts_and_records_the_subset(tmp_path, mon
     assert run["memory_before"]["used_mib"] == run["memory_after"]["used_mib"] == 3000.0
     assert run["counters"] == {"decode_steps_planned": 0, "decode_steps_cascade": 0,
                                "fallbacks": {}}  # the fake's counters never move
+    # One memory sample per progress line, in time order, as the engine reported them.
+    samples = run["memory_samples"]
+    assert len(samples) == engine.samples >= 2
+    assert [s["allocated_mib"] for s in samples] == [1001.0 + i for i in range(len(samples))]
+    assert all(s["plugin_mib"] == 12.0 for s in samples)
+    assert [s["t_s"] for s in samples] == sorted(s["t_s"] for s in samples)
     assert engine.closed
 
 
