@@ -378,12 +378,15 @@ def _device_memory(worker: object) -> dict[str, Any]:
     raw = total - free
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
-    plugin = None
-    if "vllm_cascade_plugin.kernels" in sys.modules:  # imported only where cascade can run
-        plugin = sys.modules["vllm_cascade_plugin.kernels"].device_bytes() / 2**20
     return {"used_mib": (total - free) / 2**20, "used_raw_mib": raw / 2**20,
             "total_mib": total / 2**20, "allocated_mib": torch.cuda.memory_allocated() / 2**20,
-            "plugin_mib": plugin, "gpu": torch.cuda.get_device_name()}
+            "plugin_mib": _plugin_mib(), "gpu": torch.cuda.get_device_name()}
+
+
+def _plugin_mib() -> float | None:
+    """The plugin's GPU buffers in this (engine) process; None where cascade cannot run."""
+    kernels = sys.modules.get("vllm_cascade_plugin.kernels")  # imported only where it can
+    return None if kernels is None else kernels.device_bytes() / 2**20
 
 
 def _memory_sample(worker: object) -> dict[str, Any]:
@@ -394,10 +397,7 @@ def _memory_sample(worker: object) -> dict[str, Any]:
     """
     import torch
 
-    plugin = None
-    if "vllm_cascade_plugin.kernels" in sys.modules:
-        plugin = sys.modules["vllm_cascade_plugin.kernels"].device_bytes() / 2**20
-    return {"allocated_mib": torch.cuda.memory_allocated() / 2**20, "plugin_mib": plugin}
+    return {"allocated_mib": torch.cuda.memory_allocated() / 2**20, "plugin_mib": _plugin_mib()}
 
 
 # --- The run and replay phases (child processes).

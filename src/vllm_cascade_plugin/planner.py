@@ -146,11 +146,10 @@ def nothing_shared(first_pages: np.ndarray, seq_lens: np.ndarray, query_lens: np
     different, :func:`plan_cascade` finds no shared level. ``O(R log R)``, without reading the
     rest of the block table: a step without sharing skips the planner. ``False`` proves nothing.
     """
-    seq_lens = np.asarray(seq_lens, dtype=np.int64)
-    query_lens = np.asarray(query_lens, dtype=np.int64)
+    qry = np.asarray(query_lens, dtype=np.int64)
+    bound = _shareable_bound(np.asarray(seq_lens, dtype=np.int64), qry, qry > 0, page_size)
     first_pages = np.asarray(first_pages)
-    candidate = ((seq_lens - query_lens) // page_size >= 1) & (query_lens > 0) & (first_pages != 0)
-    firsts = first_pages[candidate]
+    firsts = first_pages[(bound >= 1) & (first_pages != 0)]
     return firsts.size < 2 or np.unique(firsts).size == firsts.size
 
 
@@ -307,6 +306,12 @@ def _check_limits(max_levels: int, min_shared_pages: int) -> None:
         raise ValueError(f"min_shared_pages must be >= 1, got {min_shared_pages}")
 
 
+def _shareable_bound(seq: np.ndarray, qry: np.ndarray, active: np.ndarray,
+                     page_size: int) -> np.ndarray:
+    """Whole pages before each row's first query token: the most it may share (0 for padding)."""
+    return np.where(active, (seq - qry) // page_size, 0)
+
+
 def _read_step(
     block_table: np.ndarray, seq_lens: np.ndarray, query_lens: np.ndarray, page_size: int
 ) -> _Step:
@@ -338,7 +343,7 @@ def _read_step(
         active=active,
         rows=np.flatnonzero(active),
         num_pages=num_pages,
-        shareable_bound=np.where(active, (seq - qry) // page_size, 0),
+        shareable_bound=_shareable_bound(seq, qry, active, page_size),
         query_start=query_start,
         num_tokens=int(qry.sum()),
     )
