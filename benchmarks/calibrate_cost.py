@@ -1,19 +1,24 @@
-"""Fit the cost model (``vllm_cascade_plugin.cost.CostModel``) to the H200 measurements.
+"""Fit the cost models (``vllm_cascade_plugin.cost.COST_MODELS``) to the H200 measurements.
 
     PYTHONPATH=src python benchmarks/calibrate_cost.py [--results benchmarks/results/h200]
 
-Per layer call, from ``kernel_grid.json`` (``kernel_bench.py``): for every row the planner plans
-the row's layout and the model estimates flat attention (measured: ``fi_decode``) and the
-plugin's cascade executor (measured: ``plugin_cascade``); the fit minimises the squared log
-error of both over all rows (Nelder-Mead in log-parameter space, numpy only, under the H200's
-physical ceilings). Per step, what a cascade step costs beyond its kernels (host planning of
-every level, attention outside FULL CUDA graphs): ``step_fixed_us`` closes the gap between the
+One model per cascade executor (``CASCADE_KERNEL``: ``flashinfer``, ``fa3``); flat attention is
+vLLM's FlashInfer decode in both. Per layer call, from ``kernel_grid.json`` (``kernel_bench.py``):
+for every row the planner plans the row's layout and the model estimates flat attention
+(measured: ``fi_decode``) and the executor (measured: ``plugin_cascade`` for FlashInfer's,
+``plugin_cascade_fa3`` for FA3's; on a grid measured before the FA3 executor existed, vLLM's own
+FA3 cascade ``fa3_cascade``, the same kernels, on the single-group rows, stands in). The fit
+minimises the squared log error of both over all rows (Nelder-Mead in log-parameter space, numpy
+only, under the H200's physical ceilings). Per step, what a cascade step costs beyond its kernels
+(host planning, attention outside FULL CUDA graphs): ``step_fixed_us`` closes the gap between the
 model's kernel saving over 32 layers and what end-to-end runs measured between flat FlashInfer
-and cascade on every step (``e2e.json`` workload (a); ``demo.txt``, the demo's default
-workload). Writes ``cost_calibration.json`` with every row's estimates and the pick the fitted
-model makes there (``regret``: the measured time of what it picks over the faster of the two;
-1.0 = the right pick). Paste the fitted values into ``CostModel``'s defaults;
-``tests/test_cost.py`` checks the shipped model against the same files.
+and cascade on every step (``cascade_always``): ``e2e.json`` and ``e2e_flashinfer_executor.json``
+rows of that executor, and for FlashInfer's also ``demo.txt`` (the demo's default workload). An
+executor without such runs gets FlashInfer's step cost less the difference of their host
+planning measured in the grid (``plan_us_parts``). Writes ``cost_calibration.json`` with every
+row's estimates and the pick the fitted model makes there (``regret``: the measured time of what
+it picks over the faster of the two; 1.0 = the right pick). Paste the fitted values into
+``COST_MODELS``; ``tests/test_cost.py`` checks the shipped models against the same files.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_cascade_plugin.cost import AttentionShape, CostModel, decide
+from vllm_cascade_plugin.cost import COST_MODELS, AttentionShape, CostModel, decide
 from vllm_cascade_plugin.demo import Workload, prefix_cached_step
 from vllm_cascade_plugin.planner import CascadePlan, plan_cascade
 
@@ -69,10 +74,36 @@ def decode_plan(requests: int, prefix: int, own: int, groups: int = 1) -> Cascad
                         bench.PAGE)
 
 
-def grid_points(rows: Sequence[dict]) -> list[tuple[dict, CascadePlan]]:
-    """The grid's rows that measured both methods, each with the plan of its layout."""
+# Executor -> (its kernel-grid column, a stand-in column for grids measured before it existed).
+COLUMNS = {"flashinfer": ("plugin_cascade", None), "fa3": ("plugin_cascade_fa3", "fa3_cascade")}
+# End-to-end workloads (e2e_bench.py) -> (sequences decoding together, the plan of a decode step
+# halfway through their 256 generated tokens).
+E2E_WORKLOADS: dict[str, tuple[int, Callable[[], CascadePlan]]] = {
+    "one_8k_prefix_x64": (64, lambda: decode_plan(64, 8192, 16 + 128)),
+    "b128_16k_prefix_64_own": (128, lambda: decode_plan(128, 16384, 64 + 128)),
+    "8_prefixes_8k_x16_interleaved": (128, lambda: decode_plan(128, 8192, 64 + 128, 8)),
+    "n16_sampling_32_prompts_4k": (512, lambda: decode_plan(512, 4096, 128, 32)),
+}
+
+
+def grid_column(rows: Sequence[dict], kernel: str) -> tuple[str, bool]:
+    """The grid column that measured ``kernel``'s executor, and whether it is the stand-in."""
+    column, proxy = COLUMNS[kernel]
+    if any(r.get("ms", {}).get(column) for r in rows) or proxy is None:
+        return column, False
+    return proxy, True
+
+
+def grid_points(rows: Sequence[dict], column: str = "plugin_cascade",
+                proxy: bool = False) -> list[tuple[dict, CascadePlan]]:
+    """The grid's rows that measured both methods, each with the plan of its layout.
+
+    A stand-in column (vLLM's FA3 cascade) counts on single-group rows only: vLLM runs one
+    prefix per call, so its multi-group rows time several calls in sequence.
+    """
     return [(row, decode_plan(row["B"], row["P"], row["S"], row["groups"])) for row in rows
-            if row.get("ms", {}).get("fi_decode") and row["ms"].get("plugin_cascade")]
+            if row.get("ms", {}).get("fi_decode") and row["ms"].get(column)
+            and not (proxy and row["groups"] > 1)]
 
 
 def estimates(model: CostModel, points: Sequence[tuple[dict, CascadePlan]]) -> np.ndarray:
@@ -81,10 +112,10 @@ def estimates(model: CostModel, points: Sequence[tuple[dict, CascadePlan]]) -> n
     return np.array([[d.flat_us, d.cascade_us] for d in out])
 
 
-def measured(points: Sequence[tuple[dict, CascadePlan]]) -> np.ndarray:
-    """[rows, 2] measured (flat FlashInfer decode, the plugin's executor) in µs."""
-    return np.array([[1e3 * r["ms"]["fi_decode"], 1e3 * r["ms"]["plugin_cascade"]]
-                     for r, _ in points])
+def measured(points: Sequence[tuple[dict, CascadePlan]],
+             column: str = "plugin_cascade") -> np.ndarray:
+    """[rows, 2] measured (flat FlashInfer decode, the executor's ``column``) in µs."""
+    return np.array([[1e3 * r["ms"]["fi_decode"], 1e3 * r["ms"][column]] for r, _ in points])
 
 
 def nelder_mead(f: Callable[[np.ndarray], float], x0: np.ndarray, step: float = 0.3,
@@ -118,9 +149,10 @@ def nelder_mead(f: Callable[[np.ndarray], float], x0: np.ndarray, step: float = 
     return simplex[np.argmin(values)]
 
 
-def fit(points: Sequence[tuple[dict, CascadePlan]], start: CostModel) -> CostModel:
+def fit(points: Sequence[tuple[dict, CascadePlan]], start: CostModel,
+        column: str = "plugin_cascade") -> CostModel:
     """The per-layer terms (``FITTED``) that best explain the grid; ``start``'s others kept."""
-    truth = np.log(measured(points))
+    truth = np.log(measured(points, column))
 
     def model_at(x: np.ndarray) -> CostModel:
         values = dict(zip(FITTED, np.exp(x).tolist(), strict=True))
@@ -137,8 +169,9 @@ def fit(points: Sequence[tuple[dict, CascadePlan]], start: CostModel) -> CostMod
     return model_at(x)
 
 
-def report(model: CostModel, points: Sequence[tuple[dict, CascadePlan]]) -> list[dict]:
-    est, truth = estimates(model, points), measured(points)
+def report(model: CostModel, points: Sequence[tuple[dict, CascadePlan]],
+           column: str = "plugin_cascade") -> list[dict]:
+    est, truth = estimates(model, points), measured(points, column)
     rows = []
     for (row, _), (flat, cascade), (flat_m, cascade_m) in zip(points, est, truth, strict=True):
         pick_cascade = cascade * (1 + model.margin) < flat
@@ -151,28 +184,62 @@ def report(model: CostModel, points: Sequence[tuple[dict, CascadePlan]]) -> list
     return rows
 
 
-def e2e_points(results: Path) -> list[tuple[str, CascadePlan, float, float]]:
+def e2e_rows(results: Path) -> list[dict]:
+    """Every end-to-end row; rows without ``kernel`` predate the FA3 executor (FlashInfer's)."""
+    rows = []
+    for name in ("e2e_flashinfer_executor.json", "e2e.json"):
+        if (results / name).exists():
+            for row in json.loads((results / name).read_text()):
+                rows.append({**row, "kernel": row.get("kernel") or (
+                    ["flashinfer"] if row["config"].startswith("cascade") else [])})
+    return rows
+
+
+def e2e_points(results: Path, kernel: str = "flashinfer"
+               ) -> list[tuple[str, CascadePlan, float, float]]:
     """(name, mid-generation decode plan, flat step µs, cascade step µs) of each end-to-end run
-    that measured flat FlashInfer against cascade on (nearly) every step, Llama-3-8B shape."""
-    speed = {r["config"]: r for r in json.loads((results / "e2e.json").read_text())
-             if r["workload"] == "one_8k_prefix_x64"}
+    that measured flat FlashInfer against ``kernel``'s cascade on (nearly) every step, Llama-3-8B
+    shape."""
+    rows = e2e_rows(results)
     points = []
-    if {"flashinfer", "cascade_always"} <= set(speed):
-        # Workload (a): 64 x (8,192 shared + 16 own prompt tokens), 256 generated.
-        flat, cascade = (1e6 * speed[c]["seconds"] / (speed[c]["output_tokens"] / 64)
-                         for c in ("flashinfer", "cascade_always"))
-        points.append(("e2e workload (a)", decode_plan(64, 8192, 16 + 128), flat, cascade))
+    for workload, (sequences, plan) in E2E_WORKLOADS.items():
+        flat = [r for r in rows if r["workload"] == workload and r["config"] == "flashinfer"]
+        on = [r for r in rows if r["workload"] == workload and r["config"] == "cascade_always"
+              and r["kernel"] == [kernel]]
+        if not flat or not on:
+            continue
+        counters = on[-1].get("plugin_counters")
+        if counters and counters["steps_cascade"] < 0.9 * counters["steps_planned"]:
+            continue  # not cascade on (nearly) every step
+        flat_us, cascade_us = (1e6 * r["seconds"] / (r["output_tokens"] / sequences)
+                               for r in (flat[-1], on[-1]))
+        points.append((f"e2e {workload}", plan(), flat_us, cascade_us))
     demo = results / "demo.txt"
     found = re.search(r"plugin off ([\d,]+) tok/s, plugin on ([\d,]+) tok/s",
-                      demo.read_text()) if demo.exists() else None
-    if found:  # `vllm-cascade demo`'s default workload; cascade ran on 127 of its 128 steps
-        workload = Workload()
+                      demo.read_text()) if demo.exists() and kernel == "flashinfer" else None
+    if found:  # `vllm-cascade demo`'s default workload, FlashInfer's executor then; cascade ran
+        workload = Workload()  # on 127 of its 128 steps
         table, seq_lens, query_lens = prefix_cached_step(workload.prompts(32000),
                                                          workload.max_tokens // 2)
-        off, on = (float(x.replace(",", "")) for x in found.groups())
+        off, on_ = (float(x.replace(",", "")) for x in found.groups())
         points.append(("vllm-cascade demo", plan_cascade(table, seq_lens, query_lens, 16),
-                       1e6 * workload.requests / off, 1e6 * workload.requests / on))
+                       1e6 * workload.requests / off, 1e6 * workload.requests / on_))
     return points
+
+
+def host_plan_us(grid: Sequence[dict], kernel: str, requests: int) -> float | None:
+    """The executor's host planning per step (grid ``plan_us_parts``) at ``requests`` rows."""
+    key = {"flashinfer": ("executor_plan_flashinfer", "executor_plan"),
+           "fa3": ("executor_plan_fa3",)}[kernel]
+    found = [(r["B"], v) for r in grid if r["groups"] == 1
+             for v in [next((r.get("plan_us_parts", {}).get(k) for k in key
+                             if r.get("plan_us_parts", {}).get(k) is not None), None)]
+             if v is not None]
+    if not found:
+        return None
+    sizes = sorted({b for b, _ in found})
+    means = [float(np.mean([v for b, v in found if b == size])) for size in sizes]
+    return float(np.interp(requests, sizes, means))
 
 
 def step_cost(points: Sequence[tuple[str, CascadePlan, float, float]], per_layer: CostModel,
@@ -197,30 +264,61 @@ def step_cost(points: Sequence[tuple[str, CascadePlan, float, float]], per_layer
     return float(np.mean([r["overhead_us"] for r in rows])), rows
 
 
+def calibrate(kernel: str, grid: Sequence[dict], results: Path,
+              reference_fixed: float | None = None) -> dict[str, Any]:
+    """Fit one executor's model; ``reference_fixed``: FlashInfer's per-step cost, for an
+    executor without end-to-end runs of its own."""
+    column, proxy = grid_column(grid, kernel)
+    points = grid_points(grid, column, proxy)
+    per_layer = fit(points, START, column)
+    e2e = e2e_points(results, kernel)
+    note = None
+    if e2e:
+        fixed, e2e_report = step_cost(e2e, per_layer)
+    else:  # FlashInfer's step cost with this executor's host planning instead of FlashInfer's
+        assert reference_fixed is not None, f"no end-to-end run of {kernel} or FlashInfer"
+        b = [p.stats.num_requests for _, p, _, _ in e2e_points(results, "flashinfer")]
+        theirs = [host_plan_us(grid, "flashinfer", n) for n in b]
+        ours = [host_plan_us(grid, kernel, n) or 0.0 for n in b]
+        fixed = reference_fixed - float(np.mean([t - o for t, o in zip(theirs, ours,
+                                                                          strict=True)]))
+        e2e_report = []
+        note = (f"no end-to-end run with this executor: FlashInfer's per-step cost "
+                f"{reference_fixed:.0f} us less the difference of the two executors' host "
+                f"planning at {b} requests")
+    fitted = dataclasses.replace(per_layer, step_fixed_us=float(f"{fixed:.3g}"))
+    names = (*FITTED, "step_fixed_us")
+    return {"grid_column": column, "stand_in": proxy, "note": note,
+            "fitted": {name: float(f"{getattr(fitted, name):.3g}") for name in names},
+            "shipped": {name: getattr(COST_MODELS[kernel], name) for name in names},
+            "end_to_end": e2e_report, "grid_rows_per_layer": report(per_layer, points, column)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results" / "h200")
     args = parser.parse_args()
-    points = grid_points(json.loads((args.results / "kernel_grid.json").read_text()))
-    shipped = CostModel()
-    per_layer = fit(points, START)
-    fixed, e2e_rows = step_cost(e2e_points(args.results), per_layer)
-    fitted = dataclasses.replace(per_layer, step_fixed_us=float(f"{fixed:.3g}"))
-    names = (*FITTED, "step_fixed_us")
+    grid = json.loads((args.results / "kernel_grid.json").read_text())
+    executors: dict[str, Any] = {}
+    for kernel in COLUMNS:  # FlashInfer's first: an executor without e2e runs starts from it
+        fi = executors.get("flashinfer", {}).get("fitted", {})
+        executors[kernel] = calibrate(kernel, grid, args.results, fi.get("step_fixed_us"))
     result = {"date": datetime.date.today().isoformat(),
-              "inputs": ["kernel_grid.json", "e2e.json", "demo.txt"],
-              "command": " ".join(["python", *sys.argv]),
-              "fitted": {name: float(f"{getattr(fitted, name):.3g}") for name in names},
-              "shipped": {name: getattr(shipped, name) for name in names},
-              "margin": shipped.margin, "end_to_end": e2e_rows,
-              "grid_rows_per_layer": report(per_layer, points)}
+              "inputs": ["kernel_grid.json", "e2e.json", "e2e_flashinfer_executor.json",
+                         "demo.txt"],
+              "command": " ".join(["python", *sys.argv]), "margin": CostModel().margin,
+              "executors": executors}
     (args.results / "cost_calibration.json").write_text(json.dumps(result, indent=1) + "\n")
-    regrets = [r["regret"] for r in result["grid_rows_per_layer"]]
-    print(f"per layer: {len(regrets)} grid rows, worst pick {max(regrets):.3f}x the faster one")
-    for row in e2e_rows:
-        print(f"per step: {row['point']}: cascade step costs {row['overhead_us']:.0f} us beyond "
-              f"its kernels")
-    print("fitted:", json.dumps(result["fitted"]))
+    for kernel, fitted in executors.items():
+        regrets = [r["regret"] for r in fitted["grid_rows_per_layer"]]
+        print(f"{kernel}: per layer: {len(regrets)} grid rows ({fitted['grid_column']}), worst "
+              f"pick {max(regrets):.3f}x the faster one")
+        for row in fitted["end_to_end"]:
+            print(f"  per step: {row['point']}: cascade step costs {row['overhead_us']:.0f} us "
+                  f"beyond its kernels")
+        if fitted["note"]:
+            print(f"  per step: {fitted['note']}")
+        print(f"  fitted: {json.dumps(fitted['fitted'])}")
     return 0
 
 

@@ -68,26 +68,42 @@ def run_one(model: str, config: str, names: list[str]) -> list[dict]:
     llm = LLM(model=model, load_format="dummy", skip_tokenizer_init=True,
               attention_backend=backend, enable_prefix_caching=True, max_model_len=MAX_MODEL_LEN,
               gpu_memory_utilization=0.85, seed=0, enable_flashinfer_autotune=False)
+    plugin_on = config.startswith("cascade")
     rows = []
     for name in names:
         prompts, params = workloads()[name]
         batch = [TokensPrompt(prompt_token_ids=p) for p in prompts]
         llm.generate(batch, SamplingParams(**{**params, "max_tokens": 4}), use_tqdm=False)
+        before = _plugin_counters() if plugin_on else None
         start = time.perf_counter()
         outputs = llm.generate(batch, SamplingParams(**params), use_tqdm=False)
         elapsed = time.perf_counter() - start
         out_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-        rows.append({"workload": name, "config": config, "out_tok_per_s": out_tokens / elapsed,
-                     "output_tokens": out_tokens, "seconds": elapsed})
-    if config.startswith("cascade"):
-        from vllm_cascade_plugin import stats
-
-        counters = stats.snapshot()
-        for row in rows:
-            row["plugin_counters"] = {"steps_planned": counters.steps_planned,
-                                      "steps_cascade": counters.steps_cascade,
-                                      "fallbacks": dict(counters.fallbacks)}
+        row = {"workload": name, "config": config, "out_tok_per_s": out_tokens / elapsed,
+               "output_tokens": out_tokens, "seconds": elapsed}
+        if before is not None:  # this workload's timed steps only
+            after = _plugin_counters()
+            row["plugin_counters"] = {
+                "steps_planned": after["steps_planned"] - before["steps_planned"],
+                "steps_cascade": after["steps_cascade"] - before["steps_cascade"],
+                "fallbacks": {k: v - before["fallbacks"].get(k, 0)
+                              for k, v in after["fallbacks"].items()
+                              if v > before["fallbacks"].get(k, 0)}}
+            row["kernel"] = after["executors"]
+        rows.append(row)
     return rows
+
+
+def _plugin_counters() -> dict:
+    """The plugin's counters in this process (the engine runs in it) and its executors."""
+    from vllm_cascade_plugin import stats
+
+    counters = stats.snapshot()
+    kernels = sys.modules.get("vllm_cascade_plugin.kernels")
+    return {"steps_planned": counters.steps_planned, "steps_cascade": counters.steps_cascade,
+            "fallbacks": dict(counters.fallbacks),
+            "executors": [] if kernels is None else sorted(
+                {e.kernel for e in list(kernels._EXECUTORS)})}
 
 
 def main() -> int:

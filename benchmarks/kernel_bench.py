@@ -74,7 +74,10 @@ PEAK_FLOPS = 790e12  # H200 dense bf16 tensor cores, achievable
 TOLERANCE = 2e-2
 WORKSPACE_BYTES = 394 * 1024 * 1024  # vLLM 0.26's VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE
 METHODS = ("plugin", "fi_decode", "fi_cascade", "fa3_decode", "fa3_cascade")
-TIMED = ("fi_decode", "plugin_cascade", "fi_cascade", "fa3_decode", "fa3_cascade")
+TIMED = ("fi_decode", "plugin_cascade", "plugin_cascade_fa3", "fi_cascade", "fa3_decode",
+         "fa3_cascade")
+# The plugin's two executors (CASCADE_KERNEL): their timing columns.
+EXECUTOR_COLUMNS = {"flashinfer": "plugin_cascade", "fa3": "plugin_cascade_fa3"}
 
 GRID_B = (8, 32, 64, 128, 256)
 GRID_P = (512, 2048, 8192, 32768)
@@ -369,7 +372,11 @@ class Gpu:
         )
         from vllm.vllm_flash_attn import flash_attn_varlen_func, get_scheduler_metadata
 
-        from vllm_cascade_plugin.kernels import FlashInferCascadeExecutor
+        from vllm_cascade_plugin.kernels import (
+            FlashInferCascadeExecutor,
+            choose_kernel,
+            make_executor,
+        )
 
         if not torch.cuda.is_available():
             raise RuntimeError("kernel_bench needs a CUDA GPU")
@@ -386,7 +393,11 @@ class Gpu:
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             workspace, "NHD", use_cuda_graph=False, use_tensor_cores=True, backend="auto")
         self.fi_cascade = flashinfer.MultiLevelCascadeAttentionWrapper(2, workspace, "NHD")
-        self.executor = FlashInferCascadeExecutor(workspace, "NHD", max_levels=3)
+        self.executors = {"flashinfer": FlashInferCascadeExecutor(workspace, "NHD", max_levels=3)}
+        # What CASCADE_KERNEL=auto runs on this GPU: FA3 on Hopper, else FlashInfer.
+        self.kernel, self.kernel_line = choose_kernel("auto", "NHD")
+        if self.kernel == "fa3":
+            self.executors["fa3"] = make_executor("fa3", workspace, "NHD", 3)
 
     def pinned(self, array: np.ndarray) -> Any:
         return self.torch.from_numpy(np.ascontiguousarray(array, np.int32)).pin_memory()
@@ -488,7 +499,7 @@ def reference(gpu: Gpu, q: Any, k: Any, v: Any, layout: Layout, rows: Sequence[i
 def run_case(case: Case, gpu: Gpu, timer: Timer, rng: np.random.Generator, seed: int,
              pool_pages: int, plan_reps: int) -> dict[str, Any]:
     """Plan, check and time the five methods on one case; returns its row."""
-    from vllm_cascade_plugin.cost import AttentionShape, CostModel, decide
+    from vllm_cascade_plugin.cost import COST_MODELS, AttentionShape, decide
     from vllm_cascade_plugin.planner import CascadePlanner, plan_cascade
 
     torch = gpu.torch
@@ -559,15 +570,18 @@ def run_case(case: Case, gpu: Gpu, timer: Timer, rng: np.random.Generator, seed:
         args = (layout.block_table, layout.seq_lens, query_lens, PAGE)
         planner = CascadePlanner()
         planner.plan(*args)
-        # The decision the plugin makes in Llama-3-8B: its per-step cost spread over 32 layers.
+        # The decision the plugin makes in Llama-3-8B: its per-step cost spread over 32 layers,
+        # with the calibration of the executor CASCADE_KERNEL=auto picks on this GPU.
         shape = AttentionShape(NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, DTYPE_BYTES,
                                num_layers=NUM_LAYERS)
+        model = COST_MODELS[gpu.kernel]
         parts = {"planner_cold": host_us(lambda: plan_cascade(*args), plan_reps),
                  "planner_steady": host_us(lambda: planner.plan(*args), plan_reps)}
         plan = planner.plan(*args)
-        parts["decide"] = host_us(lambda: decide(plan, shape, CostModel()), plan_reps)
-        decision = decide(plan, shape, CostModel())
+        parts["decide"] = host_us(lambda: decide(plan, shape, model), plan_reps)
+        decision = decide(plan, shape, model)
         use_cascade = plan.num_levels >= 2 and decision.use_cascade
+        row["plugin_kernel"] = gpu.kernel
         row["plugin_choice"] = "cascade" if use_cascade else "flat"
         row["cost_model"] = {"flat_us": decision.flat_us, "cascade_us": decision.cascade_us,
                              "reason": decision.reason}
@@ -578,18 +592,33 @@ def run_case(case: Case, gpu: Gpu, timer: Timer, rng: np.random.Generator, seed:
             errors.append(f"plugin: planner found {plan.num_levels} levels and groups "
                           f"{plan.stats.group_sizes}, expected 2 levels and {case.groups} groups")
 
-        def plan_executor() -> None:
-            gpu.executor.plan(plan, num_qo_heads=NUM_QO_HEADS, num_kv_heads=NUM_KV_HEADS,
+        for kind, executor in gpu.executors.items():
+            column = EXECUTOR_COLUMNS[kind]
+
+            def plan_executor(executor: Any = executor) -> None:
+                executor.plan(plan, num_qo_heads=NUM_QO_HEADS, num_kv_heads=NUM_KV_HEADS,
                               head_dim=HEAD_DIM, page_size=PAGE, sm_scale=sm_scale,
                               logits_soft_cap=None, q_dtype=dtype, kv_dtype=dtype, device=dev)
 
-        parts["executor_plan"] = host_us(plan_executor, plan_reps)
+            # Steady state: the FA3 executor keeps a level that `is` the previous plan's, as in
+            # decode; "_cold" re-plans every level (a new plan object each time).
+            parts[f"executor_plan_{kind}"] = host_us(plan_executor, plan_reps)
+            if kind == "fa3":
+                parts["executor_plan_fa3_cold"] = host_us(
+                    lambda executor=executor: executor.plan(
+                        plan_cascade(*args),
+                        num_qo_heads=NUM_QO_HEADS, num_kv_heads=NUM_KV_HEADS,
+                        head_dim=HEAD_DIM, page_size=PAGE, sm_scale=sm_scale,
+                        logits_soft_cap=None, q_dtype=dtype, kv_dtype=dtype, device=dev),
+                    plan_reps)
+            plan_executor()
+            out = torch.empty_like(q)
+            runs[column] = lambda executor=executor, out=out: executor.run(q, k, v, out)
+            runs[column]()
+            outputs[column] = out
         row["plan_us_parts"] = parts
-        row["plan_us"] = parts["planner_steady"] + parts["decide"] + parts["executor_plan"]
-        out = torch.empty_like(q)
-        runs["plugin_cascade"] = lambda: gpu.executor.run(q, k, v, out)
-        runs["plugin_cascade"]()
-        outputs["plugin_cascade"] = out
+        row["plan_us"] = (parts["planner_steady"] + parts["decide"]
+                          + parts[f"executor_plan_{gpu.kernel}"])
 
     # fa3_decode: vLLM 0.26 FlashAttentionMetadataBuilder.build (aot_schedule, eager:
     # max_num_splits 0) and FlashAttentionImpl.forward's flash_attn_varlen_func call.
@@ -682,7 +711,9 @@ def run_case(case: Case, gpu: Gpu, timer: Timer, rng: np.random.Generator, seed:
         attempt(name, body)
 
     # Correctness before any timing.
-    err: dict[str, float | None] = dict.fromkeys(("fi_decode", *TIMED[1:], "plugin"))
+    expected = [m for m in TIMED[1:]
+                if m != EXECUTOR_COLUMNS["fa3"] or "fa3" in gpu.executors]
+    err: dict[str, float | None] = dict.fromkeys(("fi_decode", *expected, "plugin"))
     want = outputs.get("fi_decode")
     if want is not None:
         sample = sorted({0, case.B - 1})
@@ -693,7 +724,8 @@ def run_case(case: Case, gpu: Gpu, timer: Timer, rng: np.random.Generator, seed:
             if name != "fi_decode":
                 err[name] = (got.float() - want.float()).abs().max().item()
     if "plugin_choice" in row:
-        err["plugin"] = err["plugin_cascade"] if row["plugin_choice"] == "cascade" else 0.0
+        err["plugin"] = (err[EXECUTOR_COLUMNS[row["plugin_kernel"]]]
+                         if row["plugin_choice"] == "cascade" else 0.0)
     row["max_abs_err"] = err
     for name, value in err.items():
         if value is None:
@@ -711,11 +743,11 @@ def run_case(case: Case, gpu: Gpu, timer: Timer, rng: np.random.Generator, seed:
                     lambda name=name: timings.__setitem__(name, timer.time(runs[name])))
     ms = {name: (timings[name].ms if name in timings else None) for name in TIMED}
     if "plugin_choice" in row:
-        ms["plugin"] = ms["plugin_cascade" if row["plugin_choice"] == "cascade" else "fi_decode"]
+        ms["plugin"] = ms[EXECUTOR_COLUMNS[row["plugin_kernel"]]
+                          if row["plugin_choice"] == "cascade" else "fi_decode"]
     else:
         ms["plugin"] = None
-    row["ms"] = {name: ms[name] for name in ("plugin", "plugin_cascade", "fi_decode", "fi_cascade",
-                                             "fa3_decode", "fa3_cascade")}
+    row["ms"] = {name: ms[name] for name in ("plugin", *TIMED)}
     row["ms_min"] = {name: t.ms_min for name, t in timings.items()}
     row["host_us"] = {name: t.host_us for name, t in timings.items()}
     row["spin_us"] = {name: t.spin_us for name, t in timings.items()}

@@ -314,6 +314,8 @@ def judge(run: dict | None, replay: dict | None, settings: dict[str, Any],
         "memory_change_fraction": memory_change,
         "memory_raw_mib": [before.get("used_raw_mib"), after.get("used_raw_mib")],
         "memory_samples": run.get("memory_samples", []),
+        "memory_readings": {"before": before, "after": after},
+        "executors": after.get("executors", before.get("executors")),
         "error_lines": n_errors,
         "plugin_counters": counters,
         "fallbacks": fallbacks,
@@ -380,7 +382,14 @@ def _device_memory(worker: object) -> dict[str, Any]:
     free, total = torch.cuda.mem_get_info()
     return {"used_mib": (total - free) / 2**20, "used_raw_mib": raw / 2**20,
             "total_mib": total / 2**20, "allocated_mib": torch.cuda.memory_allocated() / 2**20,
-            "plugin_mib": _plugin_mib(), "gpu": torch.cuda.get_device_name()}
+            "plugin_mib": _plugin_mib(), "gpu": torch.cuda.get_device_name(),
+            "executors": _executors()}
+
+
+def _executors() -> list[str]:
+    """Which cascade executor ran (CASCADE_KERNEL): FlashInfer's or FA3."""
+    kernels = sys.modules.get("vllm_cascade_plugin.kernels")
+    return [] if kernels is None else sorted({e.kernel for e in list(kernels._EXECUTORS)})
 
 
 def _plugin_mib() -> float | None:

@@ -1,13 +1,21 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/results/h200/, on a two-GPU H200 machine (device kind
-# nvidia-h200-x2), in three device commands of at most 10 minutes each, started back to back so
-# the machine stays warm (the soak runs longer than one command, so it runs detached):
+# nvidia-h200-x2), in device commands of at most 10 minutes each, started back to back so the
+# machine stays warm (longer work runs detached, in a new process session).
+#
+# Session 2 (grpo/serve examples, FlashInfer matrix; soak and kernel grid then replaced):
 #   source .devb/setup_device.sh && bash scripts/gpu_validate.sh part1     # carry .devb, .whl
 #   source .devb/setup_device.sh && bash scripts/gpu_validate.sh part2 .whl/flashinfer_python-*.whl
 #   source .devb/setup_device.sh && bash scripts/gpu_validate.sh part3
+# Session 3 (FA3 executor: kernel tests, engine tests, soak, kernel grid, offline example, e2e,
+# tensor parallelism): `start` launches one pipeline per GPU, detached; `wait` (repeat) packs
+# what is done so far; `tp` waits for both pipelines, then runs the TP=2 engine tests:
+#   source .devb/setup_device.sh && bash scripts/gpu_validate.sh start [SECONDS]
+#   source .devb/setup_device.sh && bash scripts/gpu_validate.sh wait [SECONDS]
+#   source .devb/setup_device.sh && bash scripts/gpu_validate.sh tp
 # .whl holds truststore (the OpenAI client's httpx2 needs it; the bundle lacks it) and, for
 # part2, the FlashInfer wheels of the GPU version matrix. Each part leaves its logs and JSON in
-# $OUT/partN.tar.xz (unpack into benchmarks/results/h200/ what belongs there).
+# $OUT/<part>.tar.xz (unpack into benchmarks/results/h200/ what belongs there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 res=/tmp/gv
@@ -17,8 +25,73 @@ if ! python3 -c 'import truststore' 2>/dev/null; then
 fi
 stamp() { echo "[gpu_validate $(date +%T)] $*"; }
 
-part=${1:?part1, part2 or part3}
+part=${1:?part1, part2, part3, start, wait or tp}
+
+gpu0_pipeline() {  # FA3 kernel tests, engine tests, then the soak (>= 10 min of load + replay)
+  CUDA_VISIBLE_DEVICES=0 CASCADE_RESULTS_DIR="$res/kernels" timeout 300 python3 -m pytest -q \
+    -p no:cacheprovider tests/gpu/test_kernels.py -k "fa3 or fp32_reference" \
+    > "$res/kernels.log" 2>&1
+  local rc=$?
+  stamp "kernel tests rc=$rc"; tail -3 "$res/kernels.log"
+  # The soak and engine tests run what CASCADE_KERNEL=auto picks (FA3 here) unless its kernel
+  # tests failed: then FlashInfer's executor, and the logs say so.
+  local kernel=""
+  if [ $rc -ne 0 ] && grep -q "FAILED.*fa3" "$res/kernels.log"; then kernel=flashinfer; fi
+  echo "${kernel:-auto}" > "$res/kernel_used"
+  CUDA_VISIBLE_DEVICES=0 CASCADE_TEST_KERNEL=$kernel CASCADE_RESULTS_DIR="$res/engine" \
+    timeout 480 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_engine.py \
+    > "$res/engine.log" 2>&1
+  stamp "engine tests rc=$?"; tail -3 "$res/engine.log"
+  CUDA_VISIBLE_DEVICES=0 ${kernel:+CASCADE_KERNEL=$kernel} python3 benchmarks/soak.py \
+    --out "$res/soak" > "$res/soak.log" 2>&1
+  stamp "soak rc=$?"; tail -5 "$res/soak.log"
+}
+
+gpu1_pipeline() {  # kernel grid, offline example, then the end-to-end benchmark config by config
+  CUDA_VISIBLE_DEVICES=1 timeout 420 python3 benchmarks/kernel_bench.py --out "$res/kernel" \
+    > "$res/kernel.log" 2>&1
+  stamp "kernel bench rc=$?"; tail -30 "$res/kernel.log"
+  CUDA_VISIBLE_DEVICES=1 timeout 240 python3 examples/offline_shared_prompt.py \
+    > "$res/offline.log" 2>&1
+  stamp "offline example rc=$?"; tail -8 "$res/offline.log"
+  local config
+  for config in cascade cascade_always flashinfer flash_attn; do
+    CUDA_VISIBLE_DEVICES=1 timeout 420 python3 benchmarks/e2e_bench.py --out "$res/e2e-$config" \
+      --configs $config --workloads b128_16k_prefix_64_own,8_prefixes_8k_x16_interleaved,n16_sampling_32_prompts_4k,no_sharing_256_random_2k \
+      > "$res/e2e-$config.log" 2>&1
+    stamp "e2e $config rc=$?"; tail -4 "$res/e2e-$config.log"
+  done
+}
+
+wait_pipelines() {  # until both pipelines are done or $1 seconds have passed
+  local deadline=$((SECONDS + ${1:-540}))
+  while [ $SECONDS -lt $deadline ] && { [ ! -e "$res/gpu0.done" ] || [ ! -e "$res/gpu1.done" ]; }
+  do sleep 5; done
+  cat "$res"/gpu*.log 2>/dev/null | tail -60
+}
+
 case $part in
+start)
+  export -f gpu0_pipeline gpu1_pipeline stamp
+  export res
+  setsid nohup bash -c 'gpu0_pipeline > "$res/gpu0.log" 2>&1; touch "$res/gpu0.done"' \
+    < /dev/null > /dev/null 2>&1 &
+  setsid nohup bash -c 'gpu1_pipeline > "$res/gpu1.log" 2>&1; touch "$res/gpu1.done"' \
+    < /dev/null > /dev/null 2>&1 &
+  stamp "pipelines started"
+  wait_pipelines "${2:-540}"
+  ;;
+wait)
+  wait_pipelines "${2:-540}"
+  ;;
+tp)
+  wait_pipelines 580
+  # Both GPUs: workloads (a) and (d) with tensor_parallel_size=2 on the V1 runner (V2: part3).
+  CASCADE_TEST_KERNEL=$(sed 's/auto//' "$res/kernel_used" 2>/dev/null) \
+    CASCADE_RESULTS_DIR="$res/tp" timeout 400 python3 -m pytest -q -p no:cacheprovider \
+    tests/gpu/test_engine.py -k "tensor_parallel and v1" > "$res/tp.log" 2>&1
+  stamp "tensor-parallel tests rc=$?"; tail -3 "$res/tp.log"
+  ;;
 part1)
   # GPU 0: the soak (>= 10 min of load, then the replay without the plugin), detached.
   CUDA_VISIBLE_DEVICES=0 setsid nohup python3 benchmarks/soak.py --out "$res/soak" \
@@ -57,5 +130,6 @@ part3)
   stamp "tensor-parallel tests rc=$?"; tail -3 "$res/tp.log"
   ;;
 esac
-tar -C "$res" -cJf "${OUT:-/tmp}/$part.tar.xz" --exclude='*.safetensors' --exclude='*.bin' .
+tar -C "$res" -cJf "${OUT:-/tmp}/$part.tar.xz" --exclude='*.safetensors' --exclude='*.bin' \
+  --exclude='*.done' .
 ls -la "${OUT:-/tmp}"

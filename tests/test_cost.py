@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from test_planner import run_python
-from vllm_cascade_plugin.cost import AttentionShape, CostModel, decide
+from vllm_cascade_plugin.cost import COST_MODELS, AttentionShape, CostModel, decide
 from vllm_cascade_plugin.demo import Workload, prefix_cached_step
 from vllm_cascade_plugin.planner import plan_cascade
 
@@ -67,7 +67,8 @@ def test_per_layer_estimates_follow_the_grid():
 
 def test_per_step_cost_reproduces_the_end_to_end_verdicts():
     """Workload (a) measured slower with cascade on every step, the demo faster: so decide."""
-    e2e = {r["config"]: r["out_tok_per_s"] for r in json.loads((RESULTS / "e2e.json").read_text())}
+    e2e = {r["config"]: r["out_tok_per_s"]
+           for r in json.loads((RESULTS / "e2e_flashinfer_executor.json").read_text())}
     assert e2e["cascade_always"] < e2e["flashinfer"]
     assert not decide(shared_prefix_decode(64, 8192, own=16 + 128), H200_LAYER).use_cascade
 
@@ -141,9 +142,14 @@ def test_the_shipped_defaults_are_the_calibration_of_the_committed_measurements(
     """benchmarks/calibrate_cost.py on benchmarks/results/h200 gives exactly CostModel()."""
     import shutil
 
-    for name in ("kernel_grid.json", "e2e.json", "demo.txt"):
-        shutil.copy(RESULTS / name, tmp_path / name)
+    for name in ("kernel_grid.json", "e2e.json", "e2e_flashinfer_executor.json", "demo.txt"):
+        if (RESULTS / name).exists():
+            shutil.copy(RESULTS / name, tmp_path / name)
     run_python(str(REPO / "benchmarks" / "calibrate_cost.py"), "--results", str(tmp_path))
-    fitted = json.loads((tmp_path / "cost_calibration.json").read_text())["fitted"]
-    shipped = CostModel()
-    assert fitted == {name: pytest.approx(getattr(shipped, name), rel=1e-3) for name in fitted}
+    executors = json.loads((tmp_path / "cost_calibration.json").read_text())["executors"]
+    assert set(executors) == set(COST_MODELS) == {"flashinfer", "fa3"}
+    assert COST_MODELS["flashinfer"] == CostModel()
+    for kernel, result in executors.items():
+        fitted, shipped = result["fitted"], COST_MODELS[kernel]
+        assert fitted == {name: pytest.approx(getattr(shipped, name), rel=1e-3)
+                          for name in fitted}, kernel

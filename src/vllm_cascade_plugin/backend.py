@@ -23,7 +23,7 @@ from vllm.v1.attention.backends.flashinfer import (
 
 from . import compat, hooks, stats
 from .config import load_config
-from .cost import AttentionShape
+from .cost import COST_MODELS, AttentionShape
 from .step import session
 
 logger = logging.getLogger("vllm.cascade_plugin")
@@ -69,7 +69,7 @@ def _check_scales(vllm_config: Any, layer_names: list[str]) -> None:
 class CascadeFlashInferMetadata(FlashInferMetadata):
     """vLLM's FlashInfer metadata plus, on cascade steps, the planned executor."""
 
-    cascade: Any = None  # kernels.FlashInferCascadeExecutor, planned for this step
+    cascade: Any = None  # a kernels executor (FlashInfer or FA3), planned for this step
     cascade_max_page: int = -1  # largest block id the plan reads
 
 
@@ -119,9 +119,19 @@ class CascadeFlashInferMetadataBuilder(FlashInferMetadataBuilder):
             reason = kernel_reason(self.num_qo_heads, self.num_kv_heads, self.head_dim,
                                    self.q_data_type_decode, kv_cache_spec.dtype,
                                    window_left=self.window_left)
+        config = load_config()
+        self._cascade_kernel = "flashinfer"
+        if reason is None and config.enabled:
+            from .kernels import choose_kernel
+
+            self._cascade_kernel, line = choose_kernel(config.kernel,
+                                                       compat.flashinfer_kv_layout(self))
+            log = logger.warning if config.kernel == "fa3" != self._cascade_kernel else logger.info
+            log("vllm-cascade-plugin: %s", line)
         shape = AttentionShape(self.num_qo_heads, self.num_kv_heads, self.head_dim,
                                kv_cache_spec.dtype.itemsize, num_layers=len(layer_names))
-        session.configure(load_config(), shape, self.page_size, reason)
+        session.configure(config, shape, self.page_size, reason,
+                          cost_model=COST_MODELS[self._cascade_kernel])
         # Bytes of one page over every layer a step's plan serves: the saving the log line reports.
         stats.set_page_bytes(kv_cache_spec.page_size_bytes * len(layer_names))
 
@@ -155,10 +165,11 @@ class CascadeFlashInferMetadataBuilder(FlashInferMetadataBuilder):
 
     def _executor(self) -> Any:
         if self._cascade_executor is None:
-            from .kernels import FlashInferCascadeExecutor
+            from .kernels import make_executor
 
-            self._cascade_executor = FlashInferCascadeExecutor(
-                self._get_workspace_buffer(), compat.flashinfer_kv_layout(self),
+            self._cascade_executor = make_executor(
+                self._cascade_kernel, self._get_workspace_buffer(),
+                compat.flashinfer_kv_layout(self),
                 max_levels=session.config.max_levels if session.config else 3)
         return self._cascade_executor
 

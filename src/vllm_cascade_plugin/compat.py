@@ -211,3 +211,30 @@ def v2_batch_order(runner: Any, scheduler_output: Any) -> list[str]:
 # FULL decode graph: ``uniform_token_count`` (0.26+) and ``max_query_len`` (0.28+, varlen decode
 # graphs). A cascade step passes None for each one the installed release has.
 V2_FULL_GRAPH_ARGUMENTS = ("uniform_token_count", "max_query_len")
+
+
+def fa3_kernels() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """vLLM's bundled FlashAttention-3 and its attention-state merge, for the FA3 executor.
+
+    Returns ``(flash_attn_varlen_func, merge_attn_states)``: ``vllm.vllm_flash_attn`` and
+    ``vllm.v1.attention.ops.merge_attn_states`` in 0.26-0.33 (LSE ``[heads, tokens]``, natural
+    log). Raises RuntimeError with the reason when this vLLM build or GPU cannot run FA3 (only
+    Hopper can; vLLM wheels for other platforms may lack the extension).
+    """
+    try:
+        from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
+        from vllm.vllm_flash_attn import (
+            fa_version_unsupported_reason,
+            flash_attn_varlen_func,
+            is_fa_version_supported,
+        )
+    except ImportError as exc:
+        raise RuntimeError(f"vLLM's FlashAttention cannot be imported ({exc})") from None
+    try:
+        supported = is_fa_version_supported(3)
+        reason = None if supported else fa_version_unsupported_reason(3)
+    except Exception as exc:  # e.g. no CUDA device: the check queries it
+        supported, reason = False, f"{type(exc).__name__}: {exc}"
+    if not supported:
+        raise RuntimeError(f"FlashAttention 3 is not supported here ({reason})")
+    return flash_attn_varlen_func, merge_attn_states

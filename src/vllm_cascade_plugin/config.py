@@ -75,6 +75,11 @@ KNOBS: tuple[Knob, ...] = (
     Knob("CASCADE_POLICY", "policy", "auto", _choice("auto", "always"), "auto or always",
          "auto: the cost model picks cascade or flat attention per step; always: cascade whenever "
          "the planner finds a shared level (for tests and benchmarks)."),
+    Knob("CASCADE_KERNEL", "kernel", "auto", _choice("auto", "fa3", "flashinfer"),
+         "auto, fa3 or flashinfer",
+         "Kernels of cascade steps. auto: vLLM's FlashAttention 3 where it runs (Hopper GPUs, NHD "
+         "KV cache), else FlashInfer; fa3 where it cannot run falls back to FlashInfer with a "
+         "warning."),
     Knob("CASCADE_MAX_LEVELS", "max_levels", 3, _int_at_least(2), "an integer >= 2",
          "Most attention levels per step, the per-request level included (2 = one shared level)."),
     Knob("CASCADE_MIN_SHARED_PAGES", "min_shared_pages", 1, _int_at_least(1), "an integer >= 1",
@@ -91,6 +96,7 @@ KNOBS: tuple[Knob, ...] = (
 class CascadeConfig:
     enabled: bool = False
     policy: str = "auto"
+    kernel: str = "auto"
     max_levels: int = 3
     min_shared_pages: int = 1
     log_interval_s: float = 60.0

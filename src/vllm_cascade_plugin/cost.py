@@ -38,7 +38,7 @@ import numpy as np
 
 from .planner import CascadeLevel, CascadePlan
 
-__all__ = ["AttentionShape", "CostModel", "Decision", "decide"]
+__all__ = ["COST_MODELS", "AttentionShape", "CostModel", "Decision", "decide"]
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,17 @@ class CostModel:
     shared_bandwidth: float = 4.8e12
     step_fixed_us: float = 3050.0
     margin: float = 0.1
+
+
+# Per executor (``kernels.KERNELS``, ``CASCADE_KERNEL``): its calibration by
+# ``benchmarks/calibrate_cost.py`` (see ``cost_calibration.json``). FlashInfer's executor is the
+# defaults above.
+COST_MODELS: dict[str, CostModel] = {
+    "flashinfer": CostModel(),
+    "fa3": CostModel(flat_fixed_us=17.2, flat_bandwidth=9.08e12, level_fixed_us=15.2,
+                     request_us=0.226, flops=634e12, group_bandwidth=3.48e12,
+                     shared_bandwidth=4.8e12, step_fixed_us=1670.0),
+}
 
 
 @dataclass(frozen=True)

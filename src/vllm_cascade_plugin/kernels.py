@@ -1,12 +1,18 @@
-"""GPU executor of a :class:`~vllm_cascade_plugin.planner.CascadePlan` on FlashInfer kernels.
+"""GPU executors of a :class:`~vllm_cascade_plugin.planner.CascadePlan`.
 
-The plan/run split mirrors FlashInfer's: :meth:`FlashInferCascadeExecutor.plan` runs on the host
-once per engine step (one ``BatchPrefillWithPagedKVCacheWrapper.plan`` per level), and
-:meth:`FlashInferCascadeExecutor.run` runs per layer: the causal per-request level writes the
-output and its log-sum-exp, then every shared level is attended and merged into it with
-``flashinfer.merge_state_in_place``. Neither method reads anything back from the GPU.
+Two executors with one interface (``plan`` once per engine step on the host, ``run`` per layer,
+neither reads anything back from the GPU):
 
-Only vLLM workers import this module (it imports torch and flashinfer at the top).
+- :class:`FlashInferCascadeExecutor`: one FlashInfer ``BatchPrefillWithPagedKVCacheWrapper`` per
+  level (planned on the host), states merged with ``flashinfer.merge_state_in_place`` (base-2
+  LSE). Runs wherever vLLM's FlashInfer backend runs.
+- :class:`FlashAttnCascadeExecutor`: vLLM's bundled FlashAttention 3 (``flash_attn_varlen_func``
+  with a block table per level, as vLLM's own FLASH_ATTN backend and its pre-0.32 cascade call
+  it), states merged with vLLM's ``merge_attn_states`` (natural-log LSE). Hopper only, NHD cache
+  layout; planning is numpy and one upload, no FlashInfer plan.
+
+:func:`make_executor` picks one (``CASCADE_KERNEL``). Only vLLM workers import this module (it
+imports torch and flashinfer at the top).
 """
 
 from __future__ import annotations
@@ -14,11 +20,13 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import flashinfer
 import numpy as np
 import torch
 
+from vllm_cascade_plugin import compat
 from vllm_cascade_plugin.planner import CascadeLevel, CascadePlan
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -61,12 +69,31 @@ def unsupported_reason(
     return None
 
 
+def _check_plan(plan: CascadePlan, page_size: int, max_levels: int) -> None:
+    if plan.page_size != page_size:
+        raise ValueError(f"plan page size {plan.page_size} != cache page size {page_size}")
+    if not 1 <= plan.num_levels <= max_levels:
+        raise ValueError(f"plan has {plan.num_levels} levels; 1..{max_levels} supported")
+    last = plan.levels[-1]
+    if not (last.causal and last.q_is_identity):
+        raise ValueError("the last level must be causal and cover the queries in step order")
+    if any(level.causal for level in plan.levels[:-1]):
+        raise ValueError("shared levels must not be causal")
+
+
 def _pinned(array: np.ndarray, dtype: type[np.integer]) -> torch.Tensor:
     # Host tensors keep FlashInfer's plan free of device->host copies; pinned ones make the
     # non_blocking uploads (FlashInfer's and ours) truly asynchronous, and torch's pinned-memory
     # allocator does not reuse a block before its copy has run. np.require copies only when
     # needed: from_numpy warns on read-only arrays, and the planner may freeze its output.
     return torch.from_numpy(np.require(array, dtype, ("C", "W"))).pin_memory()
+
+
+def _upload(array: np.ndarray, dtype: type[np.integer], device: torch.device) -> torch.Tensor:
+    """``array`` on ``device`` without waiting: pinned and non-blocking for a GPU."""
+    if device.type == "cpu":  # the CPU tests of the FA3 executor
+        return torch.from_numpy(np.array(array, dtype))
+    return _pinned(array, dtype).to(device, non_blocking=True)
 
 
 def _device_index(q_index: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -118,8 +145,13 @@ class _Scratch:
             self._buffers[name] = buf
         return buf[:numel].view(shape)
 
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
-_EXECUTORS: weakref.WeakSet[FlashInferCascadeExecutor] = weakref.WeakSet()
+
+_EXECUTORS: weakref.WeakSet[Any] = weakref.WeakSet()
+KERNELS = ("flashinfer", "fa3")
+LOG2_E = 1.4426950408889634  # FlashInfer's LSE is base 2, FlashAttention's natural
 
 
 def device_bytes() -> int:
@@ -128,13 +160,7 @@ def device_bytes() -> int:
     Scratch buffers plus each FlashInfer wrapper's int workspace; the float workspace is vLLM's
     own FlashInfer buffer, shared, and not counted.
     """
-    total = 0
-    for executor in list(_EXECUTORS):
-        total += sum(b.numel() * b.element_size() for b in executor._scratch._buffers.values())
-        for wrapper in executor._wrappers:
-            buf = getattr(wrapper, "_int_workspace_buffer", None)
-            total += 0 if buf is None else buf.numel() * buf.element_size()
-    return total
+    return sum(executor.device_bytes() for executor in list(_EXECUTORS))
 
 
 class FlashInferCascadeExecutor:
@@ -160,6 +186,16 @@ class FlashInferCascadeExecutor:
         self._scratch = _Scratch()
         self._step: _Step | None = None
         _EXECUTORS.add(self)
+
+    kernel = "flashinfer"
+
+    def device_bytes(self) -> int:
+        """Scratch buffers and the wrappers' int workspaces (see :func:`device_bytes`)."""
+        total = self._scratch.nbytes()
+        for wrapper in self._wrappers:
+            buf = getattr(wrapper, "_int_workspace_buffer", None)
+            total += 0 if buf is None else buf.numel() * buf.element_size()
+        return total
 
     def plan(
         self,
@@ -199,13 +235,8 @@ class FlashInferCascadeExecutor:
             The GPU the caches live on.
         """
         self._step = None  # a plan that fails halfway must not leave the previous step runnable
-        if plan.page_size != page_size:
-            raise ValueError(f"plan page size {plan.page_size} != cache page size {page_size}")
-        if not 1 <= plan.num_levels <= self._max_levels:
-            raise ValueError(f"plan has {plan.num_levels} levels; 1..{self._max_levels} supported")
+        _check_plan(plan, page_size, self._max_levels)
         *shared_levels, last_level = plan.levels
-        if not (last_level.causal and last_level.q_is_identity):
-            raise ValueError("the last level must be causal and cover the queries in step order")
         while len(self._wrappers) < plan.num_levels:
             self._wrappers.append(
                 flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, self._kv_layout))
@@ -314,3 +345,227 @@ class FlashInferCascadeExecutor:
             flashinfer.merge_state_in_place(g.out, g.lse, level.out, level.lse)
             out.index_copy_(0, g.index, g.out)
             lse.index_copy_(0, g.index, g.lse)
+
+
+@dataclass(frozen=True, eq=False)
+class _FaLevel:
+    """One level on the GPU in FlashAttention's varlen + block-table form."""
+
+    level: CascadeLevel  # what it was made from: reused while the plan holds the same object
+    cu_q: torch.Tensor  # int32 [G + 1]: the level's query rows per group
+    kv_lens: torch.Tensor  # int32 [G]: seqused_k
+    block_table: torch.Tensor  # int32 [G, max_pages]
+    max_q: int
+    max_k: int
+    index: torch.Tensor | None  # int64 [n_q]: the level's rows in q/out; None: q as it is
+    rows: int  # n_q
+
+
+class FlashAttnCascadeExecutor:
+    """Runs cascade plans with vLLM's FlashAttention 3: one varlen call per level.
+
+    Every level is one ``flash_attn_varlen_func`` call over paged KV (a group is one sequence:
+    its queries against its pages; non-causal on shared levels, causal on the per-request level),
+    and shared levels are merged into the running state with vLLM's ``merge_attn_states``. The
+    per-request level writes straight into ``out`` or into a scratch buffer, chosen so that the
+    last merge lands in ``out`` and no merge writes a buffer it reads.
+
+    Planning converts each level to block-table form on the host and uploads it in one
+    non-blocking copy per dtype; a level that ``is`` the previous plan's (steady decode, see
+    :class:`~vllm_cascade_plugin.planner.CascadePlanner`) keeps its device tensors.
+
+    Parameters
+    ----------
+    kv_layout : str
+        Must be ``"NHD"`` (FlashAttention's paged layout).
+    max_levels : int
+        The most levels a plan may have.
+
+    Raises
+    ------
+    RuntimeError
+        When this vLLM build or GPU cannot run FlashAttention 3 (from
+        :func:`~vllm_cascade_plugin.compat.fa3_kernels`), or for an HND cache.
+    """
+
+    kernel = "fa3"
+
+    def __init__(self, kv_layout: str = "NHD", max_levels: int = 4) -> None:
+        if kv_layout != "NHD":
+            raise RuntimeError(f"FlashAttention reads an NHD paged cache, not {kv_layout}")
+        self._attention, self._merge = compat.fa3_kernels()
+        self._max_levels = max_levels
+        self._scratch = _Scratch()
+        self._levels: tuple[_FaLevel, ...] = ()
+        self._planned = False
+        self._sm_scale = 1.0
+        self._softcap = 0.0
+        self._lse: torch.Tensor | None = None
+        _EXECUTORS.add(self)
+
+    def device_bytes(self) -> int:
+        return self._scratch.nbytes()
+
+    def plan(
+        self,
+        plan: CascadePlan,
+        *,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        sm_scale: float,
+        logits_soft_cap: float | None,
+        q_dtype: torch.dtype,
+        kv_dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        """Same contract as :meth:`FlashInferCascadeExecutor.plan`."""
+        self._planned = False
+        _check_plan(plan, page_size, self._max_levels)
+        del num_kv_heads, kv_dtype  # FlashAttention reads both from the tensors
+        previous = {id(fl.level): fl for fl in self._levels}
+        kept: list[_FaLevel | None] = []
+        ints: list[np.ndarray] = []
+        longs: list[np.ndarray] = []
+        todo: list[tuple[int, CascadeLevel, np.ndarray, int, int]] = []
+        n32 = n64 = 0
+        for position, level in enumerate(plan.levels):
+            old = previous.get(id(level))
+            if old is not None and old.level is level:
+                kept.append(old)
+                continue
+            kept.append(None)
+            table = level.block_table()
+            todo.append((position, level, table, n32, n64))
+            for part in (level.qo_indptr, level.kv_lens(page_size), table.ravel()):
+                # Each array starts 16-byte aligned in the shared upload, as a tensor of its own.
+                ints += [np.asarray(part, np.int32), np.zeros(-part.size % 4, np.int32)]
+                n32 += part.size + (-part.size % 4)
+            if not level.q_is_identity:
+                longs.append(np.asarray(level.q_index, np.int64))
+                n64 += level.q_index.size
+        dev32 = _upload(np.concatenate(ints), np.int32, device) if ints else None
+        dev64 = _upload(np.concatenate(longs), np.int64, device) if longs else None
+        for position, level, table, at32, at64 in todo:
+            groups = level.num_groups
+            assert dev32 is not None
+            sizes = (groups + 1, groups, table.size)
+            starts = at32 + np.concatenate([[0], np.cumsum([n + (-n % 4) for n in sizes])])
+            cu_q, kv_lens, flat_table = (dev32[a:a + n] for a, n in zip(starts, sizes,
+                                                                         strict=False))
+            block_table = flat_table.view(table.shape)
+            rows = int(level.qo_indptr[-1])
+            index = None
+            if not level.q_is_identity:
+                assert dev64 is not None
+                index = dev64[at64:at64 + rows]
+            kept[position] = _FaLevel(
+                level=level, cu_q=cu_q, kv_lens=kv_lens, block_table=block_table,
+                max_q=int(np.diff(level.qo_indptr).max(initial=0)),
+                max_k=int(level.kv_lens(page_size).max(initial=0)), index=index, rows=rows)
+        self._levels = tuple(fl for fl in kept if fl is not None)
+        num_tokens = self._levels[-1].rows
+        identity_merges = sum(fl.index is None for fl in self._levels[:-1])
+        shape = (num_tokens, num_qo_heads, head_dim)
+        if identity_merges % 2:  # the per-request level starts in scratch, see the class doc
+            self._scratch.take("fa_state", shape, q_dtype, device)
+        widest = max((fl.rows for fl in self._levels[:-1]), default=0)
+        for name in ("level_out", "gather_q", "gather_out"):
+            if widest and (name == "level_out" or
+                           any(fl.index is not None for fl in self._levels[:-1])):
+                self._scratch.take(name, (widest, num_qo_heads, head_dim), q_dtype, device)
+        self._sm_scale = float(sm_scale)
+        self._softcap = float(logits_soft_cap or 0.0)
+        self._planned = True
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fl: _FaLevel,
+                out: torch.Tensor, causal: bool) -> torch.Tensor:
+        _, lse = self._attention(
+            q=q, k=k, v=v, out=out, cu_seqlens_q=fl.cu_q, max_seqlen_q=fl.max_q,
+            seqused_k=fl.kv_lens, max_seqlen_k=fl.max_k, softmax_scale=self._sm_scale,
+            causal=causal, window_size=[-1, -1], block_table=fl.block_table,
+            softcap=self._softcap, return_softmax_lse=True, fa_version=3)
+        return lse  # float32 [num_heads, rows], natural log
+
+    @property
+    def lse(self) -> torch.Tensor:
+        """The merged LSE of the latest :meth:`run` as FlashInfer has it: ``[tokens, heads]``,
+        base 2 (a converted copy)."""
+        if self._lse is None:
+            raise RuntimeError("no run yet")
+        return self._lse.t() * LOG2_E
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            out: torch.Tensor) -> None:
+        """Same contract as :meth:`FlashInferCascadeExecutor.run` (NHD caches only)."""
+        if not self._planned:
+            raise RuntimeError("run() before plan()")
+        *shared, last = self._levels
+        take = self._scratch.take
+        shape = tuple(out.shape)
+        identity_merges = sum(fl.index is None for fl in shared)
+        state = take("fa_state", shape, out.dtype, out.device) if identity_merges % 2 else out
+        lse = self._attend(q, k_cache, v_cache, last, state, causal=True)
+        for fl in shared:
+            level_out = take("level_out", (fl.rows, *shape[1:]), out.dtype, out.device)
+            if fl.index is None:
+                level_lse = self._attend(q, k_cache, v_cache, fl, level_out, causal=False)
+                target = out if state is not out else take("fa_state", shape, out.dtype,
+                                                           out.device)
+                merged = torch.empty_like(lse)
+                self._merge(target, level_out, level_lse, state, lse, output_lse=merged)
+                state, lse = target, merged
+                continue
+            gathered_q = take("gather_q", (fl.rows, *shape[1:]), q.dtype, q.device)
+            torch.index_select(q, 0, fl.index, out=gathered_q)
+            level_lse = self._attend(gathered_q, k_cache, v_cache, fl, level_out, causal=False)
+            gathered = take("gather_out", (fl.rows, *shape[1:]), out.dtype, out.device)
+            torch.index_select(state, 0, fl.index, out=gathered)
+            merged_out = torch.empty_like(gathered)
+            merged_lse = torch.empty_like(level_lse)
+            self._merge(merged_out, level_out, level_lse, gathered, lse.index_select(1, fl.index),
+                        output_lse=merged_lse)
+            state.index_copy_(0, fl.index, merged_out)
+            lse.index_copy_(1, fl.index, merged_lse)
+        assert state is out
+        self._lse = lse
+
+
+def fa3_unsupported_reason(kv_layout: str) -> str | None:
+    """Why :class:`FlashAttnCascadeExecutor` cannot run here, or None."""
+    if kv_layout != "NHD":
+        return f"the KV cache layout is {kv_layout}; FlashAttention reads NHD"
+    try:
+        compat.fa3_kernels()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def choose_kernel(requested: str, kv_layout: str) -> tuple[str, str]:
+    """The executor kind for ``CASCADE_KERNEL=requested`` and a line saying which and why.
+
+    ``auto`` takes FlashAttention 3 where it runs (Hopper, NHD cache) and FlashInfer otherwise;
+    ``fa3`` asked for where it cannot run falls back to FlashInfer, and the line says so.
+    """
+    if requested not in ("auto", *KERNELS):
+        raise ValueError(f"unknown cascade kernel {requested!r}; expected auto, "
+                         f"{', '.join(KERNELS)}")
+    if requested == "flashinfer":
+        return "flashinfer", "cascade kernels: FlashInfer (CASCADE_KERNEL=flashinfer)"
+    reason = fa3_unsupported_reason(kv_layout)
+    if reason is None:
+        return "fa3", f"cascade kernels: FlashAttention 3 (CASCADE_KERNEL={requested})"
+    return "flashinfer", (f"cascade kernels: FlashInfer, because FlashAttention 3 cannot run: "
+                          f"{reason} (CASCADE_KERNEL={requested})")
+
+
+def make_executor(kind: str, float_workspace: torch.Tensor, kv_layout: str,
+                  max_levels: int) -> Any:
+    """A new executor of ``kind`` (from :func:`choose_kernel`)."""
+    if kind == "fa3":
+        return FlashAttnCascadeExecutor(kv_layout, max_levels)
+    if kind == "flashinfer":
+        return FlashInferCascadeExecutor(float_workspace, kv_layout, max_levels)
+    raise ValueError(f"unknown cascade kernel {kind!r}; expected one of {KERNELS}")

@@ -64,6 +64,24 @@ class CascadeLevel:
     def num_groups(self) -> int:
         return len(self.qo_indptr) - 1
 
+    def kv_lens(self, page_size: int) -> np.ndarray:
+        """int32 ``[G]``: KV tokens each group reads (its pages, the last one partly)."""
+        pages = np.diff(self.kv_page_indptr).astype(np.int64)
+        return ((pages - 1) * page_size + self.kv_last_page_len).astype(np.int32)
+
+    def block_table(self) -> np.ndarray:
+        """int32 ``[G, max_pages]``: group ``g``'s page ids in row ``g``, 0-padded.
+
+        The same pages in the block-table form FlashAttention reads (``seqused_k`` =
+        :meth:`kv_lens` bounds each row, so the padding is never read).
+        """
+        pages = np.diff(self.kv_page_indptr)
+        table = np.zeros((self.num_groups, max(int(pages.max(initial=0)), 1)), np.int32)
+        rows = np.repeat(np.arange(self.num_groups), pages)
+        cols = np.arange(rows.size) - np.repeat(self.kv_page_indptr[:-1], pages)
+        table[rows, cols] = self.kv_page_indices[self.kv_page_indptr[0]:self.kv_page_indptr[-1]]
+        return table
+
 
 @dataclass(frozen=True)
 class PlanStats:

@@ -53,9 +53,14 @@ class StepSession:
         self._planner: CascadePlanner | None = None
 
     def configure(self, config: CascadeConfig, shape: AttentionShape, page_size: int,
-                  disabled_reason: str | None) -> None:
-        """Called by each new builder: what the model's attention looks like, or why it can't."""
+                  disabled_reason: str | None, cost_model: CostModel | None = None) -> None:
+        """Called by each new builder: what the model's attention looks like, or why it can't.
+
+        ``cost_model``: the calibration of the executor the builder will run (default:
+        FlashInfer's).
+        """
         self.config, self.shape, self.page_size = config, shape, page_size
+        self.cost_model = cost_model or CostModel()
         self.disabled_reason = disabled_reason
         self._planner = CascadePlanner(max_levels=config.max_levels,
                                        min_shared_pages=config.min_shared_pages)

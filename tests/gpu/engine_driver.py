@@ -104,7 +104,9 @@ def _forbid_syncs() -> None:
 
     for owner, name in ((step.StepSession, "plan_step"),
                         (kernels.FlashInferCascadeExecutor, "plan"),
-                        (kernels.FlashInferCascadeExecutor, "run")):
+                        (kernels.FlashInferCascadeExecutor, "run"),
+                        (kernels.FlashAttnCascadeExecutor, "plan"),
+                        (kernels.FlashAttnCascadeExecutor, "run")):
         setattr(owner, name, guard(getattr(owner, name)))
 
 
@@ -113,7 +115,14 @@ def _worker_counters(worker) -> dict:
     from vllm_cascade_plugin import stats
 
     counters = stats.snapshot()
-    return {**dataclasses.asdict(counters), "fallbacks": dict(counters.fallbacks)}
+    try:  # which executor ran the cascade steps (CASCADE_KERNEL); none before a cascade step
+        from vllm_cascade_plugin import kernels
+
+        executors = sorted({e.kernel for e in list(kernels._EXECUTORS)})
+    except ImportError:
+        executors = []
+    return {**dataclasses.asdict(counters), "fallbacks": dict(counters.fallbacks),
+            "executors": executors}
 
 
 def _counters(llm) -> dict:
@@ -173,6 +182,7 @@ def main() -> int:
         json.dump({"plugin": os.environ.get("CASCADE_ATTENTION", ""),
                    "runner": "v1" if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "0" else "v2",
                    "tensor_parallel_size": args.tp, "sync_violations": SYNC_VIOLATIONS,
+                   "executors": _counters(llm)["executors"],
                    "workloads": results}, f)
     return 0
 

@@ -57,6 +57,9 @@ def _run_engine(model_dir: str, out: Path, *, plugin: bool, runner: str,
                VLLM_USE_V2_MODEL_RUNNER="1" if runner == "v2" else "0")
     if plugin:
         env.update(CASCADE_ATTENTION="1", CASCADE_POLICY="always")
+        # The executor under test: CASCADE_TEST_KERNEL=fa3|flashinfer (default: the plugin's auto).
+        if kernel := os.environ.get("CASCADE_TEST_KERNEL"):
+            env["CASCADE_KERNEL"] = kernel
     proc = subprocess.run([sys.executable, str(HERE / "engine_driver.py"), model_dir, str(out),
                            *extra], env=env, capture_output=True, text=True, timeout=900)
     log = proc.stdout + proc.stderr
@@ -85,13 +88,15 @@ def judge(name: str, runner: str, on: dict, off: dict, tp: int = 1) -> dict:
 def test_cascade_engine_matches_flat_engine(model_dir, tmp_path, runner):
     on = run_engine(model_dir, tmp_path / "on.json", plugin=True, runner=runner)
     off = run_engine(model_dir, tmp_path / "off.json", plugin=False, runner=runner)
-    rows = [judge(name, runner, on["workloads"][name], off["workloads"][name])
-            for name in off["workloads"]]
+    rows = [{**judge(name, runner, on["workloads"][name], off["workloads"][name]),
+             "executors": on.get("executors")} for name in off["workloads"]]
     RESULTS.extend(rows)
     failed = [r for r in rows if r["outcome"] != "pass"]
     assert not failed, json.dumps(failed, indent=1)
     # Planning and running a step never waits for the GPU (async scheduling stays useful).
     assert on["sync_violations"] == [], on["sync_violations"]
+    if kernel := os.environ.get("CASCADE_TEST_KERNEL"):
+        assert on["executors"] == [kernel], on["executors"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
@@ -102,8 +107,8 @@ def test_tensor_parallel_engine_matches_flat_engine(model_dir, tmp_path, runner)
     extra = ("--workloads", "a_,d_", "--tp", "2")
     on = run_engine(model_dir, tmp_path / "on.json", plugin=True, runner=runner, extra=extra)
     off = run_engine(model_dir, tmp_path / "off.json", plugin=False, runner=runner, extra=extra)
-    rows = [judge(name, runner, on["workloads"][name], off["workloads"][name], tp=2)
-            for name in off["workloads"]]
+    rows = [{**judge(name, runner, on["workloads"][name], off["workloads"][name], tp=2),
+             "executors": on.get("executors")} for name in off["workloads"]]
     RESULTS.extend(rows)
     assert len(rows) == 2, rows
     failed = [r for r in rows if r["outcome"] != "pass"]

@@ -1,4 +1,5 @@
-"""The GPU cascade executor against FlashInfer's own flat attention on random paged caches.
+"""The GPU cascade executors (FlashInfer and FA3) against FlashInfer's own flat attention on
+random paged caches.
 
 Tolerance: q, k and v are N(0, 1) and sm_scale = 1/sqrt(head_dim), so the logits are N(0, 1),
 and every query below attends to at least 256 keys: each output is a wide average with |o| < 1
@@ -26,7 +27,12 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_cascade_plugin.kernels import FlashInferCascadeExecutor, unsupported_reason
+from vllm_cascade_plugin.kernels import (
+    KERNELS,
+    fa3_unsupported_reason,
+    make_executor,
+    unsupported_reason,
+)
 from vllm_cascade_plugin.planner import CascadePlan, plan_cascade
 from vllm_cascade_plugin.reference import run_plan
 
@@ -194,9 +200,9 @@ def random_layer(batch: Batch, shape: Shape, seed: int) -> Layer:
     return Layer(q=qkv[:, :hq], k=k, v=v)
 
 
-def planned_executor(workspace: torch.Tensor, plan: CascadePlan,
-                     shape: Shape) -> FlashInferCascadeExecutor:
-    executor = FlashInferCascadeExecutor(workspace)
+def planned_executor(workspace: torch.Tensor, plan: CascadePlan, shape: Shape,
+                     kernel: str) -> Any:
+    executor = make_executor(kernel, workspace, "NHD", max_levels=4)
     executor.plan(plan, num_qo_heads=shape.num_qo_heads, num_kv_heads=shape.num_kv_heads,
                   head_dim=shape.head_dim, page_size=PAGE, sm_scale=shape.sm_scale,
                   logits_soft_cap=None, q_dtype=DTYPE, kv_dtype=DTYPE,
@@ -204,7 +210,7 @@ def planned_executor(workspace: torch.Tensor, plan: CascadePlan,
     return executor
 
 
-def run_executor(executor: FlashInferCascadeExecutor, layer: Layer) -> torch.Tensor:
+def run_executor(executor: Any, layer: Layer) -> torch.Tensor:
     # NaN-filled: a row the executor fails to write fails the comparison.
     out = torch.full(layer.q.shape, math.nan, dtype=DTYPE, device=DEVICE)
     executor.run(layer.q, layer.k, layer.v, out)
@@ -234,6 +240,14 @@ def flat_decode(workspace: torch.Tensor, batch: Batch,
 
 def plan_for(batch: Batch) -> CascadePlan:
     return plan_cascade(batch.block_table, batch.seq_lens, batch.query_lens, PAGE)
+
+
+@pytest.fixture(params=KERNELS)
+def kernel(request: pytest.FixtureRequest) -> str:
+    """Each executor the plugin can run (CASCADE_KERNEL); FA3 only where it runs (Hopper)."""
+    if request.param == "fa3" and (reason := fa3_unsupported_reason("NHD")):
+        pytest.skip(reason)
+    return str(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -276,7 +290,7 @@ def check_close(results: list[dict[str, Any]], name: str, got: torch.Tensor, wan
 @HEADS
 @HEAD_DIMS
 def test_cascade_matches_flat_flashinfer_attention(
-    scenario: str, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+    scenario: str, num_qo_heads: int, num_kv_heads: int, head_dim: int, kernel: str,
     workspace: torch.Tensor, results: list[dict[str, Any]], request: pytest.FixtureRequest,
 ) -> None:
     build, levels = SCENARIOS[scenario]
@@ -285,7 +299,7 @@ def test_cascade_matches_flat_flashinfer_attention(
     plan = plan_for(batch)
     assert plan.num_levels == levels, "the planner did not find the sharing this case tests"
 
-    executor = planned_executor(workspace, plan, shape)
+    executor = planned_executor(workspace, plan, shape, kernel)
     prefill = flat_prefill(workspace, batch, shape)
     decode = flat_decode(workspace, batch, shape) if batch.is_decode else None
     for seed in range(LAYERS):
@@ -300,14 +314,15 @@ def test_cascade_matches_flat_flashinfer_attention(
 
 
 def test_cascade_matches_the_fp32_reference(
-    workspace: torch.Tensor, results: list[dict[str, Any]], request: pytest.FixtureRequest,
+    kernel: str, workspace: torch.Tensor, results: list[dict[str, Any]],
+    request: pytest.FixtureRequest,
 ) -> None:
     shape = Shape(8, 2, 64)
     batch = two_level_tree(np.random.default_rng(1))
     plan = plan_for(batch)
     assert plan.num_levels == 3  # the deepest plan: two gathered shared levels
     layer = random_layer(batch, shape, seed=7)
-    executor = planned_executor(workspace, plan, shape)
+    executor = planned_executor(workspace, plan, shape, kernel)
     got = run_executor(executor, layer)
     # fp32 on the CPU from the very bf16 values the kernels read: its own error is ~1e-6.
     want, want_lse = run_plan(plan, layer.q.float().cpu(), layer.k.float().cpu(),
@@ -317,7 +332,8 @@ def test_cascade_matches_the_fp32_reference(
 
 
 def test_a_corrupted_plan_fails_the_comparison(
-    workspace: torch.Tensor, results: list[dict[str, Any]], request: pytest.FixtureRequest,
+    kernel: str, workspace: torch.Tensor, results: list[dict[str, Any]],
+    request: pytest.FixtureRequest,
 ) -> None:
     shape = Shape(32, 8, 128)
     batch = one_shared_prefix(np.random.default_rng(2))
@@ -328,7 +344,7 @@ def test_a_corrupted_plan_fails_the_comparison(
     wrong = dataclasses.replace(shared, kv_page_indices=shared.kv_page_indices + 1)
     corrupted = dataclasses.replace(plan, levels=(wrong, *plan.levels[1:]))
     layer = random_layer(batch, shape, seed=0)
-    got = run_executor(planned_executor(workspace, corrupted, shape), layer)
+    got = run_executor(planned_executor(workspace, corrupted, shape, kernel), layer)
     want = flat_prefill(workspace, batch, shape).run(layer.q, layer.kv)
     err = max_abs_err(got, want)
     ok = err > TEETH

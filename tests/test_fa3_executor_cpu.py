@@ -1,0 +1,172 @@
+"""The FA3 executor's host side on the CPU: its level conversion, buffer choreography and merges.
+
+FlashAttention 3 and vLLM's merge kernel need a Hopper GPU, so here they are replaced by plain
+torch functions with the same signatures and conventions (varlen queries, a block table per
+sequence, bottom-right causal mask, natural-log LSE ``[heads, tokens]``); what is tested is
+everything the executor does around them: converting each level to block-table form, gathering
+and scattering rows, choosing buffers so no merge writes what it reads, and keeping a level that
+``is`` the previous plan's. The result is checked against per-request attention computed with no
+plan (``dense_attention``). tests/gpu/test_kernels.py runs the same executor on the real kernels.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from test_planner import batches, limits, make_batch
+from test_reference import TOLERANCE, dense_attention, kv_cache
+from vllm_cascade_plugin import compat, kernels
+from vllm_cascade_plugin.planner import CascadePlanner
+
+CALLS: list[dict] = []
+
+
+def fake_flash_attn_varlen_func(*, q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k,
+                                max_seqlen_k, softmax_scale, causal, window_size, block_table,
+                                softcap, return_softmax_lse, fa_version):
+    """FA3's varlen call with a block table, in plain torch (fp32 math)."""
+    assert fa_version == 3 and return_softmax_lse and window_size == [-1, -1]
+    assert cu_seqlens_q.dtype == seqused_k.dtype == block_table.dtype == torch.int32
+    assert block_table.stride(-1) == 1 and out.is_contiguous()
+    CALLS.append({"causal": causal, "rows": int(cu_seqlens_q[-1])})
+    num_heads, kv_heads = q.shape[1], k.shape[2]
+    kv_head_of = torch.arange(num_heads) // (num_heads // kv_heads)
+    lse = torch.empty(num_heads, q.shape[0], dtype=torch.float32)
+    cu = cu_seqlens_q.tolist()
+    assert max(b - a for a, b in itertools.pairwise(cu)) <= max_seqlen_q
+    for s in range(len(cu) - 1):
+        n_kv = int(seqused_k[s])
+        assert n_kv <= max_seqlen_k
+        pages = block_table[s, : -(-n_kv // k.shape[1])].long()
+        keys = k[pages].reshape(-1, kv_heads, k.shape[-1])[:n_kv, kv_head_of].float()
+        values = v[pages].reshape(-1, kv_heads, v.shape[-1])[:n_kv, kv_head_of].float()
+        rows = slice(cu[s], cu[s + 1])
+        n_q = cu[s + 1] - cu[s]
+        scores = torch.einsum("qhd,khd->hqk", q[rows].float(), keys) * softmax_scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        if causal:  # bottom-right aligned, as FlashAttention documents
+            future = torch.arange(n_kv)[None, :] > (torch.arange(n_q) + n_kv - n_q)[:, None]
+            scores = scores.masked_fill(future, -math.inf)
+        out[rows] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), values).to(out.dtype)
+        lse[:, rows] = torch.logsumexp(scores, -1)
+    return out, lse
+
+
+def fake_merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_lse,
+                           output_lse=None):
+    """vLLM's merge_attn_states semantics (LSE ``[heads, tokens]``, natural log)."""
+    for a in (prefix_output, prefix_lse, suffix_output, suffix_lse):  # no in-place aliasing
+        assert a.data_ptr() != output.data_ptr()
+        assert output_lse is None or a.data_ptr() != output_lse.data_ptr()
+    p_lse, s_lse = prefix_lse.t()[..., None], suffix_lse.t()[..., None]
+    top = torch.maximum(p_lse, s_lse)
+    p_w, s_w = torch.exp(p_lse - top), torch.exp(s_lse - top)
+    merged = (prefix_output.float() * p_w + suffix_output.float() * s_w) / (p_w + s_w)
+    output.copy_(merged.to(output.dtype))
+    if output_lse is not None:
+        output_lse.copy_((top + torch.log(p_w + s_w))[..., 0].t())
+
+
+@pytest.fixture(autouse=True)
+def fake_fa3(monkeypatch):
+    monkeypatch.setattr(compat, "fa3_kernels",
+                        lambda: (fake_flash_attn_varlen_func, fake_merge_attn_states))
+    CALLS.clear()
+
+
+def planned(plan, shape, executor=None, soft_cap=None):
+    num_heads, kv_heads, head_dim, dtype = shape
+    executor = executor or kernels.FlashAttnCascadeExecutor("NHD", max_levels=4)
+    executor.plan(plan, num_qo_heads=num_heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                  page_size=plan.page_size, sm_scale=head_dim**-0.5, logits_soft_cap=soft_cap,
+                  q_dtype=dtype, kv_dtype=dtype, device=torch.device("cpu"))
+    return executor
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batch=batches(max_requests=6), limits=limits,
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), group_size=st.sampled_from([1, 4]),
+       soft_cap=st.sampled_from([None, 5.0]), seed=st.integers(0, 2**16))
+def test_fa3_executor_equals_per_request_attention(batch, limits, dtype, group_size, soft_cap,
+                                                   seed):
+    plan = batch.plan(**{**limits, "max_levels": min(limits["max_levels"], 4)})
+    if plan.stats.num_tokens == 0:
+        return
+    CALLS.clear()  # per example (the fixture runs once per test)
+    kv_heads, head_dim = 2, 64
+    k_cache, v_cache = kv_cache(batch.num_blocks, batch.page_size, kv_heads, head_dim, dtype, seed)
+    qkv = torch.randn(plan.stats.num_tokens, group_size * kv_heads + 2, head_dim,
+                      generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    q = qkv[:, : group_size * kv_heads]  # strided, like vLLM's view of the fused QKV output
+    executor = planned(plan, (group_size * kv_heads, kv_heads, head_dim, dtype),
+                       soft_cap=soft_cap)
+    out = torch.full(q.shape, math.nan, dtype=dtype)
+    executor.run(q, k_cache, v_cache, out)
+    want, want_lse = dense_attention(batch, q, k_cache, v_cache, head_dim**-0.5, soft_cap)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out, want, atol=tol, rtol=tol)
+    torch.testing.assert_close(executor.lse, want_lse, atol=tol, rtol=tol)  # base 2, [T, H]
+    assert len(CALLS) == plan.num_levels and CALLS[0]["causal"]
+
+
+def test_block_table_form_of_a_level():
+    batch = make_batch([[5, 6, 7, 9], [5, 6, 7, 8], [3]], [60, 50, 10], [1, 1, 1], page_size=16)
+    shared, own = batch.plan().levels
+    assert shared.block_table().tolist() == [[5, 6, 7]]
+    assert shared.kv_lens(16).tolist() == [48]
+    assert own.block_table().tolist() == [[9], [8], [3]]
+    assert own.kv_lens(16).tolist() == [12, 2, 10]
+
+
+def test_a_level_the_next_plan_keeps_is_not_uploaded_again(monkeypatch):
+    planner = CascadePlanner()
+    table = np.array([[1, 2, 3, 10, 0], [1, 2, 3, 11, 0]], np.int32)
+    plan = planner.plan(table, np.array([50, 50], np.int32), np.ones(2, np.int32), 16)
+    shape = (4, 2, 64, torch.float32)
+    executor = planned(plan, shape)
+    first = executor._levels
+    uploads = []
+    real = kernels._upload
+    monkeypatch.setattr(kernels, "_upload",
+                        lambda a, d, device: uploads.append(a.size) or real(a, d, device))
+    plan2 = planner.plan(table, np.array([51, 51], np.int32), np.ones(2, np.int32), 16)
+    assert plan2.levels[0] is plan.levels[0]
+    planned(plan2, shape, executor)
+    assert executor._levels[0] is first[0]  # the shared level's device tensors are kept
+    assert executor._levels[1] is not first[1]
+    own = plan2.levels[1]
+    sizes = (len(own.qo_indptr), own.num_groups, own.block_table().size)
+    assert uploads == [sum(n + -n % 4 for n in sizes)]  # each array padded to 16 bytes
+
+
+def test_run_before_plan_and_hnd_are_refused():
+    with pytest.raises(RuntimeError, match="NHD"):
+        kernels.FlashAttnCascadeExecutor("HND")
+    executor = kernels.FlashAttnCascadeExecutor("NHD")
+    with pytest.raises(RuntimeError, match="before plan"):
+        executor.run(torch.zeros(1, 1, 64), torch.zeros(1, 16, 1, 64), torch.zeros(1, 16, 1, 64),
+                     torch.zeros(1, 1, 64))
+
+
+def test_auto_takes_fa3_where_it_runs_and_flashinfer_elsewhere(monkeypatch):
+    assert kernels.choose_kernel("auto", "NHD")[0] == "fa3"
+    assert kernels.choose_kernel("flashinfer", "NHD")[0] == "flashinfer"
+    kind, line = kernels.choose_kernel("fa3", "HND")
+    assert kind == "flashinfer" and "HND" in line
+
+    def unsupported():
+        raise RuntimeError("FlashAttention 3 is not supported here (needs sm90)")
+
+    monkeypatch.setattr(compat, "fa3_kernels", unsupported)
+    kind, line = kernels.choose_kernel("auto", "NHD")
+    assert kind == "flashinfer" and "needs sm90" in line
+    with pytest.raises(ValueError, match="unknown cascade kernel"):
+        kernels.choose_kernel("triton", "NHD")
