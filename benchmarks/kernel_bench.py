@@ -820,6 +820,54 @@ def _meta(gpu: Gpu, args: argparse.Namespace, timer: Timer, extra: dict[str, Any
     }
 
 
+def redecide(out: Path, argv: Sequence[str] | None) -> int:
+    """The plugin column of a measured grid under the shipped cost model (CPU only).
+
+    The choice is the one ``run_case`` makes (same layout, planner and ``decide``); the times
+    are the row's own measurements of the chosen method, so nothing is re-measured.
+    """
+    from vllm_cascade_plugin.cost import COST_MODELS, AttentionShape, decide
+    from vllm_cascade_plugin.planner import plan_cascade
+
+    rows = json.loads((out / "kernel_grid.json").read_text())
+    shape = AttentionShape(NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, DTYPE_BYTES,
+                           num_layers=NUM_LAYERS)
+    changed = []
+    for row in rows:
+        kernel = row.get("plugin_kernel", "flashinfer")
+        case = Case(row["B"], row["P"], row["S"], row["groups"])
+        layout = build_layout(case, np.random.default_rng(0))
+        plan = plan_cascade(layout.block_table, layout.seq_lens, np.ones(case.B, np.int32), PAGE)
+        decision = decide(plan, shape, COST_MODELS[kernel])
+        choice = "cascade" if plan.num_levels >= 2 and decision.use_cascade else "flat"
+        if choice != row.get("plugin_choice"):
+            changed.append(f"{_label(row)}: {row.get('plugin_choice')} -> {choice}")
+        row["plugin_choice"] = choice
+        row["cost_model"] = {"flat_us": decision.flat_us, "cascade_us": decision.cascade_us,
+                             "reason": decision.reason}
+        column = EXECUTOR_COLUMNS[kernel] if choice == "cascade" else "fi_decode"
+        row["ms"]["plugin"] = row["ms"].get(column)
+        errors = row.get("max_abs_err") or {}
+        errors["plugin"] = errors.get(column) if choice == "cascade" else 0.0
+    targets = evaluate_targets(rows)
+    lines = summary_lines(rows, targets)
+    print("\n".join(lines))
+    print("changed:", changed or "none")
+    meta = json.loads((out / "kernel_grid.meta.json").read_text())
+    meta["plugin_column_redecided"] = {
+        "date": datetime.date.today().isoformat(),
+        "command": " ".join(["python", "benchmarks/kernel_bench.py", *(argv or sys.argv[1:])]),
+        "why": "the plugin column holds the choice of the shipped cost model; the rows were "
+               "measured with the model of the commit named in 'command'",
+        "changed": changed}
+    (out / "kernel_grid.json").write_text(json.dumps(rows, indent=1) + "\n")
+    (out / "kernel_grid.meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    summary = json.loads((out / "kernel_grid.summary.json").read_text())
+    summary.update(targets=targets, table=lines)
+    (out / "kernel_grid.summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path,
@@ -835,7 +883,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--l2-flush-mib", type=int, default=256,
                         help="MiB written before each timed call to flush the L2 (0: off)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--redecide", action="store_true",
+                        help="no GPU: re-take the plugin's flat/cascade choice of every row in "
+                             "--out's kernel_grid.json with the shipped cost model (after a "
+                             "recalibration) and rewrite the plugin column and the summary")
     args = parser.parse_args(argv)
+    if args.redecide:
+        return redecide(args.out, argv)
     try:
         cases = parse_rows(args.rows) if args.rows else list(QUICK) if args.quick else grid()
     except ValueError as exc:

@@ -41,8 +41,12 @@ def plot_e2e(folder: Path, plt: Any) -> Path:
     rows = json.loads((folder / "e2e.json").read_text())
     meta = _meta(folder, "e2e")
     workloads = sorted({r["workload"] for r in rows})
-    fig, axes = plt.subplots(1, len(workloads), figsize=(7.5 * len(workloads), 5), squeeze=False)
-    for ax, workload in zip(axes[0], workloads, strict=True):
+    cols = min(len(workloads), 2)
+    grid_rows = -(-len(workloads) // cols)
+    fig, axes = plt.subplots(grid_rows, cols, figsize=(7.5 * cols, 5 * grid_rows), squeeze=False)
+    for ax in axes.flat[len(workloads):]:
+        ax.axis("off")
+    for ax, workload in zip(axes.flat, workloads, strict=False):
         by_config = {r["config"]: r for r in rows if r["workload"] == workload}
         configs = [c for c in E2E_LABELS if c in by_config] + sorted(
             c for c in by_config if c not in E2E_LABELS)
@@ -92,8 +96,10 @@ def plot_planner(folder: Path, plt: Any) -> Path:
 KERNEL_STYLES = {  # kernel_bench.py method -> (label, line style), in legend order
     "plugin": ("plugin (what it runs)", {"color": "#2a7ab9", "lw": 2.5, "marker": "o",
                                          "zorder": 5}),
-    "plugin_cascade": ("plugin executor (always cascade)",
-                       {"color": "#2a7ab9", "lw": 1, "ls": "--", "marker": "."}),
+    "plugin_cascade_fa3": ("plugin FA3 executor (always cascade)",
+                           {"color": "#2a7ab9", "lw": 1, "ls": "--", "marker": "."}),
+    "plugin_cascade": ("plugin FlashInfer executor (always cascade)",
+                       {"color": "#8e44ad", "lw": 1, "ls": "--", "marker": "."}),
     "fi_decode": ("FlashInfer decode (vLLM flat)", {"color": "#777777", "marker": "s"}),
     "fi_cascade": ("FlashInfer MultiLevelCascade", {"color": "#e08a1e", "marker": "^"}),
     "fa3_decode": ("FA3 decode (vLLM FLASH_ATTN)", {"color": "#3a9a3a", "marker": "v"}),

@@ -65,6 +65,45 @@ def test_per_layer_estimates_follow_the_grid():
     assert np.max(errors) < 0.6  # the 16-group row's cascade: the model's known blind spot
 
 
+FA3_PER_LAYER = dataclasses.replace(COST_MODELS["fa3"], step_fixed_us=0.0)
+
+
+@pytest.mark.parametrize("row", kernel_grid(), ids=lambda r: f"B{r['B']}-P{r['P']}-G{r['groups']}")
+def test_fa3_per_layer_terms_never_pick_a_slower_cascade(row):
+    flat_us, cascade_us = 1e3 * row["ms"]["fi_decode"], 1e3 * row["ms"]["plugin_cascade_fa3"]
+    plan = shared_prefix_decode(row["B"], row["P"], row["S"], groups=row["groups"])
+    decision = decide(plan, H200_LAYER, FA3_PER_LAYER)
+    if decision.use_cascade:
+        assert cascade_us < flat_us, decision.reason
+    if cascade_us * 1.3 < flat_us:  # a win of 30% or more is never missed
+        assert decision.use_cascade, decision.reason
+
+
+def test_fa3_per_layer_estimates_follow_the_grid():
+    errors = []
+    for row in kernel_grid():
+        plan = shared_prefix_decode(row["B"], row["P"], row["S"], groups=row["groups"])
+        d = decide(plan, H200_LAYER, FA3_PER_LAYER)
+        errors += [np.log(d.cascade_us / (1e3 * row["ms"]["plugin_cascade_fa3"]))]
+    assert np.mean(np.abs(errors)) < 0.1 and np.max(np.abs(errors)) < 0.3
+
+
+@pytest.mark.parametrize("workload", ["b128_16k_prefix_64_own", "8_prefixes_8k_x16_interleaved",
+                                      "n16_sampling_32_prompts_4k"])
+def test_fa3_model_runs_cascade_where_it_won_end_to_end(workload):
+    """Cascade on every step (FA3) beat flat FlashInfer on the three sharing workloads; the
+    shipped model, per-step cost included, picks cascade for their decode steps."""
+    rows = json.loads((RESULTS / "e2e.json").read_text())
+    speed = {r["config"]: r for r in rows if r["workload"] == workload}
+    assert speed["cascade_always"]["kernel"] == ["fa3"]
+    assert speed["cascade_always"]["out_tok_per_s"] > speed["flashinfer"]["out_tok_per_s"]
+    plans = {"b128_16k_prefix_64_own": lambda: shared_prefix_decode(128, 16384, own=64 + 128),
+             "8_prefixes_8k_x16_interleaved": lambda: shared_prefix_decode(128, 8192, 64 + 128,
+                                                                          groups=8),
+             "n16_sampling_32_prompts_4k": lambda: shared_prefix_decode(512, 4096, groups=32)}
+    assert decide(plans[workload](), H200_LAYER, COST_MODELS["fa3"]).use_cascade
+
+
 def test_per_step_cost_reproduces_the_end_to_end_verdicts():
     """Workload (a) measured slower with cascade on every step, the demo faster: so decide."""
     e2e = {r["config"]: r["out_tok_per_s"]

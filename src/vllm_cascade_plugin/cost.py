@@ -7,27 +7,27 @@ pays once per step for planning its levels on the host and running attention out
 graphs. Estimates are per attention layer call (µs); the per-step cost is spread over the
 model's layers.
 
-The defaults are calibrated on an H200 (bf16, 32 q / 8 kv heads, head_dim 128, page 16,
-vLLM 0.26.0, FlashInfer 0.6.14) by ``benchmarks/calibrate_cost.py``: the per-layer terms on the
-22 rows of ``benchmarks/results/h200/kernel_grid.json`` (decode, B requests behind P shared
-tokens, 128 own each; mean |log error| 6%, and the model picks the faster of the two at every
-row), the per-step term on two end-to-end runs (``e2e.json`` workload (a), ``demo.txt``). Some
-rows, per layer without the per-step term (µs):
+``CostModel()``'s defaults are FlashInfer's executor; ``COST_MODELS`` holds one calibration per
+executor (``CASCADE_KERNEL``). Both are fitted by ``benchmarks/calibrate_cost.py`` on an H200
+(bf16, 32 q / 8 kv heads, head_dim 128, page 16, vLLM 0.26.0, FlashInfer 0.6.14): the per-layer
+terms on the 22 rows of ``benchmarks/results/h200/kernel_grid.json`` (decode, B requests behind P
+shared tokens, 128 own each), the per-step term on end-to-end runs with cascade on every step
+(``e2e.json``, ``e2e_flashinfer_executor.json``, ``demo.txt``). Some rows, per layer without the
+per-step term (µs; measured / model):
 
-======  =====  ======  ==========  ============  ==========  =============
-B       P      groups  flat        cascade       model flat  model cascade
-======  =====  ======  ==========  ============  ==========  =============
-8       512    1       18          34            20          34
-64      8192   1       246         206           256         209
-256     8192   1       940         435           973         460
-256     32768  1       3567        754           3795        777
-256     8192   16      949         783           973         466
-======  =====  ======  ==========  ============  ==========  =============
+======  =====  ======  ===========  ===================  ==============
+B       P      groups  flat         FlashInfer executor  FA3 executor
+======  =====  ======  ===========  ===================  ==============
+8       512    1       18 / 19      34 / 34              29 / 33
+128     2048   1       151 / 142    201 / 211            78 / 75
+256     8192   1       932 / 970    430 / 459            152 / 152
+256     32768  1       3559 / 3784  751 / 774            310 / 283
+256     8192   16      946 / 970    782 / 465            217 / 245
+======  =====  ======  ===========  ===================  ==============
 
-The 16-group row shows what the model misses: many small groups cost more than their bytes
-say. With the per-step term (3.05 ms over 32 layers, ~95 µs a layer) the model keeps 64
-requests behind an 8K prefix flat, which is what end-to-end measured, and runs cascade from
-about 128 requests x 8K or 64 x 32K.
+The 16-group row shows what FlashInfer's model misses: many small groups cost more than their
+bytes say. The per-step term (FA3: 2.49 ms, FlashInfer: 3.04 ms over 32 layers) is what a
+cascade step costs beyond its kernels: attention outside FULL CUDA graphs and host planning.
 """
 
 from __future__ import annotations
@@ -75,14 +75,14 @@ class CostModel:
     margin : the cascade must be faster by this fraction to be chosen (model error, noise).
     """
 
-    flat_fixed_us: float = 17.3
-    flat_bandwidth: float = 9.13e12
-    level_fixed_us: float = 8.39
+    flat_fixed_us: float = 17.1
+    flat_bandwidth: float = 9.16e12
+    level_fixed_us: float = 8.36
     request_us: float = 1.26
     flops: float = 790e12
-    group_bandwidth: float = 0.317e12
+    group_bandwidth: float = 0.319e12
     shared_bandwidth: float = 4.8e12
-    step_fixed_us: float = 3050.0
+    step_fixed_us: float = 3040.0
     margin: float = 0.1
 
 
@@ -91,9 +91,9 @@ class CostModel:
 # defaults above.
 COST_MODELS: dict[str, CostModel] = {
     "flashinfer": CostModel(),
-    "fa3": CostModel(flat_fixed_us=17.2, flat_bandwidth=9.08e12, level_fixed_us=15.2,
-                     request_us=0.226, flops=634e12, group_bandwidth=3.48e12,
-                     shared_bandwidth=4.8e12, step_fixed_us=1670.0),
+    "fa3": CostModel(flat_fixed_us=17.1, flat_bandwidth=9.16e12, level_fixed_us=15.2,
+                     request_us=0.249, flops=790e12, group_bandwidth=5.56e12,
+                     shared_bandwidth=3.95e12, step_fixed_us=2490.0),
 }
 
 

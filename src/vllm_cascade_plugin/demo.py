@@ -26,9 +26,10 @@ from typing import Any
 import numpy as np
 
 from .config import CascadeConfig
-from .cost import AttentionShape, CostModel, Decision, decide
+from .cost import COST_MODELS, AttentionShape, Decision, decide
 from .planner import CascadePlan, plan_cascade
 
+KERNEL_NAMES = {"fa3": "FA3 (Hopper, CASCADE_KERNEL=auto)", "flashinfer": "FlashInfer"}
 PAGE_SIZE = 16  # vLLM's default block size on CUDA, and the page size the cost model is fit on
 
 # The model configurations shipped in examples/models (a test keeps them equal), so that the
@@ -164,6 +165,7 @@ class PlanDemo:
     plan: CascadePlan
     decision: Decision  # what CASCADE_POLICY=auto would do with this step
     check: NumericalCheck
+    kernel: str = "fa3"  # the executor whose cost model decided (CASCADE_KERNEL on a Hopper GPU)
 
     @property
     def page_bytes(self) -> int:
@@ -196,7 +198,9 @@ def plan_demo(workload: Workload, model: str, config: CascadeConfig, seed: int =
                         min_shared_pages=config.min_shared_pages)
     flat = plan_cascade(table, seq_lens, query_lens, PAGE_SIZE, max_levels=2,
                         min_shared_pages=int(table.shape[1]) + 1)  # nothing shared: flat
-    decision = decide(plan, shape, CostModel())
+    # The executor CASCADE_KERNEL picks on a Hopper GPU such as the H200 the model is fit on.
+    kernel = "flashinfer" if config.kernel == "flashinfer" else "fa3"
+    decision = decide(plan, shape, COST_MODELS[kernel])
 
     group = shape.num_qo_heads // shape.num_kv_heads
     g = torch.Generator().manual_seed(seed)
@@ -210,7 +214,7 @@ def plan_demo(workload: Workload, model: str, config: CascadeConfig, seed: int =
         max_abs_err=float((out - out_flat).abs().max()),
         max_lse_err=float((lse - lse_flat).abs().max()),
         tolerance=CHECK_TOLERANCE)
-    return PlanDemo(workload, model, shape, layers, generated, plan, decision, check)
+    return PlanDemo(workload, model, shape, layers, generated, plan, decision, check, kernel)
 
 
 # ------------------------------------------------------------------------- GPU: vLLM, twice
@@ -363,18 +367,19 @@ def describe_plan(demo: PlanDemo, config: CascadeConfig) -> list[str]:
                          f"{_span(rows)} requests, {_span(pages)} pages per group, read once "
                          "per group")
     gb = demo.page_bytes / 1e9
+    model = COST_MODELS[demo.kernel]
     lines += [
         f"KV pages read per layer: {flat:,} flat vs {cascade:,} with cascade "
         f"({flat / max(cascade, 1):.1f}x fewer)",
         f"KV bytes per decode step, {demo.model} ({demo.layers} layers, {s.num_kv_heads} KV "
         f"heads x {s.head_dim}, 16-bit): {flat * gb:.2f} GB flat vs {cascade * gb:.2f} GB cascade",
-        f"Cost model (calibrated on an H200, FlashInfer 0.6.14), per layer call: flat "
-        f"{demo.decision.flat_us:.0f} us, cascade {demo.decision.cascade_us:.0f} us (with its "
-        f"per-step cost, {CostModel().step_fixed_us / 1e3:.2f} ms, spread over {demo.layers} "
-        "layers)",
+        f"Cost model of the {KERNEL_NAMES[demo.kernel]} executor (calibrated on an H200), per "
+        f"layer call: flat {demo.decision.flat_us:.0f} us, cascade "
+        f"{demo.decision.cascade_us:.0f} us (with its per-step cost, "
+        f"{model.step_fixed_us / 1e3:.2f} ms, spread over {demo.layers} layers)",
         "  -> CASCADE_POLICY=auto runs this step " + (
             "as cascade" if demo.decision.use_cascade else "flat") +
-        f" (cascade must win by {CostModel().margin:.0%}); CASCADE_POLICY=always: as cascade.",
+        f" (cascade must win by {model.margin:.0%}); CASCADE_POLICY=always: as cascade.",
         f"Numerical check, reference executor ({check.heads}):",
         f"  cascade vs flat attention: max |d out| {check.max_abs_err:.1e}, max |d lse| "
         f"{check.max_lse_err:.1e}, tolerance {check.tolerance:.0e}: "
