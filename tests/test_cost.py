@@ -20,7 +20,6 @@ RESULTS = REPO / "benchmarks" / "results" / "h200"
 # Llama-3-8B: the shape the defaults are calibrated on, and its 32 layers.
 H200_LAYER = AttentionShape(num_qo_heads=32, num_kv_heads=8, head_dim=128, dtype_bytes=2,
                             num_layers=32)
-PER_LAYER = dataclasses.replace(CostModel(), step_fixed_us=0.0)  # kernels only
 
 
 def shared_prefix_decode(requests: int, prefix: int, own: int = 128, page_size: int = 16,
@@ -42,50 +41,45 @@ def kernel_grid() -> list[dict]:
     return json.loads((RESULTS / "kernel_grid.json").read_text())
 
 
-@pytest.mark.parametrize("row", kernel_grid(), ids=lambda r: f"B{r['B']}-P{r['P']}-G{r['groups']}")
-def test_per_layer_terms_pick_the_faster_kernel_on_every_grid_row(row):
-    flat_us, cascade_us = 1e3 * row["ms"]["fi_decode"], 1e3 * row["ms"]["plugin_cascade"]
+# Executor -> (its kernel-grid column, the smallest win it must never miss: a clear one for
+# FlashInfer's, which the model fits on every row; 30% for FA3's, whose model misses 256 x 512's
+# 18% per layer).
+EXECUTORS = {"flashinfer": ("plugin_cascade", 1 + CostModel().margin),
+             "fa3": ("plugin_cascade_fa3", 1.3)}
+ROW_IDS = {"ids": lambda r: f"B{r['B']}-P{r['P']}-G{r['groups']}"}
+
+
+def per_layer(kernel: str) -> CostModel:
+    return dataclasses.replace(COST_MODELS[kernel], step_fixed_us=0.0)  # kernels only
+
+
+@pytest.mark.parametrize("kernel", list(EXECUTORS))
+@pytest.mark.parametrize("row", kernel_grid(), **ROW_IDS)
+def test_per_layer_terms_never_pick_a_slower_cascade_on_the_grid(row, kernel):
+    column, must_take = EXECUTORS[kernel]
+    flat_us, cascade_us = 1e3 * row["ms"]["fi_decode"], 1e3 * row["ms"][column]
     plan = shared_prefix_decode(row["B"], row["P"], row["S"], groups=row["groups"])
-    decision = decide(plan, H200_LAYER, PER_LAYER)
+    decision = decide(plan, H200_LAYER, per_layer(kernel))
     if decision.use_cascade:  # never slower than flat ...
         assert cascade_us < flat_us, decision.reason
-    if cascade_us * (1 + PER_LAYER.margin) < flat_us:  # ... and no clear win missed
+    if cascade_us * must_take < flat_us:  # ... and no clear win missed
         assert decision.use_cascade, decision.reason
 
 
-def test_per_layer_estimates_follow_the_grid():
+@pytest.mark.parametrize(("kernel", "worst"), [("flashinfer", 0.6), ("fa3", 0.3)])
+def test_per_layer_estimates_follow_the_grid(kernel, worst):
+    """Mean |log error| < 10% (6% when calibrated); ``worst``: FlashInfer's model misses the
+    16-group row's cascade by 41% (many small groups cost more than their bytes)."""
+    column, _ = EXECUTORS[kernel]
     errors = []
     for row in kernel_grid():
         plan = shared_prefix_decode(row["B"], row["P"], row["S"], groups=row["groups"])
-        d = decide(plan, H200_LAYER, PER_LAYER)
+        d = decide(plan, H200_LAYER, per_layer(kernel))
         errors += [np.log(d.flat_us / (1e3 * row["ms"]["fi_decode"])),
-                   np.log(d.cascade_us / (1e3 * row["ms"]["plugin_cascade"]))]
+                   np.log(d.cascade_us / (1e3 * row["ms"][column]))]
     errors = np.abs(errors)
-    assert np.mean(errors) < 0.1  # 6% when calibrated
-    assert np.max(errors) < 0.6  # the 16-group row's cascade: the model's known blind spot
-
-
-FA3_PER_LAYER = dataclasses.replace(COST_MODELS["fa3"], step_fixed_us=0.0)
-
-
-@pytest.mark.parametrize("row", kernel_grid(), ids=lambda r: f"B{r['B']}-P{r['P']}-G{r['groups']}")
-def test_fa3_per_layer_terms_never_pick_a_slower_cascade(row):
-    flat_us, cascade_us = 1e3 * row["ms"]["fi_decode"], 1e3 * row["ms"]["plugin_cascade_fa3"]
-    plan = shared_prefix_decode(row["B"], row["P"], row["S"], groups=row["groups"])
-    decision = decide(plan, H200_LAYER, FA3_PER_LAYER)
-    if decision.use_cascade:
-        assert cascade_us < flat_us, decision.reason
-    if cascade_us * 1.3 < flat_us:  # a win of 30% or more is never missed
-        assert decision.use_cascade, decision.reason
-
-
-def test_fa3_per_layer_estimates_follow_the_grid():
-    errors = []
-    for row in kernel_grid():
-        plan = shared_prefix_decode(row["B"], row["P"], row["S"], groups=row["groups"])
-        d = decide(plan, H200_LAYER, FA3_PER_LAYER)
-        errors += [np.log(d.cascade_us / (1e3 * row["ms"]["plugin_cascade_fa3"]))]
-    assert np.mean(np.abs(errors)) < 0.1 and np.max(np.abs(errors)) < 0.3
+    assert np.mean(errors) < 0.1
+    assert np.max(errors) < worst
 
 
 @pytest.mark.parametrize("workload", ["b128_16k_prefix_64_own", "8_prefixes_8k_x16_interleaved",
