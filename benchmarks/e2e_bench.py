@@ -126,6 +126,11 @@ def main() -> int:
         proc = subprocess.run([sys.executable, __file__, "--model", args.model, "--workloads",
                                args.workloads, "--child", config],
                               env=env, capture_output=True, text=True)
+        # The engine's whole log beside the results: JIT compilations during inference (vLLM
+        # warns about them), graph captures and the plugin's lines explain outliers.
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"e2e-{config}.log").write_text(proc.stdout + proc.stderr)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("ROWS")), None)
         if proc.returncode != 0 or line is None:
             print(proc.stdout[-3000:], proc.stderr[-5000:], file=sys.stderr)
@@ -141,7 +146,6 @@ def main() -> int:
             "torch": torch.__version__, "python": platform.python_version(),
             "command": " ".join([Path(sys.executable).name, *sys.argv])}
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "e2e.json").write_text(json.dumps(rows, indent=1))
     (out / "e2e.meta.json").write_text(json.dumps(meta, indent=1))
     return 0
