@@ -210,3 +210,37 @@ def test_step_without_sharing_builds_plain_vllm_metadata(engine):
     metadata = builder.build(0, common_metadata(table, seq, q))
     assert getattr(metadata, "cascade", None) is None
     assert stats.snapshot().steps_cascade == 0
+
+
+def test_builder_logs_which_kernels_run_and_falls_back_from_fa3_without_a_gpu(
+        tmp_path, monkeypatch, caplog):
+    from vllm_cascade_plugin.cost import COST_MODELS
+
+    monkeypatch.setenv("CASCADE_ATTENTION", "1")
+    monkeypatch.setenv("CASCADE_KERNEL", "fa3")
+    config = vllm_cpu.cpu_vllm_config(str(tmp_path))
+    names = vllm_cpu.make_layers(config, [SCALE])
+    with caplog.at_level(logging.INFO, logger="vllm.cascade_plugin"):
+        builder = vllm_cpu.make_builder(config, names)
+    assert builder._cascade_kernel == "flashinfer"  # no Hopper GPU here
+    assert session.cost_model == COST_MODELS["flashinfer"]
+    warned = [r for r in caplog.records if "cascade kernels: FlashInfer, because FlashAttention 3"
+              " cannot run" in r.getMessage()]
+    assert warned and warned[0].levelno == logging.WARNING
+
+
+def test_a_failing_kernel_choice_does_not_stop_the_engine(tmp_path, monkeypatch, caplog):
+    from vllm_cascade_plugin import kernels
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setenv("CASCADE_ATTENTION", "1")
+    monkeypatch.setattr(kernels, "choose_kernel", broken)
+    config = vllm_cpu.cpu_vllm_config(str(tmp_path))
+    names = vllm_cpu.make_layers(config, [SCALE])
+    with caplog.at_level(logging.INFO, logger="vllm.cascade_plugin"):
+        builder = vllm_cpu.make_builder(config, names)
+    assert builder._cascade_kernel == "flashinfer"
+    assert any("choosing them failed (RuntimeError: boom" in r.getMessage()
+               for r in caplog.records)

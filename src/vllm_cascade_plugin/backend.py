@@ -122,12 +122,16 @@ class CascadeFlashInferMetadataBuilder(FlashInferMetadataBuilder):
         config = load_config()
         self._cascade_kernel = "flashinfer"
         if reason is None and config.enabled:
-            from .kernels import choose_kernel
+            try:
+                from .kernels import choose_kernel
 
-            self._cascade_kernel, line = choose_kernel(config.kernel,
-                                                       compat.flashinfer_kv_layout(self))
-            log = logger.warning if config.kernel == "fa3" != self._cascade_kernel else logger.info
-            log("vllm-cascade-plugin: %s", line)
+                self._cascade_kernel, line = choose_kernel(config.kernel,
+                                                           compat.flashinfer_kv_layout(self))
+            except Exception as exc:  # never fail the engine's start over a kernel choice
+                line = (f"cascade kernels: FlashInfer, because choosing them failed "
+                        f"({type(exc).__name__}: {exc}; CASCADE_KERNEL={config.kernel})")
+            fell_back = config.kernel == "fa3" and self._cascade_kernel != "fa3"
+            (logger.warning if fell_back else logger.info)("vllm-cascade-plugin: %s", line)
         shape = AttentionShape(self.num_qo_heads, self.num_kv_heads, self.head_dim,
                                kv_cache_spec.dtype.itemsize, num_layers=len(layer_names))
         session.configure(config, shape, self.page_size, reason,
