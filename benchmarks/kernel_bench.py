@@ -580,12 +580,8 @@ def run_case(case: Case, gpu: Gpu, timer: Timer, rng: np.random.Generator, seed:
                  "planner_steady": host_us(lambda: planner.plan(*args), plan_reps)}
         plan = planner.plan(*args)
         parts["decide"] = host_us(lambda: decide(plan, shape, model), plan_reps)
-        decision = decide(plan, shape, model)
-        use_cascade = plan.num_levels >= 2 and decision.use_cascade
         row["plugin_kernel"] = gpu.kernel
-        row["plugin_choice"] = "cascade" if use_cascade else "flat"
-        row["cost_model"] = {"flat_us": decision.flat_us, "cascade_us": decision.cascade_us,
-                             "reason": decision.reason}
+        record_choice(row, plan, gpu.kernel)
         row["plan"] = {"levels": plan.num_levels, "group_sizes": list(plan.stats.group_sizes),
                        "pages_flat": plan.stats.pages_flat,
                        "pages_cascade": plan.stats.pages_cascade}
@@ -827,31 +823,40 @@ def _meta(gpu: Gpu, args: argparse.Namespace, timer: Timer, extra: dict[str, Any
     }
 
 
+def record_choice(row: dict[str, Any], plan: Any, kernel: str) -> str:
+    """The plugin's flat/cascade choice for ``plan`` as ``step.py`` makes it (policy auto, the
+    shipped model of ``kernel``'s executor, Llama-3-8B's layers), written into ``row``."""
+    from vllm_cascade_plugin.cost import COST_MODELS, AttentionShape, decide
+
+    shape = AttentionShape(NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, DTYPE_BYTES,
+                           num_layers=NUM_LAYERS)
+    decision = decide(plan, shape, COST_MODELS[kernel])
+    choice = "cascade" if plan.num_levels >= 2 and decision.use_cascade else "flat"
+    row["plugin_choice"] = choice
+    row["cost_model"] = {"flat_us": decision.flat_us, "cascade_us": decision.cascade_us,
+                         "reason": decision.reason}
+    return choice
+
+
 def redecide(out: Path, argv: Sequence[str] | None) -> int:
     """The plugin column of a measured grid under the shipped cost model (CPU only).
 
     The choice is the one ``run_case`` makes (same layout, planner and ``decide``); the times
     are the row's own measurements of the chosen method, so nothing is re-measured.
     """
-    from vllm_cascade_plugin.cost import COST_MODELS, AttentionShape, decide
     from vllm_cascade_plugin.planner import plan_cascade
 
     rows = json.loads((out / "kernel_grid.json").read_text())
-    shape = AttentionShape(NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, DTYPE_BYTES,
-                           num_layers=NUM_LAYERS)
     changed = []
     for row in rows:
         kernel = row.get("plugin_kernel", "flashinfer")
         case = Case(row["B"], row["P"], row["S"], row["groups"])
         layout = build_layout(case, np.random.default_rng(0))
         plan = plan_cascade(layout.block_table, layout.seq_lens, np.ones(case.B, np.int32), PAGE)
-        decision = decide(plan, shape, COST_MODELS[kernel])
-        choice = "cascade" if plan.num_levels >= 2 and decision.use_cascade else "flat"
-        if choice != row.get("plugin_choice"):
-            changed.append(f"{_label(row)}: {row.get('plugin_choice')} -> {choice}")
-        row["plugin_choice"] = choice
-        row["cost_model"] = {"flat_us": decision.flat_us, "cascade_us": decision.cascade_us,
-                             "reason": decision.reason}
+        before = row.get("plugin_choice")
+        choice = record_choice(row, plan, kernel)
+        if choice != before:
+            changed.append(f"{_label(row)}: {before} -> {choice}")
         column = EXECUTOR_COLUMNS[kernel] if choice == "cascade" else "fi_decode"
         row["ms"]["plugin"] = row["ms"].get(column)
         errors = row.get("max_abs_err") or {}

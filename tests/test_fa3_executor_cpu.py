@@ -170,3 +170,20 @@ def test_auto_takes_fa3_where_it_runs_and_flashinfer_elsewhere(monkeypatch):
     assert kind == "flashinfer" and "needs sm90" in line
     with pytest.raises(ValueError, match="unknown cascade kernel"):
         kernels.choose_kernel("triton", "NHD")
+
+
+def test_two_identity_merges_alternate_buffers_and_end_in_out():
+    """A system prompt for all rows, then two documents for contiguous halves: both shared levels
+    read the queries as they are, so the state moves out -> spare -> out."""
+    table = [[1, 2, 3, 4, 10], [1, 2, 3, 4, 11], [1, 2, 5, 6, 12], [1, 2, 5, 6, 13]]
+    batch = make_batch(table, [70, 75, 66, 79], [1, 1, 1, 1], page_size=16)
+    plan = batch.plan(max_levels=3)
+    assert plan.num_levels == 3 and all(level.q_is_identity for level in plan.levels)
+    k_cache, v_cache = kv_cache(batch.num_blocks, 16, 2, 64, torch.float32, seed=3)
+    q = torch.randn(4, 4, 64, generator=torch.Generator().manual_seed(4))
+    executor = planned(plan, (4, 2, 64, torch.float32))
+    assert executor._step.spare is not None and not executor._step.start_in_spare
+    out = torch.full(q.shape, math.nan)
+    executor.run(q, k_cache, v_cache, out)
+    want, _ = dense_attention(batch, q, k_cache, v_cache, 64**-0.5)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)

@@ -361,6 +361,25 @@ class _FaLevel:
     rows: int  # n_q
 
 
+@dataclass(frozen=True)
+class _FaShared:
+    """A shared level of one step and the scratch views :meth:`FlashAttnCascadeExecutor.run`
+    uses for it (taken once per step, in ``plan``)."""
+
+    level: _FaLevel
+    out: torch.Tensor  # [n_q, heads, head_dim]: the level's partial output
+    gather_q: torch.Tensor | None  # [n_q, heads, head_dim]: its queries, gathered (index only)
+    gather_out: torch.Tensor | None  # [n_q, heads, head_dim]: the running state's rows
+
+
+@dataclass(frozen=True)
+class _FaStep:
+    last: _FaLevel
+    shared: tuple[_FaShared, ...]
+    spare: torch.Tensor | None  # [tokens, heads, head_dim]: the other buffer of identity merges
+    start_in_spare: bool  # odd identity merges: the per-request level writes ``spare`` first
+
+
 class FlashAttnCascadeExecutor:
     """Runs cascade plans with vLLM's FlashAttention 3: one varlen call per level.
 
@@ -397,7 +416,7 @@ class FlashAttnCascadeExecutor:
         self._max_levels = max_levels
         self._scratch = _Scratch()
         self._levels: tuple[_FaLevel, ...] = ()
-        self._planned = False
+        self._step: _FaStep | None = None
         self._sm_scale = 1.0
         self._softcap = 0.0
         self._lse: torch.Tensor | None = None
@@ -421,7 +440,7 @@ class FlashAttnCascadeExecutor:
         device: torch.device,
     ) -> None:
         """Same contract as :meth:`FlashInferCascadeExecutor.plan`."""
-        self._planned = False
+        self._step = None
         _check_plan(plan, page_size, self._max_levels)
         del num_kv_heads, kv_dtype  # FlashAttention reads both from the tensors
         previous = {id(fl.level): fl for fl in self._levels}
@@ -429,6 +448,7 @@ class FlashAttnCascadeExecutor:
         ints: list[np.ndarray] = []
         longs: list[np.ndarray] = []
         todo: list[tuple[int, CascadeLevel, np.ndarray, int, int]] = []
+        max_k: dict[int, int] = {}
         n32 = n64 = 0
         for position, level in enumerate(plan.levels):
             old = previous.get(id(level))
@@ -438,7 +458,9 @@ class FlashAttnCascadeExecutor:
             kept.append(None)
             table = level.block_table()
             todo.append((position, level, table, n32, n64))
-            for part in (level.qo_indptr, level.kv_lens(page_size), table.ravel()):
+            lens = level.kv_lens(page_size)
+            max_k[position] = int(lens.max(initial=0))
+            for part in (level.qo_indptr, lens, table.ravel()):
                 # Each array starts 16-byte aligned in the shared upload, as a tensor of its own.
                 ints += [np.asarray(part, np.int32), np.zeros(-part.size % 4, np.int32)]
                 n32 += part.size + (-part.size % 4)
@@ -462,22 +484,34 @@ class FlashAttnCascadeExecutor:
                 index = dev64[at64:at64 + rows]
             kept[position] = _FaLevel(
                 level=level, cu_q=cu_q, kv_lens=kv_lens, block_table=block_table,
-                max_q=int(np.diff(level.qo_indptr).max(initial=0)),
-                max_k=int(level.kv_lens(page_size).max(initial=0)), index=index, rows=rows)
+                max_q=int(np.diff(level.qo_indptr).max(initial=0)), max_k=max_k[position],
+                index=index, rows=rows)
         self._levels = tuple(fl for fl in kept if fl is not None)
-        num_tokens = self._levels[-1].rows
-        identity_merges = sum(fl.index is None for fl in self._levels[:-1])
-        shape = (num_tokens, num_qo_heads, head_dim)
-        if identity_merges % 2:  # the per-request level starts in scratch, see the class doc
-            self._scratch.take("fa_state", shape, q_dtype, device)
-        widest = max((fl.rows for fl in self._levels[:-1]), default=0)
-        for name in ("level_out", "gather_q", "gather_out"):
-            if widest and (name == "level_out" or
-                           any(fl.index is not None for fl in self._levels[:-1])):
-                self._scratch.take(name, (widest, num_qo_heads, head_dim), q_dtype, device)
+        *shared, last = self._levels
+        # Every scratch view run() needs, taken here: widest first, so the rest are views of the
+        # same buffers and run() looks nothing up.
+        take = self._scratch.take
+
+        def view(name: str, rows: int) -> torch.Tensor:
+            return take(name, (rows, num_qo_heads, head_dim), q_dtype, device)
+
+        widest = max((fl.rows for fl in shared), default=0)
+        gathers = any(fl.index is not None for fl in shared)
+        for name in ("level_out", *(("gather_q", "gather_out") if gathers else ())):
+            if widest:
+                view(name, widest)
+        identity_merges = sum(fl.index is None for fl in shared)
+        self._step = _FaStep(
+            last=last,
+            shared=tuple(_FaShared(
+                level=fl, out=view("level_out", fl.rows),
+                gather_q=None if fl.index is None else view("gather_q", fl.rows),
+                gather_out=None if fl.index is None else view("gather_out", fl.rows))
+                for fl in shared),
+            spare=view("fa_state", last.rows) if identity_merges else None,
+            start_in_spare=identity_merges % 2 == 1)
         self._sm_scale = float(sm_scale)
         self._softcap = float(logits_soft_cap or 0.0)
-        self._planned = True
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fl: _FaLevel,
                 out: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -499,33 +533,32 @@ class FlashAttnCascadeExecutor:
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             out: torch.Tensor) -> None:
         """Same contract as :meth:`FlashInferCascadeExecutor.run` (NHD caches only)."""
-        if not self._planned:
+        step = self._step
+        if step is None:
             raise RuntimeError("run() before plan()")
-        *shared, last = self._levels
-        take = self._scratch.take
-        shape = tuple(out.shape)
-        identity_merges = sum(fl.index is None for fl in shared)
-        state = take("fa_state", shape, out.dtype, out.device) if identity_merges % 2 else out
-        lse = self._attend(q, k_cache, v_cache, last, state, causal=True)
-        for fl in shared:
-            level_out = take("level_out", (fl.rows, *shape[1:]), out.dtype, out.device)
-            if fl.index is None:
-                level_lse = self._attend(q, k_cache, v_cache, fl, level_out, causal=False)
-                target = out if state is not out else take("fa_state", shape, out.dtype,
-                                                           out.device)
+        # Identity merges alternate between ``out`` and ``spare``; the start is chosen so that
+        # the last one lands in ``out`` (gathered merges update the state in place).
+        state = step.spare if step.start_in_spare else out
+        assert state is not None
+        lse = self._attend(q, k_cache, v_cache, step.last, state, causal=True)
+        for sh in step.shared:
+            fl = sh.level
+            if sh.gather_q is None or sh.gather_out is None:
+                level_lse = self._attend(q, k_cache, v_cache, fl, sh.out, causal=False)
+                target = step.spare if state is out else out
+                assert target is not None
                 merged = torch.empty_like(lse)
-                self._merge(target, level_out, level_lse, state, lse, output_lse=merged)
+                self._merge(target, sh.out, level_lse, state, lse, output_lse=merged)
                 state, lse = target, merged
                 continue
-            gathered_q = take("gather_q", (fl.rows, *shape[1:]), q.dtype, q.device)
-            torch.index_select(q, 0, fl.index, out=gathered_q)
-            level_lse = self._attend(gathered_q, k_cache, v_cache, fl, level_out, causal=False)
-            gathered = take("gather_out", (fl.rows, *shape[1:]), out.dtype, out.device)
-            torch.index_select(state, 0, fl.index, out=gathered)
-            merged_out = torch.empty_like(gathered)
+            assert fl.index is not None
+            torch.index_select(q, 0, fl.index, out=sh.gather_q)
+            level_lse = self._attend(sh.gather_q, k_cache, v_cache, fl, sh.out, causal=False)
+            torch.index_select(state, 0, fl.index, out=sh.gather_out)
+            merged_out = torch.empty_like(sh.gather_out)
             merged_lse = torch.empty_like(level_lse)
-            self._merge(merged_out, level_out, level_lse, gathered, lse.index_select(1, fl.index),
-                        output_lse=merged_lse)
+            self._merge(merged_out, sh.out, level_lse, sh.gather_out,
+                        lse.index_select(1, fl.index), output_lse=merged_lse)
             state.index_copy_(0, fl.index, merged_out)
             lse.index_copy_(1, fl.index, merged_lse)
         assert state is out
