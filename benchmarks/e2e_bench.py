@@ -5,8 +5,12 @@ Usage (on the GPU machine):
         [--workloads one_8k_prefix_x64] [--configs flash_attn,flashinfer,cascade]
 
 Dummy weights (``load_format="dummy"``: timing only), prefix caching on, vLLM's default compilation
-and CUDA-graph settings. Each workload is run once untimed (warms the prefix cache and kernels),
-then timed; the planner's CPU time is inside the timed region, since it runs in the engine step.
+and CUDA-graph settings, and vLLM's default engine process (the engine core in a process of its
+own; ``--in-process`` runs it in the benchmark's process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+as session 3's results did). Each workload is run once untimed (warms the prefix cache and
+kernels), then timed; the planner's CPU time is inside the timed region, since it runs in the
+engine step. The plugin's counters come from the worker through ``LLM.collective_rpc`` (a
+function sent to the worker: ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` in the child's environment).
 Writes ``e2e.json`` (rows ``{"workload", "config", "out_tok_per_s", ...}``) with provenance.
 """
 
@@ -59,7 +63,7 @@ def workloads() -> dict[str, tuple[list[list[int]], dict]]:
     return w
 
 
-def run_one(model: str, config: str, names: list[str]) -> list[dict]:
+def run_one(model: str, config: str, names: list[str], in_process: bool) -> list[dict]:
     """Runs inside the child process: one engine, the chosen workloads."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -74,15 +78,22 @@ def run_one(model: str, config: str, names: list[str]) -> list[dict]:
         prompts, params = workloads()[name]
         batch = [TokensPrompt(prompt_token_ids=p) for p in prompts]
         llm.generate(batch, SamplingParams(**{**params, "max_tokens": 4}), use_tqdm=False)
-        before = _plugin_counters() if plugin_on else None
+        before = _plugin_counters(llm) if plugin_on else None
         start = time.perf_counter()
         outputs = llm.generate(batch, SamplingParams(**params), use_tqdm=False)
         elapsed = time.perf_counter() - start
         out_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
         row = {"workload": name, "config": config, "out_tok_per_s": out_tokens / elapsed,
-               "output_tokens": out_tokens, "seconds": elapsed}
-        if before is not None:  # this workload's timed steps only
-            after = _plugin_counters()
+               "output_tokens": out_tokens, "seconds": elapsed,
+               "engine_process": "in-process" if in_process else "multiprocessing"}
+        if before is not None and "error" in before:
+            row["plugin_counters"] = before
+        elif before is not None:  # this workload's timed steps only
+            after = _plugin_counters(llm)
+            if "error" in after:
+                row["plugin_counters"] = after
+                rows.append(row)
+                continue
             row["plugin_counters"] = {
                 "steps_planned": after["steps_planned"] - before["steps_planned"],
                 "steps_cascade": after["steps_cascade"] - before["steps_cascade"],
@@ -94,10 +105,12 @@ def run_one(model: str, config: str, names: list[str]) -> list[dict]:
     return rows
 
 
-def _plugin_counters() -> dict:
-    """The plugin's counters in this process (the engine runs in it) and its executors."""
+def _worker_counters(worker: object) -> dict:
+    """Runs in the worker's process (``LLM.collective_rpc``): the plugin's counters there and
+    its executors."""
     from vllm_cascade_plugin import stats
 
+    del worker
     counters = stats.snapshot()
     kernels = sys.modules.get("vllm_cascade_plugin.kernels")
     return {"steps_planned": counters.steps_planned, "steps_cascade": counters.steps_cascade,
@@ -106,25 +119,40 @@ def _plugin_counters() -> dict:
                 {e.kernel for e in list(kernels._EXECUTORS)})}
 
 
+def _plugin_counters(llm: object) -> dict:
+    """The one worker's counters; ``{"error": ...}`` rather than losing the timings."""
+    try:
+        (counters,) = llm.collective_rpc(_worker_counters)  # type: ignore[attr-defined]
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return dict(counters)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="examples/models/llama3-8b")
     parser.add_argument("--out", default="benchmarks/results/h200")
     parser.add_argument("--workloads", default=",".join(workloads()))
     parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--in-process", action="store_true",
+                        help="the engine core in the benchmark's process, not vLLM's default "
+                             "separate process")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     names = args.workloads.split(",")
     if args.child:
-        print("ROWS" + json.dumps(run_one(args.model, args.child, names)))
+        print("ROWS" + json.dumps(run_one(args.model, args.child, names, args.in_process)))
         return 0
     rows = []
     # One engine per configuration, each a few minutes: progress on a terminal only.
     for config in tqdm(args.configs.split(","), desc="engines", unit="engine", disable=None):
         env = {k: v for k, v in os.environ.items() if not k.startswith("CASCADE_")}
-        env.update(CONFIGS[config][1], VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        env.update(CONFIGS[config][1], VLLM_ALLOW_INSECURE_SERIALIZATION="1")
+        if args.in_process:
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         proc = subprocess.run([sys.executable, __file__, "--model", args.model, "--workloads",
-                               args.workloads, "--child", config],
+                               args.workloads, "--child", config,
+                               *(["--in-process"] if args.in_process else [])],
                               env=env, capture_output=True, text=True)
         # The engine's whole log beside the results: JIT compilations during inference (vLLM
         # warns about them), graph captures and the plugin's lines explain outliers.

@@ -13,6 +13,10 @@
 #   source .devb/setup_device.sh && bash scripts/gpu_validate.sh start [SECONDS]
 #   source .devb/setup_device.sh && bash scripts/gpu_validate.sh wait [SECONDS]
 #   source .devb/setup_device.sh && bash scripts/gpu_validate.sh tp
+# Session 4 (fused decode kernel: kernel tests, engine tests, kernel grid, level breakdown on
+# GPU 0; end to end with vLLM's default engine process on GPU 1), same pattern:
+#   source .devb/setup_device.sh && bash scripts/gpu_validate.sh start4 [SECONDS]
+#   source .devb/setup_device.sh && bash scripts/gpu_validate.sh wait [SECONDS]
 # .whl holds truststore (the OpenAI client's httpx2 needs it; the bundle lacks it) and, for
 # part2, the FlashInfer wheels of the GPU version matrix. Each part leaves its logs and JSON in
 # $OUT/<part>.tar.xz (unpack into benchmarks/results/h200/ what belongs there).
@@ -25,7 +29,7 @@ if ! python3 -c 'import truststore' 2>/dev/null; then
 fi
 stamp() { echo "[gpu_validate $(date +%T)] $*"; }
 
-part=${1:?part1, part2, part3, start, wait or tp}
+part=${1:?part1, part2, part3, start, start4, wait or tp}
 
 gpu0_pipeline() {  # FA3 kernel tests, engine tests, then the soak (>= 10 min of load + replay)
   CUDA_VISIBLE_DEVICES=0 CASCADE_RESULTS_DIR="$res/kernels" timeout 300 python3 -m pytest -q \
@@ -63,6 +67,32 @@ gpu1_pipeline() {  # kernel grid, offline example, then the end-to-end benchmark
   done
 }
 
+gpu0_pipeline4() {  # FA3 kernel tests, engine tests (both runners), kernel grid, breakdown
+  CUDA_VISIBLE_DEVICES=0 CASCADE_RESULTS_DIR="$res/kernels" timeout 300 python3 -m pytest -q \
+    -p no:cacheprovider tests/gpu/test_kernels.py -k "fa3 or fp32_reference or corrupted" \
+    > "$res/kernels.log" 2>&1
+  stamp "kernel tests rc=$?"; tail -3 "$res/kernels.log"
+  CUDA_VISIBLE_DEVICES=0 CASCADE_RESULTS_DIR="$res/engine" timeout 480 python3 -m pytest -q \
+    -p no:cacheprovider tests/gpu/test_engine.py -k "not tensor_parallel" > "$res/engine.log" 2>&1
+  stamp "engine tests rc=$?"; tail -3 "$res/engine.log"
+  CUDA_VISIBLE_DEVICES=0 timeout 240 python3 benchmarks/kernel_bench.py --out "$res/kernel" \
+    > "$res/kernel.log" 2>&1
+  stamp "kernel bench rc=$?"; tail -30 "$res/kernel.log"
+  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/fa3_levels.py --out "$res/levels" \
+    > "$res/levels.log" 2>&1
+  stamp "fa3 levels rc=$?"
+}
+
+gpu1_pipeline4() {  # end to end, one engine per configuration, flat configurations first
+  local config
+  for config in flashinfer cascade cascade_always flash_attn; do
+    CUDA_VISIBLE_DEVICES=1 timeout 420 python3 benchmarks/e2e_bench.py --out "$res/e2e-$config" \
+      --configs $config --workloads b128_16k_prefix_64_own,8_prefixes_8k_x16_interleaved,n16_sampling_32_prompts_4k,no_sharing_256_random_2k \
+      > "$res/e2e-$config.log" 2>&1
+    stamp "e2e $config rc=$?"; tail -4 "$res/e2e-$config.log"
+  done
+}
+
 wait_pipelines() {  # until both pipelines are done or $1 seconds have passed
   local deadline=$((SECONDS + ${1:-540}))
   while [ $SECONDS -lt $deadline ] && { [ ! -e "$res/gpu0.done" ] || [ ! -e "$res/gpu1.done" ]; }
@@ -77,6 +107,16 @@ start)
   setsid nohup bash -c 'gpu0_pipeline > "$res/gpu0.log" 2>&1; touch "$res/gpu0.done"' \
     < /dev/null > /dev/null 2>&1 &
   setsid nohup bash -c 'gpu1_pipeline > "$res/gpu1.log" 2>&1; touch "$res/gpu1.done"' \
+    < /dev/null > /dev/null 2>&1 &
+  stamp "pipelines started"
+  wait_pipelines "${2:-540}"
+  ;;
+start4)
+  export -f gpu0_pipeline4 gpu1_pipeline4 stamp
+  export res
+  setsid nohup bash -c 'gpu0_pipeline4 > "$res/gpu0.log" 2>&1; touch "$res/gpu0.done"' \
+    < /dev/null > /dev/null 2>&1 &
+  setsid nohup bash -c 'gpu1_pipeline4 > "$res/gpu1.log" 2>&1; touch "$res/gpu1.done"' \
     < /dev/null > /dev/null 2>&1 &
   stamp "pipelines started"
   wait_pipelines "${2:-540}"

@@ -26,7 +26,7 @@ import flashinfer
 import numpy as np
 import torch
 
-from vllm_cascade_plugin import compat
+from vllm_cascade_plugin import compat, decode_level
 from vllm_cascade_plugin.planner import CascadeLevel, CascadePlan
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -378,6 +378,9 @@ class _FaStep:
     shared: tuple[_FaShared, ...]
     spare: torch.Tensor | None  # [tokens, heads, head_dim]: the other buffer of identity merges
     start_in_spare: bool  # odd identity merges: the per-request level writes ``spare`` first
+    # One query per request: shared levels first, then the per-request level and the last
+    # merge in one Triton kernel (``decode_level``) instead of an FA3 call and a merge.
+    fused_decode: bool
 
 
 class FlashAttnCascadeExecutor:
@@ -409,11 +412,13 @@ class FlashAttnCascadeExecutor:
 
     kernel = "fa3"
 
-    def __init__(self, kv_layout: str = "NHD", max_levels: int = 4) -> None:
+    def __init__(self, kv_layout: str = "NHD", max_levels: int = 4,
+                 fused_decode: bool = True) -> None:
         if kv_layout != "NHD":
             raise RuntimeError(f"FlashAttention reads an NHD paged cache, not {kv_layout}")
         self._attention, self._merge = compat.fa3_kernels()
         self._max_levels = max_levels
+        self._fused_decode = fused_decode
         self._scratch = _Scratch()
         self._levels: tuple[_FaLevel, ...] = ()
         self._step: _FaStep | None = None
@@ -442,7 +447,7 @@ class FlashAttnCascadeExecutor:
         """Same contract as :meth:`FlashInferCascadeExecutor.plan`."""
         self._step = None
         _check_plan(plan, page_size, self._max_levels)
-        del num_kv_heads, kv_dtype  # FlashAttention reads both from the tensors
+        del kv_dtype  # FlashAttention reads it from the tensors
         previous = {id(fl.level): fl for fl in self._levels}
         kept: list[_FaLevel | None] = []
         ints: list[np.ndarray] = []
@@ -500,7 +505,14 @@ class FlashAttnCascadeExecutor:
         for name in ("level_out", *(("gather_q", "gather_out") if gathers else ())):
             if widest:
                 view(name, widest)
+        # Fused: the first shared level writes the state itself when it spans the batch.
+        fused = (self._fused_decode and bool(shared) and last.max_q == 1
+                 and last.rows == last.level.num_groups
+                 and decode_level.unsupported_reason(num_qo_heads, num_kv_heads, head_dim)
+                 is None)
         identity_merges = sum(fl.index is None for fl in shared)
+        if fused and shared[0].index is None:
+            identity_merges -= 1
         self._step = _FaStep(
             last=last,
             shared=tuple(_FaShared(
@@ -509,7 +521,7 @@ class FlashAttnCascadeExecutor:
                 gather_out=None if fl.index is None else view("gather_out", fl.rows))
                 for fl in shared),
             spare=view("fa_state", last.rows) if identity_merges else None,
-            start_in_spare=identity_merges % 2 == 1)
+            start_in_spare=identity_merges % 2 == 1, fused_decode=fused)
         self._sm_scale = float(sm_scale)
         self._softcap = float(logits_soft_cap or 0.0)
 
@@ -536,13 +548,40 @@ class FlashAttnCascadeExecutor:
         step = self._step
         if step is None:
             raise RuntimeError("run() before plan()")
+        if step.fused_decode:
+            state, lse = self._merge_shared(q, k_cache, v_cache, step, out, None, None)
+            last = step.last
+            decode_level.decode_level(q, k_cache, v_cache, last.block_table, last.kv_lens,
+                                      state, lse, out, lse, sm_scale=self._sm_scale,
+                                      softcap=self._softcap)
+            self._lse = lse
+            return
         # Identity merges alternate between ``out`` and ``spare``; the start is chosen so that
         # the last one lands in ``out`` (gathered merges update the state in place).
-        state = step.spare if step.start_in_spare else out
-        assert state is not None
-        lse = self._attend(q, k_cache, v_cache, step.last, state, causal=True)
+        first = step.spare if step.start_in_spare else out
+        assert first is not None
+        lse = self._attend(q, k_cache, v_cache, step.last, first, causal=True)
+        state, lse = self._merge_shared(q, k_cache, v_cache, step, out, first, lse)
+        assert state is out
+        self._lse = lse
+
+    def _merge_shared(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      step: _FaStep, out: torch.Tensor, state: torch.Tensor | None,
+                      lse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every shared level merged into the running ``(state, lse)``; with no state yet
+        (fused decode), the first level starts it in ``out``."""
         for sh in step.shared:
             fl = sh.level
+            if state is None or lse is None:
+                if sh.gather_q is None:
+                    lse = self._attend(q, k_cache, v_cache, fl, out, causal=False)
+                    state = out
+                    continue
+                # Rows outside this level have nothing yet: output 0, LSE -inf.
+                out.zero_()
+                state = out
+                lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=torch.float32,
+                                 device=q.device)
             if sh.gather_q is None or sh.gather_out is None:
                 level_lse = self._attend(q, k_cache, v_cache, fl, sh.out, causal=False)
                 target = step.spare if state is out else out
@@ -561,8 +600,8 @@ class FlashAttnCascadeExecutor:
                         lse.index_select(1, fl.index), output_lse=merged_lse)
             state.index_copy_(0, fl.index, merged_out)
             lse.index_copy_(1, fl.index, merged_lse)
-        assert state is out
-        self._lse = lse
+        assert state is not None and lse is not None
+        return state, lse
 
 
 def fa3_unsupported_reason(kv_layout: str) -> str | None:

@@ -29,6 +29,7 @@ import torch
 
 from vllm_cascade_plugin.kernels import (
     KERNELS,
+    FlashAttnCascadeExecutor,
     fa3_unsupported_reason,
     make_executor,
     unsupported_reason,
@@ -202,7 +203,10 @@ def random_layer(batch: Batch, shape: Shape, seed: int) -> Layer:
 
 def planned_executor(workspace: torch.Tensor, plan: CascadePlan, shape: Shape,
                      kernel: str) -> Any:
-    executor = make_executor(kernel, workspace, "NHD", max_levels=4)
+    if kernel == "fa3_unfused":  # decode steps too through FA3 + merge, not decode_level
+        executor: Any = FlashAttnCascadeExecutor("NHD", max_levels=4, fused_decode=False)
+    else:
+        executor = make_executor(kernel, workspace, "NHD", max_levels=4)
     executor.plan(plan, num_qo_heads=shape.num_qo_heads, num_kv_heads=shape.num_kv_heads,
                   head_dim=shape.head_dim, page_size=PAGE, sm_scale=shape.sm_scale,
                   logits_soft_cap=None, q_dtype=DTYPE, kv_dtype=DTYPE,
@@ -242,10 +246,12 @@ def plan_for(batch: Batch) -> CascadePlan:
     return plan_cascade(batch.block_table, batch.seq_lens, batch.query_lens, PAGE)
 
 
-@pytest.fixture(params=KERNELS)
+@pytest.fixture(params=(*KERNELS, "fa3_unfused"))
 def kernel(request: pytest.FixtureRequest) -> str:
-    """Each executor the plugin can run (CASCADE_KERNEL); FA3 only where it runs (Hopper)."""
-    if request.param == "fa3" and (reason := fa3_unsupported_reason("NHD")):
+    """Each executor the plugin can run (CASCADE_KERNEL); FA3 only where it runs (Hopper).
+    ``fa3`` runs decode steps' per-request level in the Triton kernel ``decode_level``,
+    ``fa3_unfused`` in FA3 like every other step."""
+    if request.param.startswith("fa3") and (reason := fa3_unsupported_reason("NHD")):
         pytest.skip(reason)
     return str(request.param)
 
@@ -300,6 +306,8 @@ def test_cascade_matches_flat_flashinfer_attention(
     assert plan.num_levels == levels, "the planner did not find the sharing this case tests"
 
     executor = planned_executor(workspace, plan, shape, kernel)
+    if kernel == "fa3":  # decode steps take the fused kernel, others FA3 throughout
+        assert executor._step.fused_decode == batch.is_decode
     prefill = flat_prefill(workspace, batch, shape)
     decode = flat_decode(workspace, batch, shape) if batch.is_decode else None
     for seed in range(LAYERS):
@@ -331,18 +339,22 @@ def test_cascade_matches_the_fp32_reference(
     check_close(results, f"{request.node.name}/lse", executor.lse, want_lse, LSE_TOL)
 
 
+@pytest.mark.parametrize("level", [0, 1], ids=["shared", "own"])
 def test_a_corrupted_plan_fails_the_comparison(
-    kernel: str, workspace: torch.Tensor, results: list[dict[str, Any]],
+    level: int, kernel: str, workspace: torch.Tensor, results: list[dict[str, Any]],
     request: pytest.FixtureRequest,
 ) -> None:
     shape = Shape(32, 8, 128)
     batch = one_shared_prefix(np.random.default_rng(2))
     plan = plan_for(batch)
     assert plan.num_levels == 2
-    shared = plan.levels[0]
-    # Every shared page id + 1: still inside the cache (Pages leaves spare blocks), wrong pages.
-    wrong = dataclasses.replace(shared, kv_page_indices=shared.kv_page_indices + 1)
-    corrupted = dataclasses.replace(plan, levels=(wrong, *plan.levels[1:]))
+    bad = plan.levels[level]
+    # Every page id of one level + 1: still inside the cache (Pages leaves spare blocks), wrong
+    # pages; level 1 is the per-request level (decode_level's, for the fused FA3 executor).
+    wrong = dataclasses.replace(bad, kv_page_indices=bad.kv_page_indices + 1)
+    levels = list(plan.levels)
+    levels[level] = wrong
+    corrupted = dataclasses.replace(plan, levels=tuple(levels))
     layer = random_layer(batch, shape, seed=0)
     got = run_executor(planned_executor(workspace, corrupted, shape, kernel), layer)
     want = flat_prefill(workspace, batch, shape).run(layer.q, layer.kv)

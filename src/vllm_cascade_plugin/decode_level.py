@@ -1,0 +1,173 @@
+"""The per-request level of a decode step, fused with the final merge: one Triton kernel.
+
+In a decode step every request has one query token and, below its shared prefix levels, a few
+hundred tokens of its own. FlashAttention 3 runs that level as ``B`` one-token sequences and
+needed ~72 µs for 256 requests x 128 own tokens on an H200 (``benchmarks/fa3_levels.py``), for
+17 MB of KV: each of its thread blocks is set up for a 128-row tile and holds 4. Here one
+program is one (request, KV head): its ``q_heads / kv_heads`` query heads against the request's
+own pages, an online softmax in base 2, and then the merge with the state the shared levels
+left (output and natural-log LSE, vLLM's ``merge_attn_states`` convention), written to ``out``.
+One launch replaces FA3's per-request call and the last merge.
+
+A program reads its request's state rows before it writes the same rows of ``out``, and no
+other program touches them, so ``state`` may be ``out`` and ``state_lse`` may be ``out_lse``.
+
+Runs under ``TRITON_INTERPRET=1`` on CPU tensors (the CPU tests); Triton is imported lazily, so
+this module imports where Triton is missing (:func:`unsupported_reason` says so).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+# Launch configuration (``benchmarks/fa3_levels.py --sweep`` times the alternatives).
+BLOCK_N = 64  # key tokens per inner iteration
+NUM_WARPS = 4
+NUM_STAGES = 2
+MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows: a KV head's query heads are padded to this
+
+
+def unsupported_reason(num_qo_heads: int, num_kv_heads: int, head_dim: int) -> str | None:
+    """Why :func:`decode_level` cannot run this shape, or None."""
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        return f"head_dim {head_dim} is not a power of two >= 16"
+    if num_kv_heads <= 0 or num_qo_heads % num_kv_heads:
+        return f"num_qo_heads {num_qo_heads} is not a multiple of num_kv_heads {num_kv_heads}"
+    try:
+        _kernel()
+    except ImportError as exc:
+        return f"Triton cannot be imported ({exc})"
+    return None
+
+
+tl: Any = None  # triton.language, bound by _kernel(): a module global, where Triton's
+# interpreter looks for the language module it swaps in
+
+
+@functools.cache
+def _kernel() -> Any:
+    global tl
+    import triton
+    import triton.language
+
+    tl = triton.language
+
+    @triton.jit(do_not_specialize=["stride_slh", "stride_olh"])  # = rows: varies by step
+    def decode_level_kernel(
+        q, k, v, block_table, kv_lens, state, state_lse, out, out_lse,
+        sm_scale, softcap,
+        stride_qt, stride_qh,
+        stride_kb, stride_kp, stride_kh,
+        stride_vb, stride_vp, stride_vh,
+        stride_bt,
+        stride_st, stride_sh, stride_slh,
+        stride_ot, stride_oh, stride_olh,
+        GQA: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+        BLOCK: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    ):
+        r = tl.program_id(0)  # the request, also its query row (one query per request)
+        kvh = tl.program_id(1)
+        g = tl.arange(0, G_PAD)
+        d = tl.arange(0, HEAD_DIM)
+        live = g < GQA
+        heads = kvh * GQA + g
+        row = r.to(tl.int64)
+        n_keys = tl.load(kv_lens + r)
+        qv = tl.load(q + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                     mask=live[:, None], other=0.0)
+        # The state is read up front: its loads overlap the keys' (nothing depends on them).
+        prev_lse = tl.load(state_lse + heads * stride_slh + row, mask=live, other=float("-inf"))
+        prev = tl.load(state + row * stride_st + heads[:, None] * stride_sh + d[None, :],
+                       mask=live[:, None], other=0.0).to(tl.float32)
+        m = tl.full([G_PAD], float("-inf"), tl.float32)
+        total = tl.zeros([G_PAD], tl.float32)
+        acc = tl.zeros([G_PAD, HEAD_DIM], tl.float32)
+        for start in range(0, n_keys, BLOCK):
+            n = start + tl.arange(0, BLOCK)
+            valid = n < n_keys
+            page = tl.load(block_table + row * stride_bt + n // PAGE, mask=valid, other=0)
+            page = page.to(tl.int64)
+            slot = n % PAGE
+            kt = tl.load(k + page[:, None] * stride_kb + slot[:, None] * stride_kp
+                         + kvh * stride_kh + d[None, :], mask=valid[:, None], other=0.0)
+            vt = tl.load(v + page[:, None] * stride_vb + slot[:, None] * stride_vp
+                         + kvh * stride_vh + d[None, :], mask=valid[:, None], other=0.0)
+            s = tl.dot(qv, tl.trans(kt)) * sm_scale  # float32 [G_PAD, BLOCK], natural units
+            if HAS_SOFTCAP:  # softcap * tanh(s / softcap), tanh through exp (no libdevice)
+                s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
+            s = tl.where(valid[None, :], s * 1.4426950408889634, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            total = total * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+            m = m_new
+        has_keys = total > 0
+        own_lse = tl.where(has_keys, m + tl.log2(tl.where(has_keys, total, 1.0)),
+                           float("-inf"))  # base 2
+        own = acc / tl.where(has_keys, total, 1.0)[:, None]
+        # The shared levels' state: natural-log LSE (+inf, FA2's empty row, read as -inf).
+        prev_lse = tl.where(prev_lse == float("inf"), float("-inf"), prev_lse)
+        prev_lse = prev_lse * 1.4426950408889634
+        top = tl.maximum(own_lse, prev_lse)
+        top = tl.where(top == float("-inf"), 0.0, top)
+        w_own = tl.exp2(own_lse - top)
+        w_prev = tl.exp2(prev_lse - top)
+        weight = w_own + w_prev
+        prev = tl.where(w_prev[:, None] > 0, prev, 0.0)  # never 0 * (inf or nan)
+        merged = (own * w_own[:, None] + prev * w_prev[:, None]) / tl.where(
+            weight > 0, weight, 1.0)[:, None]
+        lse2 = top + tl.log2(tl.where(weight > 0, weight, 1.0))
+        lse = tl.where(weight > 0, lse2 * 0.6931471805599453, float("-inf"))  # natural log
+        tl.store(out + row * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 merged.to(out.dtype.element_ty), mask=live[:, None])
+        tl.store(out_lse + heads * stride_olh + row, lse, mask=live)
+
+    return decode_level_kernel
+
+
+def decode_level(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_table: torch.Tensor, kv_lens: torch.Tensor, state: torch.Tensor,
+                 state_lse: torch.Tensor, out: torch.Tensor, out_lse: torch.Tensor, *,
+                 sm_scale: float, softcap: float = 0.0, block_n: int = BLOCK_N,
+                 num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES) -> None:
+    """Attend request ``r``'s query (row ``r`` of ``q``) to its own pages and merge the result
+    with ``state``/``state_lse``, into ``out``/``out_lse``.
+
+    Parameters
+    ----------
+    q : ``[R, num_qo_heads, head_dim]`` fp16/bf16, one query per request (may be strided).
+    k_cache, v_cache : ``[num_pages, page_size, num_kv_heads, head_dim]`` (NHD), may be strided
+        views; the last dimension contiguous.
+    block_table : int32 ``[R, max_pages]``: request ``r``'s own pages.
+    kv_lens : int32 ``[R]``: its own KV tokens (the last page partly).
+    state, state_lse : what the shared levels computed for row ``r``: ``[R, heads, head_dim]``
+        and float32 ``[heads, R]``, natural log (``-inf``: nothing yet).
+    out, out_lse : written, same shapes; may be ``state``/``state_lse`` themselves.
+    """
+    num_rows, num_qo_heads, head_dim = q.shape
+    num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("state", state),
+                    ("out", out)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}'s last dimension must be contiguous")
+    if state_lse.stride(1) != 1 or out_lse.stride(1) != 1:
+        raise ValueError("state_lse and out_lse must be contiguous along the rows")
+    if num_rows == 0:
+        return
+    gqa = num_qo_heads // num_kv_heads
+    _kernel()[(num_rows, num_kv_heads)](
+        q, k_cache, v_cache, block_table, kv_lens, state, state_lse, out, out_lse,
+        float(sm_scale), float(softcap or 1.0),
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_table.stride(0),
+        state.stride(0), state.stride(1), state_lse.stride(0),
+        out.stride(0), out.stride(1), out_lse.stride(0),
+        GQA=gqa, G_PAD=max(MIN_DOT_ROWS, 1 << (gqa - 1).bit_length()), HEAD_DIM=head_dim,
+        PAGE=page, BLOCK=block_n, HAS_SOFTCAP=bool(softcap), num_warps=num_warps,
+        num_stages=num_stages)
