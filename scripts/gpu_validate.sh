@@ -17,6 +17,8 @@
 # GPU 0; end to end with vLLM's default engine process on GPU 1), same pattern:
 #   source .devb/setup_device.sh && bash scripts/gpu_validate.sh start4 [SECONDS]
 #   source .devb/setup_device.sh && bash scripts/gpu_validate.sh wait [SECONDS]
+# then, alone on the machine (no tests beside it), flat vs cascade in both engine-process modes:
+#   source .devb/setup_device.sh && bash scripts/gpu_validate.sh e2e4
 # .whl holds truststore (the OpenAI client's httpx2 needs it; the bundle lacks it) and, for
 # part2, the FlashInfer wheels of the GPU version matrix. Each part leaves its logs and JSON in
 # $OUT/<part>.tar.xz (unpack into benchmarks/results/h200/ what belongs there).
@@ -29,7 +31,7 @@ if ! python3 -c 'import truststore' 2>/dev/null; then
 fi
 stamp() { echo "[gpu_validate $(date +%T)] $*"; }
 
-part=${1:?part1, part2, part3, start, start4, wait or tp}
+part=${1:?part1, part2, part3, start, start4, e2e4, wait or tp}
 
 gpu0_pipeline() {  # FA3 kernel tests, engine tests, then the soak (>= 10 min of load + replay)
   CUDA_VISIBLE_DEVICES=0 CASCADE_RESULTS_DIR="$res/kernels" timeout 300 python3 -m pytest -q \
@@ -162,6 +164,16 @@ part2)
     stamp "serve example rc=$?"; tail -15 "$res/serve.log"; cp /tmp/serve/server.log "$res/"
   ) &
   wait
+  ;;
+e2e4)
+  # GPU 0 with vLLM's default engine process, GPU 1 in-process; same engines, same order.
+  w=b128_16k_prefix_64_own,8_prefixes_8k_x16_interleaved,n16_sampling_32_prompts_4k,no_sharing_256_random_2k
+  CUDA_VISIBLE_DEVICES=0 timeout 470 python3 benchmarks/e2e_bench.py --out "$res/e2e-mp" \
+    --configs flashinfer,cascade --workloads $w > "$res/e2e-mp.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 timeout 470 python3 benchmarks/e2e_bench.py --out "$res/e2e-inproc" \
+    --configs flashinfer,cascade --workloads $w --in-process > "$res/e2e-inproc.log" 2>&1 &
+  wait
+  stamp "e2e done"; tail -3 "$res"/e2e-*.log
   ;;
 part3)
   # Both GPUs: workloads (a) and (d) with tensor_parallel_size=2.
