@@ -217,7 +217,8 @@ def test_a_gathered_decode_level_is_read_where_it_lies():
     one shared level that gathers its queries. The fused path runs it into its own buffer and
     decode_level reads each request's row through ``state_rows``: one FA3 call, nothing merged
     or scattered."""
-    table = [[1, 2, 3, 10], [4, 5, 6, 11], [1, 2, 3, 12], [4, 5, 6, 13], [1, 2, 3, 14], [7, 8, 9, 15]]
+    table = [[1, 2, 3, 10], [4, 5, 6, 11], [1, 2, 3, 12], [4, 5, 6, 13], [1, 2, 3, 14],
+             [7, 8, 9, 15]]
     batch = make_batch(table, [60, 55, 49, 62, 50, 64], [1] * 6, page_size=16)
     plan = batch.plan()
     assert plan.num_levels == 2 and not plan.levels[0].q_is_identity

@@ -182,5 +182,5 @@ def decode_level(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         state.stride(0), state.stride(1), state_lse.stride(0),
         out.stride(0), out.stride(1), out_lse.stride(0),
         GQA=gqa, G_PAD=max(MIN_DOT_ROWS, 1 << (gqa - 1).bit_length()), HEAD_DIM=head_dim,
-        PAGE=page, BLOCK=block_n, HAS_SOFTCAP=bool(softcap), STATE_ROWS=state_rows is not None,
-        num_warps=num_warps, num_stages=num_stages)
+        PAGE=page, BLOCK=block_n, HAS_SOFTCAP=bool(softcap),
+        STATE_ROWS=state_rows is not None, num_warps=num_warps, num_stages=num_stages)

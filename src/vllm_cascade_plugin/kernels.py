@@ -560,7 +560,7 @@ class FlashAttnCascadeExecutor:
         last = step.last
         if step.state_rows is not None:  # one gathered shared level, read where it lies
             sh = step.shared[0]
-            assert sh.gather_q is not None
+            assert sh.gather_q is not None and sh.level.index is not None
             torch.index_select(q, 0, sh.level.index, out=sh.gather_q)
             level_lse = self._attend(sh.gather_q, k_cache, v_cache, sh.level, sh.out,
                                      causal=False)
