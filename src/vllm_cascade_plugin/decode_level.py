@@ -174,7 +174,8 @@ def decode_level(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     gqa = num_qo_heads // num_kv_heads
     _kernel()[(num_rows, num_kv_heads)](
         q, k_cache, v_cache, block_table, kv_lens, state, state_lse,
-        block_table if state_rows is None else state_rows, out, out_lse, float(sm_scale), float(softcap or 1.0),
+        block_table if state_rows is None else state_rows, out, out_lse,  # (a stand-in: unread)
+        float(sm_scale), float(softcap or 1.0),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
