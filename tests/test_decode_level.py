@@ -113,25 +113,3 @@ def test_shapes_it_cannot_run_are_named():
     with pytest.raises(ValueError, match="contiguous"):
         decode_level.decode_level(q, k.transpose(-1, -2), v, table, kv_lens, state, state_lse,
                                   state, state_lse, sm_scale=0.125)
-
-
-def test_state_read_through_state_rows():
-    """One gathered level's output as the state: request r's row is state_rows[r], -1 none."""
-    q, k, v, table, kv_lens, _, _ = case(4, 8, 2, 64, 16, [5, 33, 80, 17], torch.float32, seed=9)
-    g = torch.Generator().manual_seed(10)
-    level_out = torch.rand(3, 8, 64, generator=g)  # the level's rows: requests 2, 0, 3
-    level_lse = torch.randn(8, 3, generator=g)
-    rows = torch.tensor([1, -1, 0, 2], dtype=torch.int32)
-    # The same state laid out per request, -inf where there is none: what the reference takes.
-    state = torch.zeros(4, 8, 64)
-    state_lse = torch.full((8, 4), -math.inf)
-    for r, i in enumerate(rows.tolist()):
-        if i >= 0:
-            state[r], state_lse[:, r] = level_out[i], level_lse[:, i]
-    want, want_lse = reference(q, k, v, table, kv_lens, state, state_lse, 0.125, 0.0)
-    out = torch.full((4, 8, 64), math.nan)
-    out_lse = torch.full((8, 4), math.nan)
-    decode_level.decode_level(q, k, v, table, kv_lens, level_out, level_lse, out, out_lse,
-                              sm_scale=0.125, state_rows=rows)
-    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out_lse.double(), want_lse, atol=1e-5, rtol=1e-5)

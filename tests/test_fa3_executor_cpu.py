@@ -209,27 +209,3 @@ def test_two_identity_merges_alternate_buffers_and_end_in_out():
     executor.run(q, k_cache, v_cache, out)
     want, _ = dense_attention(batch, q, k_cache, v_cache, 64**-0.5)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.skipif(not TRITON_ON_CPU, reason="needs Triton's CPU interpreter")
-def test_a_gathered_decode_level_is_read_where_it_lies():
-    """Interleaved groups (rows 0, 2, 4 and 1, 3 share; row 5 shares nothing) in a decode step:
-    one shared level that gathers its queries. The fused path runs it into its own buffer and
-    decode_level reads each request's row through ``state_rows``: one FA3 call, nothing merged
-    or scattered."""
-    table = [[1, 2, 3, 10], [4, 5, 6, 11], [1, 2, 3, 12], [4, 5, 6, 13], [1, 2, 3, 14],
-             [7, 8, 9, 15]]
-    batch = make_batch(table, [60, 55, 49, 62, 50, 64], [1] * 6, page_size=16)
-    plan = batch.plan()
-    assert plan.num_levels == 2 and not plan.levels[0].q_is_identity
-    k_cache, v_cache = kv_cache(batch.num_blocks, 16, 2, 64, torch.float16, seed=5)
-    q = torch.randn(6, 8, 64, generator=torch.Generator().manual_seed(6)).half()
-    executor = planned(plan, (8, 2, 64, torch.float16))
-    assert executor._step.fused_decode and executor._step.state_rows is not None
-    assert executor._step.state_rows.tolist().count(-1) == 1
-    out = torch.full(q.shape, math.nan, dtype=torch.float16)
-    executor.run(q, k_cache, v_cache, out)
-    want, want_lse = dense_attention(batch, q, k_cache, v_cache, 64**-0.5)
-    torch.testing.assert_close(out, want, atol=2e-3, rtol=2e-3)
-    torch.testing.assert_close(executor.lse, want_lse, atol=2e-3, rtol=2e-3)
-    assert len(CALLS) == 1 and not CALLS[0]["causal"]

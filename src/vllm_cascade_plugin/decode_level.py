@@ -57,7 +57,7 @@ def _kernel() -> Any:
 
     @triton.jit(do_not_specialize=["stride_slh", "stride_olh"])  # = rows: varies by step
     def decode_level_kernel(
-        q, k, v, block_table, kv_lens, state, state_lse, state_rows, out, out_lse,
+        q, k, v, block_table, kv_lens, state, state_lse, out, out_lse,
         sm_scale, softcap,
         stride_qt, stride_qh,
         stride_kb, stride_kp, stride_kh,
@@ -66,7 +66,7 @@ def _kernel() -> Any:
         stride_st, stride_sh, stride_slh,
         stride_ot, stride_oh, stride_olh,
         GQA: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-        BLOCK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, STATE_ROWS: tl.constexpr,
+        BLOCK: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     ):
         r = tl.program_id(0)  # the request, also its query row (one query per request)
         kvh = tl.program_id(1)
@@ -79,18 +79,9 @@ def _kernel() -> Any:
         qv = tl.load(q + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
                      mask=live[:, None], other=0.0)
         # The state is read up front: its loads overlap the keys' (nothing depends on them).
-        # With STATE_ROWS it is one gathered level's output: request r's row is state_rows[r]
-        # (-1: the request is not in that level, nothing to merge).
-        if STATE_ROWS:
-            srow = tl.load(state_rows + r)
-            has = live & (srow >= 0)
-            srow = tl.maximum(srow, 0).to(tl.int64)
-        else:
-            srow = row
-            has = live
-        prev_lse = tl.load(state_lse + heads * stride_slh + srow, mask=has, other=float("-inf"))
-        prev = tl.load(state + srow * stride_st + heads[:, None] * stride_sh + d[None, :],
-                       mask=has[:, None], other=0.0).to(tl.float32)
+        prev_lse = tl.load(state_lse + heads * stride_slh + row, mask=live, other=float("-inf"))
+        prev = tl.load(state + row * stride_st + heads[:, None] * stride_sh + d[None, :],
+                       mask=live[:, None], other=0.0).to(tl.float32)
         m = tl.full([G_PAD], float("-inf"), tl.float32)
         total = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, HEAD_DIM], tl.float32)
@@ -141,9 +132,8 @@ def _kernel() -> Any:
 def decode_level(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_table: torch.Tensor, kv_lens: torch.Tensor, state: torch.Tensor,
                  state_lse: torch.Tensor, out: torch.Tensor, out_lse: torch.Tensor, *,
-                 sm_scale: float, softcap: float = 0.0, state_rows: torch.Tensor | None = None,
-                 block_n: int = BLOCK_N, num_warps: int = NUM_WARPS,
-                 num_stages: int = NUM_STAGES) -> None:
+                 sm_scale: float, softcap: float = 0.0, block_n: int = BLOCK_N,
+                 num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES) -> None:
     """Attend request ``r``'s query (row ``r`` of ``q``) to its own pages and merge the result
     with ``state``/``state_lse``, into ``out``/``out_lse``.
 
@@ -157,9 +147,6 @@ def decode_level(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     state, state_lse : what the shared levels computed for row ``r``: ``[R, heads, head_dim]``
         and float32 ``[heads, R]``, natural log (``-inf``: nothing yet).
     out, out_lse : written, same shapes; may be ``state``/``state_lse`` themselves.
-    state_rows : int32 ``[R]`` or None: request ``r``'s row in ``state``/``state_lse`` (then
-        ``[n, heads, head_dim]`` and ``[heads, n]``, e.g. one gathered level's output), ``-1``
-        where it has none. ``out`` must not alias ``state`` then.
     """
     num_rows, num_qo_heads, head_dim = q.shape
     num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
@@ -173,8 +160,7 @@ def decode_level(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return
     gqa = num_qo_heads // num_kv_heads
     _kernel()[(num_rows, num_kv_heads)](
-        q, k_cache, v_cache, block_table, kv_lens, state, state_lse,
-        block_table if state_rows is None else state_rows, out, out_lse,  # (a stand-in: unread)
+        q, k_cache, v_cache, block_table, kv_lens, state, state_lse, out, out_lse,
         float(sm_scale), float(softcap or 1.0),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -183,5 +169,5 @@ def decode_level(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         state.stride(0), state.stride(1), state_lse.stride(0),
         out.stride(0), out.stride(1), out_lse.stride(0),
         GQA=gqa, G_PAD=max(MIN_DOT_ROWS, 1 << (gqa - 1).bit_length()), HEAD_DIM=head_dim,
-        PAGE=page, BLOCK=block_n, HAS_SOFTCAP=bool(softcap),
-        STATE_ROWS=state_rows is not None, num_warps=num_warps, num_stages=num_stages)
+        PAGE=page, BLOCK=block_n, HAS_SOFTCAP=bool(softcap), num_warps=num_warps,
+        num_stages=num_stages)

@@ -381,10 +381,6 @@ class _FaStep:
     # One query per request: shared levels first, then the per-request level and the last
     # merge in one Triton kernel (``decode_level``) instead of an FA3 call and a merge.
     fused_decode: bool
-    # Fused, with one shared level that gathers its queries: int32 [rows], each request's row
-    # in that level's output (-1: none). decode_level reads the level's output through it, so
-    # no state is zeroed, gathered, merged or scattered.
-    state_rows: torch.Tensor | None = None
 
 
 class FlashAttnCascadeExecutor:
@@ -517,11 +513,6 @@ class FlashAttnCascadeExecutor:
         identity_merges = sum(fl.index is None for fl in shared)
         if fused and shared[0].index is None:
             identity_merges -= 1
-        state_rows = None
-        if fused and len(shared) == 1 and shared[0].index is not None:
-            rows_of = np.full(last.rows, -1, np.int32)
-            rows_of[shared[0].level.q_index] = np.arange(shared[0].rows, dtype=np.int32)
-            state_rows = _upload(rows_of, np.int32, device)
         self._step = _FaStep(
             last=last,
             shared=tuple(_FaShared(
@@ -530,7 +521,7 @@ class FlashAttnCascadeExecutor:
                 gather_out=None if fl.index is None else view("gather_out", fl.rows))
                 for fl in shared),
             spare=view("fa_state", last.rows) if identity_merges else None,
-            start_in_spare=identity_merges % 2 == 1, fused_decode=fused, state_rows=state_rows)
+            start_in_spare=identity_merges % 2 == 1, fused_decode=fused)
         self._sm_scale = float(sm_scale)
         self._softcap = float(logits_soft_cap or 0.0)
 
@@ -557,21 +548,9 @@ class FlashAttnCascadeExecutor:
         step = self._step
         if step is None:
             raise RuntimeError("run() before plan()")
-        last = step.last
-        if step.state_rows is not None:  # one gathered shared level, read where it lies
-            sh = step.shared[0]
-            assert sh.gather_q is not None and sh.level.index is not None
-            torch.index_select(q, 0, sh.level.index, out=sh.gather_q)
-            level_lse = self._attend(sh.gather_q, k_cache, v_cache, sh.level, sh.out,
-                                     causal=False)
-            lse = torch.empty((q.shape[1], last.rows), dtype=torch.float32, device=q.device)
-            decode_level.decode_level(q, k_cache, v_cache, last.block_table, last.kv_lens,
-                                      sh.out, level_lse, out, lse, sm_scale=self._sm_scale,
-                                      softcap=self._softcap, state_rows=step.state_rows)
-            self._lse = lse
-            return
         if step.fused_decode:
             state, lse = self._merge_shared(q, k_cache, v_cache, step, out, None, None)
+            last = step.last
             decode_level.decode_level(q, k_cache, v_cache, last.block_table, last.kv_lens,
                                       state, lse, out, lse, sm_scale=self._sm_scale,
                                       softcap=self._softcap)
