@@ -18,16 +18,20 @@ per-step term (µs; measured / model):
 ======  =====  ======  ===========  ===================  ==============
 B       P      groups  flat         FlashInfer executor  FA3 executor
 ======  =====  ======  ===========  ===================  ==============
-8       512    1       18 / 19      34 / 34              29 / 33
-128     2048   1       151 / 142    201 / 211            78 / 75
-256     8192   1       932 / 970    430 / 459            152 / 152
-256     32768  1       3559 / 3784  751 / 774            310 / 283
-256     8192   16      946 / 970    782 / 465            217 / 245
+8       512    1       19 / 20      34 / 34              23 / 25
+128     2048   1       151 / 143    202 / 212            54 / 54
+256     8192   1       942 / 977    435 / 460            120 / 117
+256     32768  1       3602 / 3810  761 / 780            279 / 248
+256     8192   16      954 / 977    784 / 466            184 / 186
 ======  =====  ======  ===========  ===================  ==============
 
 The 16-group row shows what FlashInfer's model misses: many small groups cost more than their
-bytes say. The per-step term (FA3: 2.49 ms, FlashInfer: 3.04 ms over 32 layers) is what a
-cascade step costs beyond its kernels: attention outside FULL CUDA graphs and host planning.
+bytes say. The per-step term (FA3: 7.57 ms, FlashInfer: 3.08 ms over 32 layers) is what a
+cascade step costs beyond its kernels: attention runs outside FULL CUDA graphs, and a cascade
+step's host work (~120 µs of kernel launches per layer for the FA3 executor, against ~25 µs for
+flat decode; ``kernel_grid.json`` ``host_us``) then sets its pace. The FA3 figure comes from runs
+in vLLM's default engine process (``e2e.json``, session 4); in-process runs give about the same
+(``e2e_modes.json``).
 """
 
 from __future__ import annotations
@@ -71,18 +75,19 @@ class CostModel:
         ``AttentionShape.num_layers``): planning every level on the host and running attention
         outside FULL CUDA graphs. Measured end to end: the gap between the step times of flat
         FlashInfer and cascade-on-every-step runs and the model's kernel saving over 32 layers
-        (3.2 ms at 64 requests, 2.9 ms at 128; Llama-3-8B shape, H200).
+        (FlashInfer's executor: 3.3 ms at 64 requests, 2.9 ms at 128; FA3's: 6.4 and 8.8 ms at
+        128; Llama-3-8B shape, H200; see the module docstring).
     margin : the cascade must be faster by this fraction to be chosen (model error, noise).
     """
 
-    flat_fixed_us: float = 17.1
-    flat_bandwidth: float = 9.16e12
-    level_fixed_us: float = 8.36
+    flat_fixed_us: float = 17.3
+    flat_bandwidth: float = 9.09e12
+    level_fixed_us: float = 8.35
     request_us: float = 1.26
     flops: float = 790e12
-    group_bandwidth: float = 0.319e12
+    group_bandwidth: float = 0.315e12
     shared_bandwidth: float = 4.8e12
-    step_fixed_us: float = 3040.0
+    step_fixed_us: float = 3080.0
     margin: float = 0.1
 
 
@@ -91,9 +96,9 @@ class CostModel:
 # defaults above.
 COST_MODELS: dict[str, CostModel] = {
     "flashinfer": CostModel(),
-    "fa3": CostModel(flat_fixed_us=17.1, flat_bandwidth=9.16e12, level_fixed_us=15.2,
-                     request_us=0.249, flops=790e12, group_bandwidth=5.56e12,
-                     shared_bandwidth=3.95e12, step_fixed_us=2490.0),
+    "fa3": CostModel(flat_fixed_us=17.3, flat_bandwidth=9.09e12, level_fixed_us=11.4,
+                     request_us=0.141, flops=790e12, group_bandwidth=3.37e12,
+                     shared_bandwidth=4.8e12, step_fixed_us=7570.0),
 }
 
 
