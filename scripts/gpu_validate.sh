@@ -102,26 +102,25 @@ wait_pipelines() {  # until both pipelines are done or $1 seconds have passed
   cat "$res"/gpu*.log 2>/dev/null | tail -60
 }
 
+start_pipelines() {  # $1 $2: the GPU 0 and GPU 1 pipelines, detached; $3: seconds to wait
+  export -f "$1" "$2" stamp
+  export res
+  local gpu fn
+  for gpu in 0 1; do
+    fn=$1; [ $gpu = 1 ] && fn=$2
+    setsid nohup bash -c "$fn > \"\$res/gpu$gpu.log\" 2>&1; touch \"\$res/gpu$gpu.done\"" \
+      < /dev/null > /dev/null 2>&1 &
+  done
+  stamp "pipelines started"
+  wait_pipelines "${3:-540}"
+}
+
 case $part in
 start)
-  export -f gpu0_pipeline gpu1_pipeline stamp
-  export res
-  setsid nohup bash -c 'gpu0_pipeline > "$res/gpu0.log" 2>&1; touch "$res/gpu0.done"' \
-    < /dev/null > /dev/null 2>&1 &
-  setsid nohup bash -c 'gpu1_pipeline > "$res/gpu1.log" 2>&1; touch "$res/gpu1.done"' \
-    < /dev/null > /dev/null 2>&1 &
-  stamp "pipelines started"
-  wait_pipelines "${2:-540}"
+  start_pipelines gpu0_pipeline gpu1_pipeline "${2:-540}"
   ;;
 start4)
-  export -f gpu0_pipeline4 gpu1_pipeline4 stamp
-  export res
-  setsid nohup bash -c 'gpu0_pipeline4 > "$res/gpu0.log" 2>&1; touch "$res/gpu0.done"' \
-    < /dev/null > /dev/null 2>&1 &
-  setsid nohup bash -c 'gpu1_pipeline4 > "$res/gpu1.log" 2>&1; touch "$res/gpu1.done"' \
-    < /dev/null > /dev/null 2>&1 &
-  stamp "pipelines started"
-  wait_pipelines "${2:-540}"
+  start_pipelines gpu0_pipeline4 gpu1_pipeline4 "${2:-540}"
   ;;
 wait)
   wait_pipelines "${2:-540}"

@@ -390,7 +390,10 @@ class FlashAttnCascadeExecutor:
     its queries against its pages; non-causal on shared levels, causal on the per-request level),
     and shared levels are merged into the running state with vLLM's ``merge_attn_states``. The
     per-request level writes straight into ``out`` or into a scratch buffer, chosen so that the
-    last merge lands in ``out`` and no merge writes a buffer it reads.
+    last merge lands in ``out`` and no merge writes a buffer it reads. In a decode step (one
+    query per request; ``fused_decode``) the shared levels run first and the per-request level
+    and the last merge are one Triton kernel, :func:`~vllm_cascade_plugin.decode_level.
+    decode_level`.
 
     Planning converts each level to block-table form on the host and uploads it in one
     non-blocking copy per dtype; a level that ``is`` the previous plan's (steady decode, see
@@ -402,6 +405,9 @@ class FlashAttnCascadeExecutor:
         Must be ``"NHD"`` (FlashAttention's paged layout).
     max_levels : int
         The most levels a plan may have.
+    fused_decode : bool
+        Run decode steps' per-request level with ``decode_level`` (where Triton runs and the
+        head shape suits it); False: FA3 and a merge, as for every other step.
 
     Raises
     ------
