@@ -113,3 +113,13 @@ def test_shapes_it_cannot_run_are_named():
     with pytest.raises(ValueError, match="contiguous"):
         decode_level.decode_level(q, k.transpose(-1, -2), v, table, kv_lens, state, state_lse,
                                   state, state_lse, sm_scale=0.125)
+
+
+@pytest.mark.parametrize("softcap", [0.0, 5.0])
+def test_warm_up_runs_the_kernel_on_a_tiny_input(softcap):
+    """The builder's startup compilation: one zero key and value, no state: output 0 and LSE
+    log(e^0) = 0 (the NaN-free path through an empty state)."""
+    out, lse = decode_level.warm_up(8, 2, 64, 16, torch.float16, torch.device("cpu"),
+                                    softcap=softcap)
+    assert out.shape == (1, 8, 64) and lse.shape == (8, 1)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.equal(lse, torch.zeros_like(lse))

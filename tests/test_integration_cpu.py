@@ -244,3 +244,32 @@ def test_a_failing_kernel_choice_does_not_stop_the_engine(tmp_path, monkeypatch,
     assert builder._cascade_kernel == "flashinfer"
     assert any("choosing them failed (RuntimeError: boom" in r.getMessage()
                for r in caplog.records)
+
+
+def test_the_fused_decode_kernel_compiles_at_startup_on_a_gpu_only(tmp_path, monkeypatch,
+                                                                    caplog):
+    """With the FA3 executor chosen, the builder compiles decode_level once at startup on a GPU
+    (not on a CPU device), and a failure there is a warning, not a stopped engine."""
+    from vllm_cascade_plugin import decode_level, kernels
+
+    calls = []
+    monkeypatch.setenv("CASCADE_ATTENTION", "1")
+    monkeypatch.setattr(kernels, "choose_kernel", lambda requested, layout: ("fa3", "fa3"))
+    monkeypatch.setattr(decode_level, "warm_up", lambda *args, **kwargs: calls.append(args))
+    config = vllm_cpu.cpu_vllm_config(str(tmp_path))
+    names = vllm_cpu.make_layers(config, [SCALE])
+    builder = vllm_cpu.make_builder(config, names)
+    assert builder._cascade_kernel == "fa3" and calls == []  # a CPU device: nothing to compile
+    builder.device = torch.device("cuda")  # as on a GPU worker (no CUDA call is made here)
+    builder._warm_up_decode_level(torch.bfloat16)
+    assert calls == [(builder.num_qo_heads, builder.num_kv_heads, builder.head_dim,
+                      builder.page_size, torch.bfloat16, torch.device("cuda"))]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(decode_level, "warm_up", broken)
+    with caplog.at_level(logging.WARNING, logger="vllm.cascade_plugin"):
+        builder._warm_up_decode_level(torch.bfloat16)
+    assert any("compiling the fused decode kernel at startup failed (RuntimeError: no compiler"
+               in r.getMessage() for r in caplog.records)

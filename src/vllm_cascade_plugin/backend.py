@@ -132,6 +132,8 @@ class CascadeFlashInferMetadataBuilder(FlashInferMetadataBuilder):
                         f"({type(exc).__name__}: {exc}; CASCADE_KERNEL={config.kernel})")
             fell_back = config.kernel == "fa3" and self._cascade_kernel != "fa3"
             (logger.warning if fell_back else logger.info)("vllm-cascade-plugin: %s", line)
+            if self._cascade_kernel == "fa3":
+                self._warm_up_decode_level(kv_cache_spec.dtype)
         shape = AttentionShape(self.num_qo_heads, self.num_kv_heads, self.head_dim,
                                kv_cache_spec.dtype.itemsize, num_layers=len(layer_names))
         session.configure(config, shape, self.page_size, reason,
@@ -166,6 +168,26 @@ class CascadeFlashInferMetadataBuilder(FlashInferMetadataBuilder):
         return CascadeFlashInferMetadata(
             **{f.name: getattr(metadata, f.name) for f in fields(metadata)}, cascade=executor,
             cascade_max_page=step.plan.stats.max_page)
+
+    def _warm_up_decode_level(self, kv_dtype: Any) -> None:
+        """Compile the FA3 executor's fused decode kernel now rather than in the first cascade
+        decode step (a stall of about a second, which vLLM's JIT monitor warns about)."""
+        import torch
+
+        if torch.device(self.device).type != "cuda":
+            return
+        try:
+            from . import decode_level
+
+            if decode_level.unsupported_reason(self.num_qo_heads, self.num_kv_heads,
+                                               self.head_dim) is None:
+                decode_level.warm_up(self.num_qo_heads, self.num_kv_heads, self.head_dim,
+                                     self.page_size, kv_dtype, torch.device(self.device),
+                                     softcap=self.logits_soft_cap or 0.0)
+        except Exception as exc:  # the first decode step compiles it instead
+            logger.warning("vllm-cascade-plugin: compiling the fused decode kernel at startup "
+                           "failed (%s: %s); the first cascade decode step compiles it",
+                           type(exc).__name__, exc)
 
     def _executor(self) -> Any:
         if self._cascade_executor is None:

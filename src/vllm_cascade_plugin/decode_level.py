@@ -61,7 +61,9 @@ def _kernel() -> Any:
 
     tl = triton.language
 
-    @triton.jit(do_not_specialize=["stride_slh", "stride_olh"])  # = rows: varies by step
+    # Not specialized on the arguments that vary by step (rows, widest block-table row), so one
+    # compilation (warm_up) serves every step of a model.
+    @triton.jit(do_not_specialize=["stride_bt", "stride_slh", "stride_olh"])
     def decode_level_kernel(
         q, k, v, block_table, kv_lens, state, state_lse, out, out_lse,
         sm_scale, softcap,
@@ -177,3 +179,22 @@ def decode_level(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         GQA=gqa, G_PAD=max(MIN_DOT_ROWS, 1 << (gqa - 1).bit_length()), HEAD_DIM=head_dim,
         PAGE=page, BLOCK=block_n, HAS_SOFTCAP=bool(softcap), num_warps=num_warps,
         num_stages=num_stages)
+
+
+def warm_up(num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+            dtype: torch.dtype, device: torch.device,
+            softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compile the kernel for this model before serving: one request with one key, laid out as
+    vLLM lays out the real arguments (the query a view of the fused QKV output, K and V halves
+    of one packed cache), so the real calls find the same compiled variant. Returns the output
+    and LSE: all zeros (one zero key, zero values, no state)."""
+    qkv = torch.zeros(1, num_qo_heads + 2 * num_kv_heads, head_dim, dtype=dtype, device=device)
+    cache = torch.zeros(2, page_size, num_kv_heads, 2 * head_dim, dtype=dtype, device=device)
+    k, v = cache.split(head_dim, dim=-1)
+    table = torch.ones(1, 1, dtype=torch.int32, device=device)
+    lens = torch.ones(1, dtype=torch.int32, device=device)
+    out = torch.zeros(1, num_qo_heads, head_dim, dtype=dtype, device=device)
+    lse = torch.full((num_qo_heads, 1), float("-inf"), dtype=torch.float32, device=device)
+    decode_level(qkv[:, :num_qo_heads], k, v, table, lens, out, lse, out, lse,
+                 sm_scale=head_dim ** -0.5, softcap=softcap)
+    return out, lse
