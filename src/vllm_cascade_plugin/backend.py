@@ -171,7 +171,7 @@ class CascadeFlashInferMetadataBuilder(FlashInferMetadataBuilder):
 
     def _warm_up_decode_level(self, kv_dtype: Any) -> None:
         """Compile the FA3 executor's fused decode kernel now rather than in the first cascade
-        decode step (a stall of about a second, which vLLM's JIT monitor warns about)."""
+        decode step (a stall while Triton compiles, which vLLM's JIT monitor warns about)."""
         import torch
 
         if torch.device(self.device).type != "cuda":
