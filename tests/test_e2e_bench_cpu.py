@@ -62,3 +62,36 @@ def test_every_workload_fits_the_engines_max_model_len():
     module = _module()
     for prompts, params in module.workloads().values():
         assert max(map(len, prompts)) + params["max_tokens"] <= module.MAX_MODEL_LEN
+
+
+def test_counters_come_from_the_worker_and_an_rpc_failure_keeps_the_timings():
+    """``_plugin_counters`` asks the (one) worker through ``LLM.collective_rpc``; when that fails
+    the row records the error instead of the run failing."""
+    module = _module()
+
+    class Llm:
+        def __init__(self, reply):
+            self.reply, self.sent = reply, []
+
+        def collective_rpc(self, method):
+            self.sent.append(method)
+            if isinstance(self.reply, Exception):
+                raise self.reply
+            return [self.reply]
+
+    ok = Llm({"steps_planned": 3, "steps_cascade": 2, "fallbacks": {}, "executors": ["fa3"]})
+    assert module._plugin_counters(ok)["steps_cascade"] == 2
+    assert ok.sent == [module._worker_counters]  # the function runs in the worker's process
+    failed = module._plugin_counters(Llm(TimeoutError("engine busy")))
+    assert failed == {"error": "TimeoutError: engine busy"}
+
+
+def test_worker_counters_report_this_process_plugin_state():
+    from vllm_cascade_plugin import stats
+
+    counters = _module()._worker_counters(object())
+    snapshot = stats.snapshot()
+    assert counters["steps_planned"] == snapshot.steps_planned
+    assert counters["steps_cascade"] == snapshot.steps_cascade
+    assert counters["fallbacks"] == dict(snapshot.fallbacks)
+    assert isinstance(counters["executors"], list)
