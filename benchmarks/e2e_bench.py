@@ -35,6 +35,8 @@ CONFIGS = {  # name -> (attention backend, plugin environment)
     "cascade": ("FLASHINFER", {"CASCADE_ATTENTION": "1"}),
     # Cascade on every step with a shared level, whatever the cost model says.
     "cascade_always": ("FLASHINFER", {"CASCADE_ATTENTION": "1", "CASCADE_POLICY": "always"}),
+    # The FA3 executor without the fused decode kernel (A/B of decode_level end to end).
+    "cascade_unfused": ("FLASHINFER", {"CASCADE_ATTENTION": "1", "CASCADE_FUSED_DECODE": "0"}),
 }
 
 # The longest workload: a 16K-token prefix, 64 own tokens and 256 generated ones.
@@ -133,7 +135,8 @@ def main() -> int:
     parser.add_argument("--model", default="examples/models/llama3-8b")
     parser.add_argument("--out", default="benchmarks/results/h200")
     parser.add_argument("--workloads", default=",".join(workloads()))
-    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--configs", default="flash_attn,flashinfer,cascade,cascade_always",
+                        help=f"any of {', '.join(CONFIGS)}")
     parser.add_argument("--in-process", action="store_true",
                         help="the engine core in the benchmark's process, not vLLM's default "
                              "separate process")

@@ -22,6 +22,7 @@ E2E_LABELS = {  # e2e_bench.py configuration -> label, in plotting order
     "flashinfer": "FLASHINFER\n(flat)",
     "cascade": "cascade\n(policy auto)",
     "cascade_always": "cascade\n(policy always)",
+    "cascade_unfused": "cascade\n(no fused decode)",
 }
 
 

@@ -273,3 +273,25 @@ def test_the_fused_decode_kernel_compiles_at_startup_on_a_gpu_only(tmp_path, mon
         builder._warm_up_decode_level(torch.bfloat16)
     assert any("compiling the fused decode kernel at startup failed (RuntimeError: no compiler"
                in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("fused", ["1", "0"])
+def test_fused_decode_knob_reaches_the_fa3_executor(tmp_path, monkeypatch, fused):
+    """CASCADE_FUSED_DECODE decides whether the FA3 executor fuses decode steps and whether the
+    builder compiles the fused kernel at startup."""
+    from vllm_cascade_plugin import backend, compat, kernels
+
+    warmed = []
+    monkeypatch.setenv("CASCADE_ATTENTION", "1")
+    monkeypatch.setenv("CASCADE_FUSED_DECODE", fused)
+    monkeypatch.setattr(kernels, "choose_kernel", lambda requested, layout: ("fa3", "fa3"))
+    monkeypatch.setattr(compat, "fa3_kernels", lambda: (None, None))  # never called here
+    monkeypatch.setattr(backend.CascadeFlashInferMetadataBuilder, "_warm_up_decode_level",
+                        lambda self, dtype: warmed.append(dtype))
+    config = vllm_cpu.cpu_vllm_config(str(tmp_path))
+    names = vllm_cpu.make_layers(config, [SCALE])
+    builder = vllm_cpu.make_builder(config, names)
+    executor = builder._executor()
+    assert isinstance(executor, kernels.FlashAttnCascadeExecutor)
+    assert executor._fused_decode is (fused == "1")
+    assert len(warmed) == (1 if fused == "1" else 0)

@@ -132,7 +132,7 @@ class CascadeFlashInferMetadataBuilder(FlashInferMetadataBuilder):
                         f"({type(exc).__name__}: {exc}; CASCADE_KERNEL={config.kernel})")
             fell_back = config.kernel == "fa3" and self._cascade_kernel != "fa3"
             (logger.warning if fell_back else logger.info)("vllm-cascade-plugin: %s", line)
-            if self._cascade_kernel == "fa3":
+            if self._cascade_kernel == "fa3" and config.fused_decode:
                 self._warm_up_decode_level(kv_cache_spec.dtype)
         shape = AttentionShape(self.num_qo_heads, self.num_kv_heads, self.head_dim,
                                kv_cache_spec.dtype.itemsize, num_layers=len(layer_names))
@@ -196,7 +196,8 @@ class CascadeFlashInferMetadataBuilder(FlashInferMetadataBuilder):
             self._cascade_executor = make_executor(
                 self._cascade_kernel, self._get_workspace_buffer(),
                 compat.flashinfer_kv_layout(self),
-                max_levels=session.config.max_levels if session.config else 3)
+                max_levels=session.config.max_levels if session.config else 3,
+                fused_decode=session.config.fused_decode if session.config else True)
         return self._cascade_executor
 
 

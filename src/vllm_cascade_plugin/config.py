@@ -80,6 +80,9 @@ KNOBS: tuple[Knob, ...] = (
          "Kernels of cascade steps. auto: vLLM's FlashAttention 3 where it runs (Hopper GPUs, NHD "
          "KV cache), else FlashInfer; fa3 where it cannot run falls back to FlashInfer with a "
          "warning."),
+    Knob("CASCADE_FUSED_DECODE", "fused_decode", True, _bool, "1/true/on or 0/false/off",
+         "Decode steps on FlashAttention 3: each request's own pages and the final merge in the "
+         "plugin's Triton kernel (on), or in FlashAttention 3 and vLLM's merge (off)."),
     Knob("CASCADE_MAX_LEVELS", "max_levels", 3, _int_at_least(2), "an integer >= 2",
          "Most attention levels per step, the per-request level included (2 = one shared level)."),
     Knob("CASCADE_MIN_SHARED_PAGES", "min_shared_pages", 1, _int_at_least(1), "an integer >= 1",
@@ -97,6 +100,7 @@ class CascadeConfig:
     enabled: bool = False
     policy: str = "auto"
     kernel: str = "auto"
+    fused_decode: bool = True
     max_levels: int = 3
     min_shared_pages: int = 1
     log_interval_s: float = 60.0

@@ -640,10 +640,11 @@ def choose_kernel(requested: str, kv_layout: str) -> tuple[str, str]:
 
 
 def make_executor(kind: str, float_workspace: torch.Tensor, kv_layout: str,
-                  max_levels: int) -> Any:
-    """A new executor of ``kind`` (from :func:`choose_kernel`)."""
+                  max_levels: int, fused_decode: bool = True) -> Any:
+    """A new executor of ``kind`` (from :func:`choose_kernel`); ``fused_decode``: the FA3
+    executor's (``CASCADE_FUSED_DECODE``)."""
     if kind == "fa3":
-        return FlashAttnCascadeExecutor(kv_layout, max_levels)
+        return FlashAttnCascadeExecutor(kv_layout, max_levels, fused_decode=fused_decode)
     if kind == "flashinfer":
         return FlashInferCascadeExecutor(float_workspace, kv_layout, max_levels)
     raise ValueError(f"unknown cascade kernel {kind!r}; expected one of {KERNELS}")
