@@ -33,6 +33,17 @@ stamp() { echo "[gpu_validate $(date +%T)] $*"; }
 
 part=${1:?part1, part2, part3, start, start4, e2e4, wait or tp}
 
+WORKLOADS=b128_16k_prefix_64_own,8_prefixes_8k_x16_interleaved,n16_sampling_32_prompts_4k,no_sharing_256_random_2k
+
+e2e_per_config() {  # on GPU 1, one e2e_bench run (one engine) per configuration named
+  local config
+  for config in "$@"; do
+    CUDA_VISIBLE_DEVICES=1 timeout 420 python3 benchmarks/e2e_bench.py --out "$res/e2e-$config" \
+      --configs "$config" --workloads $WORKLOADS > "$res/e2e-$config.log" 2>&1
+    stamp "e2e $config rc=$?"; tail -4 "$res/e2e-$config.log"
+  done
+}
+
 gpu0_pipeline() {  # FA3 kernel tests, engine tests, then the soak (>= 10 min of load + replay)
   CUDA_VISIBLE_DEVICES=0 CASCADE_RESULTS_DIR="$res/kernels" timeout 300 python3 -m pytest -q \
     -p no:cacheprovider tests/gpu/test_kernels.py -k "fa3 or fp32_reference" \
@@ -60,13 +71,7 @@ gpu1_pipeline() {  # kernel grid, offline example, then the end-to-end benchmark
   CUDA_VISIBLE_DEVICES=1 timeout 240 python3 examples/offline_shared_prompt.py \
     > "$res/offline.log" 2>&1
   stamp "offline example rc=$?"; tail -8 "$res/offline.log"
-  local config
-  for config in cascade cascade_always flashinfer flash_attn; do
-    CUDA_VISIBLE_DEVICES=1 timeout 420 python3 benchmarks/e2e_bench.py --out "$res/e2e-$config" \
-      --configs $config --workloads b128_16k_prefix_64_own,8_prefixes_8k_x16_interleaved,n16_sampling_32_prompts_4k,no_sharing_256_random_2k \
-      > "$res/e2e-$config.log" 2>&1
-    stamp "e2e $config rc=$?"; tail -4 "$res/e2e-$config.log"
-  done
+  e2e_per_config cascade cascade_always flashinfer flash_attn
 }
 
 gpu0_pipeline4() {  # FA3 kernel tests, engine tests (both runners), kernel grid, breakdown
@@ -86,13 +91,7 @@ gpu0_pipeline4() {  # FA3 kernel tests, engine tests (both runners), kernel grid
 }
 
 gpu1_pipeline4() {  # end to end, one engine per configuration, flat configurations first
-  local config
-  for config in flashinfer cascade cascade_always flash_attn; do
-    CUDA_VISIBLE_DEVICES=1 timeout 420 python3 benchmarks/e2e_bench.py --out "$res/e2e-$config" \
-      --configs $config --workloads b128_16k_prefix_64_own,8_prefixes_8k_x16_interleaved,n16_sampling_32_prompts_4k,no_sharing_256_random_2k \
-      > "$res/e2e-$config.log" 2>&1
-    stamp "e2e $config rc=$?"; tail -4 "$res/e2e-$config.log"
-  done
+  e2e_per_config flashinfer cascade cascade_always flash_attn
 }
 
 wait_pipelines() {  # until both pipelines are done or $1 seconds have passed
@@ -103,8 +102,8 @@ wait_pipelines() {  # until both pipelines are done or $1 seconds have passed
 }
 
 start_pipelines() {  # $1 $2: the GPU 0 and GPU 1 pipelines, detached; $3: seconds to wait
-  export -f "$1" "$2" stamp
-  export res
+  export -f "$1" "$2" stamp e2e_per_config
+  export res WORKLOADS
   local gpu fn
   for gpu in 0 1; do
     fn=$1; [ $gpu = 1 ] && fn=$2
@@ -166,11 +165,10 @@ part2)
   ;;
 e2e4)
   # GPU 0 with vLLM's default engine process, GPU 1 in-process; same engines, same order.
-  w=b128_16k_prefix_64_own,8_prefixes_8k_x16_interleaved,n16_sampling_32_prompts_4k,no_sharing_256_random_2k
   CUDA_VISIBLE_DEVICES=0 timeout 470 python3 benchmarks/e2e_bench.py --out "$res/e2e-mp" \
-    --configs flashinfer,cascade --workloads $w > "$res/e2e-mp.log" 2>&1 &
+    --configs flashinfer,cascade --workloads $WORKLOADS > "$res/e2e-mp.log" 2>&1 &
   CUDA_VISIBLE_DEVICES=1 timeout 470 python3 benchmarks/e2e_bench.py --out "$res/e2e-inproc" \
-    --configs flashinfer,cascade --workloads $w --in-process > "$res/e2e-inproc.log" 2>&1 &
+    --configs flashinfer,cascade --workloads $WORKLOADS --in-process > "$res/e2e-inproc.log" 2>&1 &
   wait
   stamp "e2e done"; tail -3 "$res"/e2e-*.log
   ;;
