@@ -48,6 +48,7 @@ DEFAULT_ROWS = ("64x8192,128x2048,128x8192,128x16384,128x32768,256x2048,256x8192
 
 def run_row(case: kb.Case, gpu: kb.Gpu, timer: kb.Timer, rng: np.random.Generator,
             seed: int, pool_pages: int, sweep: bool = False) -> dict[str, Any]:
+    from vllm_cascade_plugin import compat
     from vllm_cascade_plugin.decode_level import decode_level
     from vllm_cascade_plugin.kernels import FlashAttnCascadeExecutor
     from vllm_cascade_plugin.planner import plan_cascade
@@ -72,7 +73,7 @@ def run_row(case: kb.Case, gpu: kb.Gpu, timer: kb.Timer, rng: np.random.Generato
         raise RuntimeError("the FA3 executor did not fuse this decode step")
     step = executors["executor_unfused"]._step
     shared, own = step.shared[0].level, step.last
-    attention = gpu.flash_attn_varlen_func
+    attention, merge = compat.fa3_kernels()  # what the executor calls
     row: dict[str, Any] = {"B": case.B, "P": case.P, "S": case.S, "groups": case.groups,
                            "floor_ms": kb.floor_ms(case), "ms": {}, "errors": []}
 
@@ -103,23 +104,21 @@ def run_row(case: kb.Case, gpu: kb.Gpu, timer: kb.Timer, rng: np.random.Generato
     _, lse_a = call(shared, outs[1], False, 1)
     _, lse_b = call(own, own_out, True, 0)
     merged, merged_lse = torch.empty_like(q), torch.empty_like(lse_a)
-    row["ms"]["merge"] = timer.time(lambda: gpu_merge(merged, outs[1], lse_a, own_out, lse_b,
-                                                      merged_lse)).ms
+    row["ms"]["merge"] = timer.time(lambda: merge(merged, outs[1], lse_a, own_out, lse_b,
+                                                  output_lse=merged_lse)).ms
     state, state_lse = outs[1].clone(), lse_a.clone()
     fused_out, fused_lse = torch.empty_like(q), torch.empty_like(lse_a)
-    row["ms"]["decode_level"] = timer.time(lambda: decode_level(
-        q, k, v, own.block_table, own.kv_lens, state, state_lse, fused_out, fused_lse,
-        sm_scale=sm_scale)).ms
-    err = float((fused_out.float() - merged.float()).abs().max())
-    if err > kb.TOLERANCE:
-        row["errors"].append(f"decode_level: max error {err:.3g} vs FA3 + merge")
-    for block_n, warps, stages in itertools.product(*SWEEP) if sweep else ():
-        name = f"decode_level_n{block_n}_w{warps}_s{stages}"
+    # The shipped launch configuration, then (--sweep) every one of SWEEP.
+    configs = {"decode_level": {}}
+    if sweep:
+        configs.update({f"decode_level_n{n}_w{w}_s{st}": {"block_n": n, "num_warps": w,
+                                                           "num_stages": st}
+                        for n, w, st in itertools.product(*SWEEP)})
+    for name, config in configs.items():
+        def launch(config: dict[str, int] = config) -> None:
+            decode_level(q, k, v, own.block_table, own.kv_lens, state, state_lse, fused_out,
+                         fused_lse, sm_scale=sm_scale, **config)
         try:
-            def launch(block_n: int = block_n, warps: int = warps, stages: int = stages) -> None:
-                decode_level(q, k, v, own.block_table, own.kv_lens, state, state_lse,
-                             fused_out, fused_lse, sm_scale=sm_scale, block_n=block_n,
-                             num_warps=warps, num_stages=stages)
             launch()
             err = float((fused_out.float() - merged.float()).abs().max())
             if err > kb.TOLERANCE:
@@ -145,12 +144,6 @@ def run_row(case: kb.Case, gpu: kb.Gpu, timer: kb.Timer, rng: np.random.Generato
         if err > kb.TOLERANCE:
             row["errors"].append(f"{name}: max error {err:.3g} vs flat FA3 decode")
     return row
-
-
-def gpu_merge(out: Any, a: Any, lse_a: Any, b: Any, lse_b: Any, out_lse: Any) -> None:
-    from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
-
-    merge_attn_states(out, a, lse_a, b, lse_b, output_lse=out_lse)
 
 
 def main(argv: list[str] | None = None) -> int:
