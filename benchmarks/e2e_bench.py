@@ -37,6 +37,8 @@ CONFIGS = {  # name -> (attention backend, plugin environment)
     "cascade_always": ("FLASHINFER", {"CASCADE_ATTENTION": "1", "CASCADE_POLICY": "always"}),
     # The FA3 executor without the fused decode kernel (A/B of decode_level end to end).
     "cascade_unfused": ("FLASHINFER", {"CASCADE_ATTENTION": "1", "CASCADE_FUSED_DECODE": "0"}),
+    # Without the executor's CUDA graphs of decode steps (A/B of CASCADE_CUDA_GRAPHS).
+    "cascade_nographs": ("FLASHINFER", {"CASCADE_ATTENTION": "1", "CASCADE_CUDA_GRAPHS": "0"}),
 }
 
 # The longest workload: a 16K-token prefix, 64 own tokens and 256 generated ones.
@@ -99,6 +101,8 @@ def run_one(model: str, config: str, names: list[str], in_process: bool) -> list
             row["plugin_counters"] = {
                 "steps_planned": after["steps_planned"] - before["steps_planned"],
                 "steps_cascade": after["steps_cascade"] - before["steps_cascade"],
+                **{k: after.get(k, 0) - before.get(k, 0)
+                   for k in ("graph_captures", "graph_replays")},
                 "fallbacks": {k: v - before["fallbacks"].get(k, 0)
                               for k, v in after["fallbacks"].items()
                               if v > before["fallbacks"].get(k, 0)}}
@@ -115,10 +119,13 @@ def _worker_counters(worker: object) -> dict:
     del worker
     counters = stats.snapshot()
     kernels = sys.modules.get("vllm_cascade_plugin.kernels")
+    executors = [] if kernels is None else list(kernels._EXECUTORS)
+    graphs = [g for g in (getattr(e, "graphs", None) for e in executors) if g is not None]
     return {"steps_planned": counters.steps_planned, "steps_cascade": counters.steps_cascade,
             "fallbacks": dict(counters.fallbacks),
-            "executors": [] if kernels is None else sorted(
-                {e.kernel for e in list(kernels._EXECUTORS)})}
+            "graph_captures": sum(g.captures for g in graphs),
+            "graph_replays": sum(g.replays for g in graphs),
+            "executors": sorted({e.kernel for e in executors})}
 
 
 def _plugin_counters(llm: object) -> dict:

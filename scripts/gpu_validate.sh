@@ -19,6 +19,18 @@
 #   source .devb/setup_device.sh && bash scripts/gpu_validate.sh wait [SECONDS]
 # then, alone on the machine (no tests beside it), flat vs cascade in both engine-process modes:
 #   source .devb/setup_device.sh && bash scripts/gpu_validate.sh e2e4
+# Session 5 (CUDA graphs of cascade decode steps): kernel and engine tests on GPU 0, end to end
+# with and without the graphs (CASCADE_CUDA_GRAPHS) on GPU 1; then the same three again with
+# nothing else running, each GPU one configuration after another:
+#   source .devb/setup_device.sh && bash scripts/gpu_validate.sh start5 [SECONDS]
+#   source .devb/setup_device.sh && bash scripts/gpu_validate.sh wait [SECONDS]
+#   source .devb/setup_device.sh && bash scripts/gpu_validate.sh e2e5
+# and where a decode step's time goes (torch.profiler; flat, cascade, cascade without graphs):
+#   source .devb/setup_device.sh && bash scripts/gpu_validate.sh prof5
+# and the final table (all configurations; e2e.json), TP=2 engine tests with the graphs:
+#   source .devb/setup_device.sh && bash scripts/gpu_validate.sh final5
+#   source .devb/setup_device.sh && CASCADE_RESULTS_DIR=$OUT/tp python3 -m pytest -q \
+#     -p no:cacheprovider tests/gpu/test_engine.py -k "tensor_parallel and v1"
 # .whl holds truststore (the OpenAI client's httpx2 needs it; the bundle lacks it) and, for
 # part2, the FlashInfer wheels of the GPU version matrix. Each part leaves its logs and JSON in
 # $OUT/<part>.tar.xz (unpack into benchmarks/results/h200/ what belongs there).
@@ -31,7 +43,7 @@ if ! python3 -c 'import truststore' 2>/dev/null; then
 fi
 stamp() { echo "[gpu_validate $(date +%T)] $*"; }
 
-part=${1:?part1, part2, part3, start, start4, e2e4, wait or tp}
+part=${1:?part1, part2, part3, start, start4, e2e4, start5, prof5, e2e5, final5, wait or tp}
 
 WORKLOADS=b128_16k_prefix_64_own,8_prefixes_8k_x16_interleaved,n16_sampling_32_prompts_4k,no_sharing_256_random_2k
 
@@ -92,6 +104,20 @@ gpu0_pipeline4() {  # FA3 kernel tests, engine tests (both runners), kernel grid
 
 gpu1_pipeline4() {  # end to end, one engine per configuration, flat configurations first
   e2e_per_config flashinfer cascade cascade_always flash_attn
+}
+
+gpu0_pipeline5() {  # FA3 kernel tests (graphed decode steps included), engine tests
+  CUDA_VISIBLE_DEVICES=0 CASCADE_RESULTS_DIR="$res/kernels" timeout 300 python3 -m pytest -q \
+    -p no:cacheprovider tests/gpu/test_kernels.py -k "fa3 or fp32_reference or corrupted or graphed" \
+    > "$res/kernels.log" 2>&1
+  stamp "kernel tests rc=$?"; tail -3 "$res/kernels.log"
+  CUDA_VISIBLE_DEVICES=0 CASCADE_RESULTS_DIR="$res/engine" timeout 480 python3 -m pytest -q \
+    -p no:cacheprovider tests/gpu/test_engine.py -k "not tensor_parallel" > "$res/engine.log" 2>&1
+  stamp "engine tests rc=$?"; tail -3 "$res/engine.log"
+}
+
+gpu1_pipeline5() {  # end to end: flat, cascade with and without the decode graphs
+  e2e_per_config flashinfer cascade cascade_nographs
 }
 
 wait_pipelines() {  # until both pipelines are done or $1 seconds have passed
@@ -171,6 +197,57 @@ e2e4)
     --configs flashinfer,cascade --workloads $WORKLOADS --in-process > "$res/e2e-inproc.log" 2>&1 &
   wait
   stamp "e2e done"; tail -3 "$res"/e2e-*.log
+  ;;
+start5)
+  start_pipelines gpu0_pipeline5 gpu1_pipeline5 "${2:-540}"
+  ;;
+prof5)
+  # GPU 0: the graphed-decode kernel tests, then a profiled cascade run; GPU 1: profiled runs
+  # of flat FlashInfer and cascade without the graphs (benchmarks/profile_step.py).
+  (
+    CUDA_VISIBLE_DEVICES=0 CASCADE_RESULTS_DIR="$res/kernels-graphed" timeout 150 python3 -m \
+      pytest -q -p no:cacheprovider tests/gpu/test_kernels.py -k graphed > "$res/graphed.log" 2>&1
+    stamp "graphed kernel tests rc=$?"; tail -3 "$res/graphed.log"
+    CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/profile_step.py --config cascade \
+      --out "$res/profile" > /dev/null 2>&1
+    stamp "profile cascade rc=$?"
+  ) &
+  for config in flashinfer cascade_nographs; do
+    CUDA_VISIBLE_DEVICES=1 timeout 170 python3 benchmarks/profile_step.py --config $config \
+      --out "$res/profile" > /dev/null 2>&1
+    stamp "profile $config rc=$?"
+  done
+  wait
+  cat "$res"/profile/*.txt 2>/dev/null | cut -c1-150
+  ;;
+e2e5)
+  # Nothing else on the machine: each GPU runs the three configurations one after another, in
+  # opposite orders of the two cascade ones (two repeats of each, order effects visible).
+  seq() {
+    local gpu=$1 config; shift
+    for config in "$@"; do
+      CUDA_VISIBLE_DEVICES=$gpu timeout 190 python3 benchmarks/e2e_bench.py \
+        --out "$res/e2e5-gpu$gpu-$config" --configs "$config" --workloads $WORKLOADS \
+        > "$res/e2e5-gpu$gpu-$config.log" 2>&1
+      stamp "e2e gpu$gpu $config rc=$?"
+    done
+  }
+  seq 0 cascade cascade_nographs flashinfer &
+  seq 1 cascade_nographs cascade flashinfer &
+  wait
+  tail -n 4 "$res"/e2e5-*.log
+  ;;
+final5)
+  # The end-to-end table: GPU 0 runs the three configurations in one e2e_bench run
+  # (e2e.json); GPU 1 at the same time the cost model's calibration runs (cascade on every
+  # step) and cascade without the graphs.
+  CUDA_VISIBLE_DEVICES=0 timeout 420 python3 benchmarks/e2e_bench.py --out "$res/e2e-final" \
+    --configs flash_attn,flashinfer,cascade --workloads $WORKLOADS > "$res/e2e-final.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 timeout 420 python3 benchmarks/e2e_bench.py --out "$res/e2e-final-b" \
+    --configs cascade_always,cascade_nographs --workloads $WORKLOADS \
+    > "$res/e2e-final-b.log" 2>&1 &
+  wait
+  stamp "e2e done"; tail -n 3 "$res"/e2e-final*.log
   ;;
 part3)
   # Both GPUs: workloads (a) and (d) with tensor_parallel_size=2.

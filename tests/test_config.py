@@ -32,7 +32,7 @@ def test_toggle_accepts_off_values(raw):
      ("CASCADE_POLICY", "sometimes"), ("CASCADE_MAX_LEVELS", "1"), ("CASCADE_MAX_LEVELS", "3.5"),
      ("CASCADE_MIN_SHARED_PAGES", "0"), ("CASCADE_LOG_INTERVAL", "-1"),
      ("CASCADE_LOG_INTERVAL", "nan"), ("CASCADE_DEBUG", "maybe"),
-     ("CASCADE_FUSED_DECODE", "triton")],
+     ("CASCADE_FUSED_DECODE", "triton"), ("CASCADE_CUDA_GRAPHS", "piecewise")],
 )
 def test_bad_value_names_variable_value_and_accepted_values(env, raw):
     knob = next(k for k in KNOBS if k.env == env)
@@ -47,7 +47,7 @@ def test_good_values_parse():
     config = load_config({"CASCADE_ATTENTION": "1", "CASCADE_POLICY": "Always",
                           "CASCADE_MAX_LEVELS": "4", "CASCADE_MIN_SHARED_PAGES": "16",
                           "CASCADE_LOG_INTERVAL": "0", "CASCADE_DEBUG": "on",
-                          "CASCADE_FUSED_DECODE": "off"})
+                          "CASCADE_FUSED_DECODE": "off", "CASCADE_CUDA_GRAPHS": "0"})
     assert config == CascadeConfig(enabled=True, policy="always", max_levels=4,
                                    min_shared_pages=16, log_interval_s=0.0, debug=True,
-                                   fused_decode=False)
+                                   fused_decode=False, cuda_graphs=False)

@@ -95,3 +95,18 @@ def test_worker_counters_report_this_process_plugin_state():
     assert counters["steps_cascade"] == snapshot.steps_cascade
     assert counters["fallbacks"] == dict(snapshot.fallbacks)
     assert isinstance(counters["executors"], list)
+
+
+def test_worker_counters_sum_the_graph_counts_of_every_executor(monkeypatch):
+    from vllm_cascade_plugin import compat, kernels
+
+    monkeypatch.setattr(compat, "fa3_kernels", lambda: (None, None))
+    before = _module()._worker_counters(object())
+    graphed = [kernels.FlashAttnCascadeExecutor(cuda_graphs=True) for _ in range(2)]
+    eager = kernels.FlashAttnCascadeExecutor(cuda_graphs=False)
+    for n, executor in enumerate(graphed, start=1):
+        executor.graphs.captures, executor.graphs.replays = n, 10 * n
+    counters = _module()._worker_counters(object())
+    assert counters["graph_captures"] - before["graph_captures"] == 3
+    assert counters["graph_replays"] - before["graph_replays"] == 30
+    assert "fa3" in counters["executors"] and eager.graphs is None

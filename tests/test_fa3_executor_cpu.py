@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import math
 import os
 
@@ -209,3 +210,126 @@ def test_two_identity_merges_alternate_buffers_and_end_in_out():
     executor.run(q, k_cache, v_cache, out)
     want, _ = dense_attention(batch, q, k_cache, v_cache, 64**-0.5)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
+def replaying_capture(fn):
+    """A stand-in for a CUDA graph: a replay runs the captured closure again, with the very
+    step (level views, sizes) and tensors it captured, which is what a graph re-reads from the
+    addresses it baked in; its result is the captured tensor, rewritten."""
+    result = fn()
+
+    def replay():
+        return result.copy_(fn())
+
+    return replay, result
+
+
+def steady_decode_steps(interleaved: bool, steps: int):
+    """(table, seq_lens) of ``steps`` consecutive decode steps of 6 requests on 1 or 2 prefixes,
+    each request one token longer per step; own pages preallocated, so some requests move onto
+    a new page on the way (the per-request block table widens)."""
+    prefixes = [[1, 2, 3], [4, 5, 6, 7]] if interleaved else [[1, 2, 3]]
+    table = []
+    seq_lens = []
+    for r in range(6):
+        prefix = prefixes[r % len(prefixes)]
+        table.append([*prefix, 20 + 3 * r, 21 + 3 * r, 22 + 3 * r])
+        seq_lens.append(16 * len(prefix) + 12 + r)  # rows 4 and 5 cross a page boundary
+    for s in range(steps):
+        yield table, [n + s for n in seq_lens]
+
+
+@pytest.mark.skipif(not TRITON_ON_CPU, reason="needs Triton (its CPU interpreter)")
+@pytest.mark.parametrize("interleaved", [False, True], ids=["one_prefix", "interleaved"])
+def test_graphed_decode_steps_replay_with_each_steps_metadata(interleaved):
+    """Steady decode through the graph path: layers are captured on the CAPTURE_AFTER-th step
+    and replayed after, and every step still equals per-request attention with that step's
+    lengths (a replay that read a stale or fresh-per-step buffer would not)."""
+    steps, layers, heads, kv_heads, d = 7, 2, 4, 2, 64
+    executor = kernels.FlashAttnCascadeExecutor("NHD", max_levels=4, cuda_graphs=True)
+    executor.graphs.capture = replaying_capture
+    planner = CascadePlanner()
+    gen = torch.Generator().manual_seed(5)
+    caches = [kv_cache(48, 16, kv_heads, d, torch.float32, seed=10 + i) for i in range(layers)]
+    # One q and one out per layer for the whole run: vLLM's static graph buffers.
+    qkvs = [torch.empty(6, heads + 2, d) for _ in range(layers)]
+    outs = [torch.empty(6, heads, d) for _ in range(layers)]
+    for table, seq_lens in steady_decode_steps(interleaved, steps):
+        batch = make_batch(table, seq_lens, [1] * 6, page_size=16)
+        plan = planner.plan(batch.block_table, batch.seq_lens, batch.query_lens, 16)
+        assert plan.num_levels == 2 and plan.levels[0].q_is_identity is not interleaved
+        planned(plan, (heads, kv_heads, d, torch.float32), executor)
+        assert executor._step.graph_key is not None
+        for qkv, out, (k_cache, v_cache) in zip(qkvs, outs, caches, strict=True):
+            qkv.copy_(torch.randn(qkv.shape, generator=gen))
+            q = qkv[:, :heads]
+            out.fill_(math.nan)
+            executor.run(q, k_cache, v_cache, out)
+            want, want_lse = dense_attention(batch, q, k_cache, v_cache, d**-0.5)
+            torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(executor.lse, want_lse, atol=1e-5, rtol=1e-5)
+    # One step shape throughout (block tables padded to GRAPH_PAGE_BUCKET pages).
+    assert executor.graphs.captures == layers
+    assert executor.graphs.replays == layers * (steps - kernels.CAPTURE_AFTER)
+
+
+@pytest.mark.skipif(not TRITON_ON_CPU, reason="needs Triton (its CPU interpreter)")
+def test_a_failed_capture_runs_eagerly_and_warns_once(caplog):
+    def broken(fn):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    executor = kernels.FlashAttnCascadeExecutor("NHD", max_levels=4, cuda_graphs=True)
+    executor.graphs.capture = broken
+    planner = CascadePlanner()
+    k_cache, v_cache = kv_cache(48, 16, 2, 64, torch.float32, seed=1)
+    q = torch.randn(6, 4, 64, generator=torch.Generator().manual_seed(2))
+    out = torch.empty(6, 4, 64)
+    with caplog.at_level(logging.WARNING, logger="vllm.cascade_plugin"):
+        for table, seq_lens in steady_decode_steps(False, 5):
+            batch = make_batch(table, seq_lens, [1] * 6, page_size=16)
+            planned(planner.plan(batch.block_table, batch.seq_lens, batch.query_lens, 16),
+                    (4, 2, 64, torch.float32), executor)
+            out.fill_(math.nan)
+            executor.run(q, k_cache, v_cache, out)
+            want, _ = dense_attention(batch, q, k_cache, v_cache, 64**-0.5)
+            torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    warnings = [r for r in caplog.records if "capturing a CUDA graph" in r.getMessage()]
+    assert len(warnings) == 1 and "operation not permitted" in warnings[0].getMessage()
+    assert executor.graphs.captures == 0 and not executor.graphs.usable(torch.device("cpu"))
+    assert executor._step.graph_key is None  # later steps plan eagerly
+
+
+def test_graph_cache_captures_on_the_nth_sighting_and_drops_all_when_full():
+    graphs = kernels._Graphs(capture=replaying_capture, capture_after=2, max_graphs=2)
+    runs = []
+
+    def layer(name):
+        return lambda: runs.append(name) or torch.zeros(1)
+
+    graphs.run(("a",), layer("a"))  # 1st sighting: eager
+    assert (graphs.captures, len(graphs)) == (0, 0)
+    graphs.run(("a",), layer("a"))  # 2nd: captured (the stand-in runs it once)
+    graphs.run(("a",), layer("a"))  # replay
+    assert (graphs.captures, graphs.replays, len(graphs)) == (1, 1, 1)
+    for _ in range(2):
+        graphs.run(("b",), layer("b"))
+    assert len(graphs) == 2
+    for _ in range(2):
+        graphs.run(("c",), layer("c"))  # full: every graph dropped, then c captured
+    assert len(graphs) == 1 and graphs.captures == 3
+    graphs.run(("a",), layer("a"))  # a was dropped: eager again
+    assert graphs.replays == 1 and runs.count("a") == 4
+
+
+def test_non_decode_steps_and_graphs_off_run_eagerly():
+    table = [[1, 2, 3, 10], [1, 2, 3, 11]]
+    prefill = make_batch(table, [60, 60], [5, 5], page_size=16).plan()
+    decode = make_batch(table, [60, 60], [1, 1], page_size=16).plan()
+    shape = (4, 2, 64, torch.float32)
+    graphed = kernels.FlashAttnCascadeExecutor("NHD", max_levels=4, cuda_graphs=True)
+    graphed.graphs.capture = replaying_capture
+    assert planned(prefill, shape, graphed)._step.graph_key is None
+    assert (planned(decode, shape, graphed)._step.graph_key is not None) is TRITON_ON_CPU
+    assert planned(decode, shape, fused=True)._step.graph_key is None  # cuda_graphs=False
+    # Without a stand-in, graphs need a CUDA device.
+    assert not kernels._Graphs().usable(torch.device("cpu"))

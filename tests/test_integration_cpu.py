@@ -164,6 +164,31 @@ def test_real_builder_and_impl_run_a_cascade_step_exactly(engine):
     assert counters.steps_cascade == 1 and counters.pages_cascade < counters.pages_flat
 
 
+def test_a_layer_reuses_its_cache_views_until_its_cache_changes(engine):
+    """The impl keeps each layer's K/V views across steps (host time); new contents of the same
+    cache are read through them, and a new cache tensor gets new views."""
+    _config, builder, layers = engine
+    table, seq, q = batch()
+    builder._cascade_executor = ReferenceExecutor()
+    session.plan_step(table, seq, q)
+    metadata = builder.build(0, common_metadata(table, seq, q))
+    layer, g, tokens = layers[0], torch.Generator().manual_seed(2), int(q.sum())
+    memory, kv_cache = packed_cache(g)
+    views = []
+    for new_cache in (False, False, True):
+        if new_cache:
+            memory, kv_cache = packed_cache(g)
+        else:
+            memory.copy_(torch.randn(memory.shape, generator=g))
+        query = torch.randn(tokens, HEADS, DIM, generator=g)
+        output = torch.full_like(query, float("nan"))
+        layer.impl.forward(layer, query, None, None, kv_cache, metadata, output)
+        expected = dense_attention(query, memory, table, seq, q)
+        torch.testing.assert_close(output, expected, atol=TOL, rtol=TOL)
+        views.append(layer.impl._cascade_kv_views[1])
+    assert views[0] is views[1] and views[2] is not views[1]
+
+
 def test_plan_for_another_batch_is_not_used(engine):
     _config, builder, _ = engine
     table, seq, q = batch()
@@ -295,3 +320,31 @@ def test_fused_decode_knob_reaches_the_fa3_executor(tmp_path, monkeypatch, fused
     assert isinstance(executor, kernels.FlashAttnCascadeExecutor)
     assert executor._fused_decode is (fused == "1")
     assert len(warmed) == (1 if fused == "1" else 0)
+
+
+@pytest.mark.parametrize(("knob", "eager", "graphs"),
+                         [("1", False, True), ("0", False, False), ("1", True, False)])
+def test_cuda_graphs_knob_and_vllm_eager_mode_reach_the_fa3_executor(tmp_path, monkeypatch,
+                                                                      knob, eager, graphs):
+    """CASCADE_CUDA_GRAPHS=1 gives the FA3 executor CUDA graphs unless vLLM itself runs
+    without them (enforce_eager / cudagraph_mode NONE, read through compat)."""
+    from vllm.config import CUDAGraphMode
+
+    from vllm_cascade_plugin import backend, compat, kernels
+
+    monkeypatch.setenv("CASCADE_ATTENTION", "1")
+    monkeypatch.setenv("CASCADE_CUDA_GRAPHS", knob)
+    monkeypatch.setattr(kernels, "choose_kernel", lambda requested, layout: ("fa3", "fa3"))
+    monkeypatch.setattr(compat, "fa3_kernels", lambda: (None, None))
+    monkeypatch.setattr(backend.CascadeFlashInferMetadataBuilder, "_warm_up_decode_level",
+                        lambda self, dtype: None)
+    config = vllm_cpu.cpu_vllm_config(str(tmp_path))
+    # The CPU test config is eager; make it look like a GPU engine's default (piecewise graphs).
+    monkeypatch.setattr(config.model_config, "enforce_eager", eager)
+    monkeypatch.setattr(config.compilation_config, "cudagraph_mode",
+                        CUDAGraphMode.NONE if eager else CUDAGraphMode.FULL_AND_PIECEWISE)
+    assert compat.vllm_uses_cuda_graphs(config) is not eager
+    names = vllm_cpu.make_layers(config, [SCALE])
+    executor = vllm_cpu.make_builder(config, names)._executor()
+    assert isinstance(executor, kernels.FlashAttnCascadeExecutor)
+    assert (executor.graphs is not None) is graphs

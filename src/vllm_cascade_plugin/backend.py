@@ -120,6 +120,7 @@ class CascadeFlashInferMetadataBuilder(FlashInferMetadataBuilder):
                                    self.q_data_type_decode, kv_cache_spec.dtype,
                                    window_left=self.window_left)
         config = load_config()
+        self._cuda_graphs = config.cuda_graphs and compat.vllm_uses_cuda_graphs(vllm_config)
         self._cascade_kernel = "flashinfer"
         if reason is None and config.enabled:
             try:
@@ -197,7 +198,8 @@ class CascadeFlashInferMetadataBuilder(FlashInferMetadataBuilder):
                 self._cascade_kernel, self._get_workspace_buffer(),
                 compat.flashinfer_kv_layout(self),
                 max_levels=session.config.max_levels if session.config else 3,
-                fused_decode=session.config.fused_decode if session.config else True)
+                fused_decode=session.config.fused_decode if session.config else True,
+                cuda_graphs=self._cuda_graphs)
         return self._cascade_executor
 
 
@@ -210,6 +212,9 @@ class CascadeFlashInferImpl(FlashInferImpl):
         if not usable_scale(scale):
             scale = default_scale(head_size)
         super().__init__(num_heads, head_size, scale, *args, **kwargs)
+        # (cache identity, K view, V view): the layer's cache is the same tensor every step, and
+        # making the views costs more host time than the rest of a graphed layer's Python.
+        self._cascade_kv_views: tuple[Any, Any, Any] | None = None
 
     @override
     def forward(self, layer: Any, query: Any, key: Any, value: Any, kv_cache: Any,
@@ -219,8 +224,7 @@ class CascadeFlashInferImpl(FlashInferImpl):
         if executor is not None and output_scale is None and output_block_scale is None:
             n = attn_metadata.num_actual_tokens
             try:
-                k_cache, v_cache = compat.kv_cache_views(kv_cache, self.head_size, self,
-                                                         attn_metadata)
+                k_cache, v_cache = self._kv_views(kv_cache, attn_metadata)
                 if attn_metadata.cascade_max_page >= k_cache.shape[0]:  # before any kernel reads
                     stats.record_fallback("block id out of range", f"block "
                                           f"{attn_metadata.cascade_max_page} of {k_cache.shape[0]}")
@@ -231,6 +235,17 @@ class CascadeFlashInferImpl(FlashInferImpl):
                 stats.record_fallback("kernel error", f"{type(exc).__name__}: {exc}")
         return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                output_scale, output_block_scale)
+
+
+    def _kv_views(self, kv_cache: Any, attn_metadata: Any) -> tuple[Any, Any]:
+        key = (kv_cache.data_ptr(), kv_cache.shape, kv_cache.stride(),
+               getattr(attn_metadata, "kv_cache_layout", None))
+        cached = self._cascade_kv_views
+        if cached is None or cached[0] != key:
+            cached = (key, *compat.kv_cache_views(kv_cache, self.head_size, self,
+                                                  attn_metadata))
+            self._cascade_kv_views = cached
+        return cached[1], cached[2]
 
 
 class CascadeFlashInferBackend(FlashInferBackend):

@@ -213,6 +213,15 @@ def v2_batch_order(runner: Any, scheduler_output: Any) -> list[str]:
 V2_FULL_GRAPH_ARGUMENTS = ("uniform_token_count", "max_query_len")
 
 
+def vllm_uses_cuda_graphs(vllm_config: Any) -> bool:
+    """Whether this engine runs with CUDA graphs: not ``enforce_eager`` and
+    ``compilation_config.cudagraph_mode`` not ``NONE`` (0.26-0.33)."""
+    if getattr(vllm_config.model_config, "enforce_eager", False):
+        return False
+    mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
+    return mode is None or getattr(mode, "name", str(mode)) != "NONE"
+
+
 def fa3_kernels() -> tuple[Callable[..., Any], Callable[..., Any]]:
     """vLLM's bundled FlashAttention-3 and its attention-state merge, for the FA3 executor.
 

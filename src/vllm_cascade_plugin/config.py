@@ -83,6 +83,10 @@ KNOBS: tuple[Knob, ...] = (
     Knob("CASCADE_FUSED_DECODE", "fused_decode", True, _bool, "1/true/on or 0/false/off",
          "Decode steps on FlashAttention 3: each request's own pages and the final merge in the "
          "plugin's Triton kernel (on), or in FlashAttention 3 and vLLM's merge (off)."),
+    Knob("CASCADE_CUDA_GRAPHS", "cuda_graphs", True, _bool, "1/true/on or 0/false/off",
+         "Decode steps on FlashAttention 3: capture each layer's cascade attention in a CUDA "
+         "graph once a step shape repeats and replay it (on), or launch its kernels from Python "
+         "in every layer (off). Off as well when vLLM runs without CUDA graphs (enforce_eager)."),
     Knob("CASCADE_MAX_LEVELS", "max_levels", 3, _int_at_least(2), "an integer >= 2",
          "Most attention levels per step, the per-request level included (2 = one shared level)."),
     Knob("CASCADE_MIN_SHARED_PAGES", "min_shared_pages", 1, _int_at_least(1), "an integer >= 1",
@@ -101,6 +105,7 @@ class CascadeConfig:
     policy: str = "auto"
     kernel: str = "auto"
     fused_decode: bool = True
+    cuda_graphs: bool = True
     max_levels: int = 3
     min_shared_pages: int = 1
     log_interval_s: float = 60.0

@@ -17,8 +17,10 @@ imports torch and flashinfer at the top).
 
 from __future__ import annotations
 
+import logging
 import math
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,6 +128,15 @@ class _Step:
     lse: torch.Tensor  # float32 [num_tokens, num_qo_heads], base 2: the running merged LSE
 
 
+def _same_device(have: torch.device, want: torch.device) -> bool:
+    """``cuda:0`` is ``cuda`` when device 0 is the current one (``!=`` says they differ)."""
+    if have.type != want.type:
+        return False
+    if want.index is None and want.type == "cuda":
+        return have.index == torch.cuda.current_device()
+    return want.index is None or have.index == want.index
+
+
 class _Scratch:
     """Device buffers reused by every layer and step; grown (never shrunk) on demand."""
 
@@ -140,7 +151,8 @@ class _Scratch:
         """
         numel = math.prod(shape)
         buf = self._buffers.get(name)
-        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
+        if (buf is None or buf.numel() < numel or buf.dtype != dtype
+                or not _same_device(buf.device, device)):
             buf = torch.empty(numel, dtype=dtype, device=device)
             self._buffers[name] = buf
         return buf[:numel].view(shape)
@@ -381,6 +393,184 @@ class _FaStep:
     # One query per request: shared levels first, then the per-request level and the last
     # merge in one Triton kernel (``decode_level``) instead of an FA3 call and a merge.
     fused_decode: bool
+    # Graphed (fused decode, CUDA graphs on): what a captured layer bakes in besides its
+    # tensors' addresses (level sizes, static buffers, scratch views, scale); None: eager.
+    graph_key: tuple[Any, ...] | None = None
+
+
+GRAPH_PAGE_BUCKET = 16  # graphed steps pad block-table widths to a multiple of this many pages
+CAPTURE_AFTER = 3  # a layer's graph is captured the 3rd time its key comes (2 eager runs first)
+MAX_GRAPHS = 512  # e.g. 16 step shapes x 32 layers; beyond it every graph is dropped at once
+MAX_SIGHTINGS = 4096  # keys seen but not captured yet, remembered (then forgotten all at once)
+
+_log = logging.getLogger("vllm.cascade_plugin")
+
+
+def _capture_cuda(fn: Callable[[], torch.Tensor], pool: Any,
+                  stream: torch.cuda.Stream) -> tuple[Callable[[], torch.Tensor], torch.Tensor]:
+    """``fn``'s kernels captured in a CUDA graph, then replayed once (the capture itself runs
+    nothing). Returns the replay and ``fn``'s result, a tensor the replays rewrite in place."""
+    graph = torch.cuda.CUDAGraph()
+    current = torch.cuda.current_stream()
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):  # CUDA cannot capture the legacy default stream
+        # thread_local: vLLM's other threads keep working while this one captures.
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            result = fn()
+        finally:
+            graph.capture_end()
+    current.wait_stream(stream)
+    graph.replay()
+
+    def replay() -> torch.Tensor:
+        graph.replay()
+        return result
+
+    return replay, result
+
+
+class _Graphs:
+    """One CUDA graph per (layer, step shape) of graphed decode steps, captured once a key
+    repeats and replayed instead of launching the layer's kernels from Python.
+
+    A key holds everything a replay bakes in: the step's ``graph_key`` (level sizes, the static
+    metadata buffers' and scratch views' addresses, the scale) and the layer's tensors'
+    addresses and strides. A replay therefore computes exactly what the eager run would: the
+    data behind those addresses (queries, KV cache, this step's metadata in the static buffers)
+    is read when the graph runs. All graphs share one memory pool; that is safe because they
+    run one after another on one stream and each leaves nothing in the pool that another reads
+    (a graph's LSE, its only result there, stays referenced by its replay).
+
+    ``capture`` is :func:`_capture_cuda` on a GPU; tests pass a stand-in that keeps ``fn`` and
+    its tensors, which is what a real replay does.
+    """
+
+    def __init__(self, capture: Callable[..., Any] | None = None,
+                 capture_after: int = CAPTURE_AFTER, max_graphs: int = MAX_GRAPHS) -> None:
+        self.capture = capture
+        self.capture_after = capture_after
+        self.max_graphs = max_graphs
+        self.captures = 0
+        self.replays = 0
+        self._graphs: dict[tuple[Any, ...], Callable[[], torch.Tensor]] = {}
+        self._seen: dict[tuple[Any, ...], int] = {}
+        self._failed = False
+        self._pool: Any = None
+        self._stream: torch.cuda.Stream | None = None
+
+    def usable(self, device: torch.device) -> bool:
+        return not self._failed and (self.capture is not None or device.type == "cuda")
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def run(self, key: tuple[Any, ...], fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Replay ``key``'s graph, or run ``fn`` (capturing it when ``key`` has come often
+        enough); returns ``fn``'s result either way."""
+        replay = self._graphs.get(key)
+        if replay is not None:
+            self.replays += 1
+            return replay()
+        seen = self._seen.get(key, 0) + 1
+        if seen < self.capture_after or self._failed or self._capturing():
+            if len(self._seen) >= MAX_SIGHTINGS:
+                self._seen.clear()
+            self._seen[key] = seen
+            return fn()
+        self._seen.pop(key, None)
+        if len(self._graphs) >= self.max_graphs:
+            self.clear()
+        try:
+            replay, result = self._capture(fn)
+        except Exception as exc:  # eager from now on; this layer runs eagerly right away
+            self._failed = True
+            self.clear()
+            _log.warning("vllm-cascade-plugin: capturing a CUDA graph of a cascade decode step "
+                         "failed (%s: %s); cascade decode steps launch their kernels eagerly "
+                         "from now on (set CASCADE_CUDA_GRAPHS=0 to skip the attempt).",
+                         type(exc).__name__, exc)
+            return fn()
+        self._graphs[key] = replay
+        self.captures += 1
+        return result
+
+    def _capturing(self) -> bool:
+        # Inside someone else's capture (vLLM's), kernels belong to that graph: run eagerly.
+        return self.capture is None and torch.cuda.is_current_stream_capturing()
+
+    def _capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], torch.Tensor],
+                                                                   torch.Tensor]:
+        if self.capture is not None:
+            return self.capture(fn)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+            self._pool = torch.cuda.graph_pool_handle()
+        return _capture_cuda(fn, self._pool, self._stream)
+
+    def clear(self) -> None:
+        """Drop every graph and sighting. No wait for the GPU: CUDA frees a graph that is still
+        running when it completes, and a graph captured later into the same pool runs after it
+        on the same stream."""
+        self._graphs.clear()
+        self._seen.clear()
+
+
+@dataclass(frozen=True)
+class _Packed:
+    """Where one level's int32 (cu_q, kv_lens, block table) and int64 (q_index) arrays start in
+    a step's upload."""
+
+    position: int
+    level: CascadeLevel
+    table_shape: tuple[int, int]
+    at32: int
+    at64: int
+    max_k: int
+
+
+def _pack_levels(levels: list[tuple[int, CascadeLevel]], page_size: int,
+                 width_bucket: int = 1) -> tuple[np.ndarray, np.ndarray, list[_Packed]]:
+    """The int32 and int64 arrays of ``levels`` in one array each (every int32 part 16-byte
+    aligned, as a tensor of its own would be); block tables padded with page 0 to a multiple
+    of ``width_bucket`` columns (never read: kernels stop at each row's KV length)."""
+    ints: list[np.ndarray] = []
+    longs: list[np.ndarray] = []
+    packed: list[_Packed] = []
+    n32 = n64 = 0
+    for position, level in levels:
+        table = level.block_table()
+        width = -(-table.shape[1] // width_bucket) * width_bucket
+        if width != table.shape[1]:
+            table = np.pad(table, ((0, 0), (0, width - table.shape[1])))
+        lens = level.kv_lens(page_size)
+        packed.append(_Packed(position, level, table.shape, n32, n64,
+                              int(lens.max(initial=0))))
+        for part in (level.qo_indptr, lens, table.ravel()):
+            ints += [np.asarray(part, np.int32), np.zeros(-part.size % 4, np.int32)]
+            n32 += part.size + (-part.size % 4)
+        if not level.q_is_identity:
+            longs.append(np.asarray(level.q_index, np.int64))
+            n64 += level.q_index.size
+    return (np.concatenate(ints) if ints else np.zeros(0, np.int32),
+            np.concatenate(longs) if longs else np.zeros(0, np.int64), packed)
+
+
+def _fa_level(p: _Packed, dev32: torch.Tensor, dev64: torch.Tensor | None) -> _FaLevel:
+    """``p``'s level as views of the uploaded arrays."""
+    level = p.level
+    assert dev64 is not None or level.q_is_identity
+    groups = level.num_groups
+    table_size = p.table_shape[0] * p.table_shape[1]
+    sizes = (groups + 1, groups, table_size)
+    starts = p.at32 + np.concatenate([[0], np.cumsum([n + (-n % 4) for n in sizes])])
+    cu_q, kv_lens, flat_table = (dev32[a:a + n] for a, n in zip(starts, sizes, strict=False))
+    rows = int(level.qo_indptr[-1])
+    return _FaLevel(
+        level=level, cu_q=cu_q, kv_lens=kv_lens, block_table=flat_table.view(p.table_shape),
+        max_q=int(np.diff(level.qo_indptr).max(initial=0)), max_k=p.max_k,
+        index=None if dev64 is None or level.q_is_identity else dev64[p.at64:p.at64 + rows],
+        rows=rows)
 
 
 class FlashAttnCascadeExecutor:
@@ -399,6 +589,13 @@ class FlashAttnCascadeExecutor:
     non-blocking copy per dtype; a level that ``is`` the previous plan's (steady decode, see
     :class:`~vllm_cascade_plugin.planner.CascadePlanner`) keeps its device tensors.
 
+    With ``cuda_graphs``, decode steps are *graphed*: their metadata goes into static buffers
+    (block tables padded to :data:`GRAPH_PAGE_BUCKET` pages, so consecutive decode steps have
+    one shape), and each layer's kernels are captured in a CUDA graph the
+    :data:`CAPTURE_AFTER`-th time the same step shape meets the same layer tensors, then
+    replayed: one launch per layer instead of several from Python (a cascade step runs its
+    attention outside vLLM's FULL graphs, and its launches, not its kernels, set its pace).
+
     Parameters
     ----------
     kv_layout : str
@@ -408,6 +605,8 @@ class FlashAttnCascadeExecutor:
     fused_decode : bool
         Run decode steps' per-request level with ``decode_level`` (where Triton runs and the
         head shape suits it); False: FA3 and a merge, as for every other step.
+    cuda_graphs : bool
+        Capture and replay the fused decode steps' layers (on a GPU).
 
     Raises
     ------
@@ -419,12 +618,14 @@ class FlashAttnCascadeExecutor:
     kernel = "fa3"
 
     def __init__(self, kv_layout: str = "NHD", max_levels: int = 4,
-                 fused_decode: bool = True) -> None:
+                 fused_decode: bool = True, cuda_graphs: bool = False) -> None:
         if kv_layout != "NHD":
             raise RuntimeError(f"FlashAttention reads an NHD paged cache, not {kv_layout}")
         self._attention, self._merge = compat.fa3_kernels()
         self._max_levels = max_levels
         self._fused_decode = fused_decode
+        self.graphs = _Graphs() if cuda_graphs else None
+        self._static_key: tuple[Any, ...] = ()
         self._scratch = _Scratch()
         self._levels: tuple[_FaLevel, ...] = ()
         self._step: _FaStep | None = None
@@ -434,6 +635,7 @@ class FlashAttnCascadeExecutor:
         _EXECUTORS.add(self)
 
     def device_bytes(self) -> int:
+        """Scratch and static buffers (the graphs' own memory pool is not counted)."""
         return self._scratch.nbytes()
 
     def plan(
@@ -454,51 +656,21 @@ class FlashAttnCascadeExecutor:
         self._step = None
         _check_plan(plan, page_size, self._max_levels)
         del kv_dtype  # FlashAttention reads it from the tensors
-        previous = {id(fl.level): fl for fl in self._levels}
-        kept: list[_FaLevel | None] = []
-        ints: list[np.ndarray] = []
-        longs: list[np.ndarray] = []
-        todo: list[tuple[int, CascadeLevel, np.ndarray, int, int]] = []
-        max_k: dict[int, int] = {}
-        n32 = n64 = 0
-        for position, level in enumerate(plan.levels):
-            old = previous.get(id(level))
-            if old is not None and old.level is level:
-                kept.append(old)
-                continue
-            kept.append(None)
-            table = level.block_table()
-            todo.append((position, level, table, n32, n64))
-            lens = level.kv_lens(page_size)
-            max_k[position] = int(lens.max(initial=0))
-            for part in (level.qo_indptr, lens, table.ravel()):
-                # Each array starts 16-byte aligned in the shared upload, as a tensor of its own.
-                ints += [np.asarray(part, np.int32), np.zeros(-part.size % 4, np.int32)]
-                n32 += part.size + (-part.size % 4)
-            if not level.q_is_identity:
-                longs.append(np.asarray(level.q_index, np.int64))
-                n64 += level.q_index.size
-        dev32 = _upload(np.concatenate(ints), np.int32, device) if ints else None
-        dev64 = _upload(np.concatenate(longs), np.int64, device) if longs else None
-        for position, level, table, at32, at64 in todo:
-            groups = level.num_groups
-            assert dev32 is not None
-            sizes = (groups + 1, groups, table.size)
-            starts = at32 + np.concatenate([[0], np.cumsum([n + (-n % 4) for n in sizes])])
-            cu_q, kv_lens, flat_table = (dev32[a:a + n] for a, n in zip(starts, sizes,
-                                                                         strict=False))
-            block_table = flat_table.view(table.shape)
-            rows = int(level.qo_indptr[-1])
-            index = None
-            if not level.q_is_identity:
-                assert dev64 is not None
-                index = dev64[at64:at64 + rows]
-            kept[position] = _FaLevel(
-                level=level, cu_q=cu_q, kv_lens=kv_lens, block_table=block_table,
-                max_q=int(np.diff(level.qo_indptr).max(initial=0)), max_k=max_k[position],
-                index=index, rows=rows)
-        self._levels = tuple(fl for fl in kept if fl is not None)
-        *shared, last = self._levels
+        last_level = plan.levels[-1]
+        # Fused: the first shared level writes the state itself when it spans the batch.
+        fused = (self._fused_decode and plan.num_levels > 1
+                 and int(np.diff(last_level.qo_indptr).max(initial=0)) == 1
+                 and int(last_level.qo_indptr[-1]) == last_level.num_groups
+                 and decode_level.unsupported_reason(num_qo_heads, num_kv_heads, head_dim)
+                 is None)
+        graphed = fused and self.graphs is not None and self.graphs.usable(device)
+        if graphed:
+            levels = self._upload_static(plan, page_size, device)
+            self._levels = ()  # static views change with the next graphed step: keep none
+        else:
+            levels = self._upload_changed(plan, page_size, device)
+            self._levels = levels
+        *shared, last = levels
         # Every scratch view run() needs, taken here: widest first, so the rest are views of the
         # same buffers and run() looks nothing up.
         take = self._scratch.take
@@ -511,25 +683,67 @@ class FlashAttnCascadeExecutor:
         for name in ("level_out", *(("gather_q", "gather_out") if gathers else ())):
             if widest:
                 view(name, widest)
-        # Fused: the first shared level writes the state itself when it spans the batch.
-        fused = (self._fused_decode and bool(shared) and last.max_q == 1
-                 and last.rows == last.level.num_groups
-                 and decode_level.unsupported_reason(num_qo_heads, num_kv_heads, head_dim)
-                 is None)
         identity_merges = sum(fl.index is None for fl in shared)
         if fused and shared[0].index is None:
             identity_merges -= 1
-        self._step = _FaStep(
-            last=last,
-            shared=tuple(_FaShared(
-                level=fl, out=view("level_out", fl.rows),
-                gather_q=None if fl.index is None else view("gather_q", fl.rows),
-                gather_out=None if fl.index is None else view("gather_out", fl.rows))
-                for fl in shared),
-            spare=view("fa_state", last.rows) if identity_merges else None,
-            start_in_spare=identity_merges % 2 == 1, fused_decode=fused)
+        fa_shared = tuple(_FaShared(
+            level=fl, out=view("level_out", fl.rows),
+            gather_q=None if fl.index is None else view("gather_q", fl.rows),
+            gather_out=None if fl.index is None else view("gather_out", fl.rows))
+            for fl in shared)
+        spare = view("fa_state", last.rows) if identity_merges else None
         self._sm_scale = float(sm_scale)
         self._softcap = float(logits_soft_cap or 0.0)
+        key = None
+        if graphed:
+            def ptr(t: torch.Tensor | None) -> int:
+                return 0 if t is None else t.data_ptr()
+
+            key = (self._static_key, self._sm_scale, self._softcap, ptr(spare),
+                   *((ptr(s.out), ptr(s.gather_q), ptr(s.gather_out)) for s in fa_shared))
+        self._step = _FaStep(last=last, shared=fa_shared, spare=spare,
+                             start_in_spare=identity_merges % 2 == 1, fused_decode=fused,
+                             graph_key=key)
+
+    def _upload_changed(self, plan: CascadePlan, page_size: int,
+                        device: torch.device) -> tuple[_FaLevel, ...]:
+        """Every level on the device; levels that ``are`` the previous plan's keep theirs."""
+        previous = {id(fl.level): fl for fl in self._levels}
+        kept: list[_FaLevel | None] = []
+        for level in plan.levels:
+            old = previous.get(id(level))
+            kept.append(old if old is not None and old.level is level else None)
+        ints, longs, packed = _pack_levels(
+            [(i, level) for i, level in enumerate(plan.levels) if kept[i] is None], page_size)
+        if packed:
+            dev32 = _upload(ints, np.int32, device)
+            dev64 = _upload(longs, np.int64, device) if longs.size else None
+            for p in packed:
+                kept[p.position] = _fa_level(p, dev32, dev64)
+        return tuple(fl for fl in kept if fl is not None)
+
+    def _upload_static(self, plan: CascadePlan, page_size: int,
+                       device: torch.device) -> tuple[_FaLevel, ...]:
+        """Every level into the static buffers a graphed step's graphs read; sets
+        ``_static_key``, which is equal for steps whose views and sizes are equal."""
+        ints, longs, packed = _pack_levels(list(enumerate(plan.levels)), page_size,
+                                           GRAPH_PAGE_BUCKET)
+        take = self._scratch.take
+        # Views of the whole buffers: their start addresses do not move until they grow.
+        dev32 = take("static32", (max(ints.size, 1),), torch.int32, device)
+        dev64 = take("static64", (max(longs.size, 1),), torch.int64, device)
+        for dev, host, dtype in ((dev32, ints, np.int32), (dev64, longs, np.int64)):
+            if host.size:
+                source = (torch.from_numpy(np.array(host, dtype)) if device.type == "cpu"
+                          else _pinned(host, dtype))
+                # Stream-ordered after the previous step's replays, which read the old values.
+                dev[:host.size].copy_(source, non_blocking=True)
+        levels = tuple(_fa_level(p, dev32, dev64) for p in packed)
+        self._static_key = (dev32.data_ptr(), dev64.data_ptr(), *(
+            (fl.rows, fl.level.num_groups, fl.max_q, p.table_shape[1], fl.index is None,
+             p.max_k if p.position < plan.num_levels - 1 else -1)
+            for p, fl in zip(packed, levels, strict=True)))
+        return levels
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fl: _FaLevel,
                 out: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -554,13 +768,15 @@ class FlashAttnCascadeExecutor:
         step = self._step
         if step is None:
             raise RuntimeError("run() before plan()")
+        if step.graph_key is not None and self.graphs is not None:
+            key = (step.graph_key, q.data_ptr(), q.shape, q.stride(), k_cache.data_ptr(),
+                   k_cache.stride(), v_cache.data_ptr(), v_cache.stride(), out.data_ptr(),
+                   out.stride())
+            self._lse = self.graphs.run(
+                key, lambda: self._run_fused(q, k_cache, v_cache, out, step))
+            return
         if step.fused_decode:
-            state, lse = self._merge_shared(q, k_cache, v_cache, step, out, None, None)
-            last = step.last
-            decode_level.decode_level(q, k_cache, v_cache, last.block_table, last.kv_lens,
-                                      state, lse, out, lse, sm_scale=self._sm_scale,
-                                      softcap=self._softcap)
-            self._lse = lse
+            self._lse = self._run_fused(q, k_cache, v_cache, out, step)
             return
         # Identity merges alternate between ``out`` and ``spare``; the start is chosen so that
         # the last one lands in ``out`` (gathered merges update the state in place).
@@ -570,6 +786,15 @@ class FlashAttnCascadeExecutor:
         state, lse = self._merge_shared(q, k_cache, v_cache, step, out, first, lse)
         assert state is out
         self._lse = lse
+
+    def _run_fused(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   out: torch.Tensor, step: _FaStep) -> torch.Tensor:
+        """A fused decode step's layer: shared levels, then ``decode_level``; returns the LSE."""
+        state, lse = self._merge_shared(q, k_cache, v_cache, step, out, None, None)
+        last = step.last
+        decode_level.decode_level(q, k_cache, v_cache, last.block_table, last.kv_lens, state,
+                                  lse, out, lse, sm_scale=self._sm_scale, softcap=self._softcap)
+        return lse
 
     def _merge_shared(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       step: _FaStep, out: torch.Tensor, state: torch.Tensor | None,
@@ -640,11 +865,12 @@ def choose_kernel(requested: str, kv_layout: str) -> tuple[str, str]:
 
 
 def make_executor(kind: str, float_workspace: torch.Tensor, kv_layout: str,
-                  max_levels: int, fused_decode: bool = True) -> Any:
-    """A new executor of ``kind`` (from :func:`choose_kernel`); ``fused_decode``: the FA3
-    executor's (``CASCADE_FUSED_DECODE``)."""
+                  max_levels: int, fused_decode: bool = True, cuda_graphs: bool = False) -> Any:
+    """A new executor of ``kind`` (from :func:`choose_kernel`); ``fused_decode`` and
+    ``cuda_graphs``: the FA3 executor's (``CASCADE_FUSED_DECODE``, ``CASCADE_CUDA_GRAPHS``)."""
     if kind == "fa3":
-        return FlashAttnCascadeExecutor(kv_layout, max_levels, fused_decode=fused_decode)
+        return FlashAttnCascadeExecutor(kv_layout, max_levels, fused_decode=fused_decode,
+                                        cuda_graphs=cuda_graphs)
     if kind == "flashinfer":
         return FlashInferCascadeExecutor(float_workspace, kv_layout, max_levels)
     raise ValueError(f"unknown cascade kernel {kind!r}; expected one of {KERNELS}")

@@ -118,11 +118,15 @@ def _worker_counters(worker) -> dict:
     try:  # which executor ran the cascade steps (CASCADE_KERNEL); none before a cascade step
         from vllm_cascade_plugin import kernels
 
-        executors = sorted({e.kernel for e in list(kernels._EXECUTORS)})
+        alive = list(kernels._EXECUTORS)
     except ImportError:
-        executors = []
+        alive = []
+    graphs = [g for g in (getattr(e, "graphs", None) for e in alive) if g is not None]
     return {**dataclasses.asdict(counters), "fallbacks": dict(counters.fallbacks),
-            "executors": executors}
+            "executors": sorted({e.kernel for e in alive}),
+            # The FA3 executor's CUDA graphs of decode steps (CASCADE_CUDA_GRAPHS).
+            "graph_captures": sum(g.captures for g in graphs),
+            "graph_replays": sum(g.replays for g in graphs)}
 
 
 def _counters(llm) -> dict:
@@ -178,11 +182,12 @@ def main() -> int:
                           for reason, count in after["fallbacks"].items()
                           if count > before["fallbacks"].get(reason, 0)},
         }
+    final = _counters(llm)
     with open(args.out, "w") as f:
         json.dump({"plugin": os.environ.get("CASCADE_ATTENTION", ""),
                    "runner": "v1" if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "0" else "v2",
                    "tensor_parallel_size": args.tp, "sync_violations": SYNC_VIOLATIONS,
-                   "executors": _counters(llm)["executors"],
+                   **{k: final[k] for k in ("executors", "graph_captures", "graph_replays")},
                    "workloads": results}, f)
     return 0
 

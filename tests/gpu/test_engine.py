@@ -89,12 +89,15 @@ def test_cascade_engine_matches_flat_engine(model_dir, tmp_path, runner):
     on = run_engine(model_dir, tmp_path / "on.json", plugin=True, runner=runner)
     off = run_engine(model_dir, tmp_path / "off.json", plugin=False, runner=runner)
     rows = [{**judge(name, runner, on["workloads"][name], off["workloads"][name]),
-             "executors": on.get("executors")} for name in off["workloads"]]
+             "executors": on.get("executors"), "graph_captures": on.get("graph_captures"),
+             "graph_replays": on.get("graph_replays")} for name in off["workloads"]]
     RESULTS.extend(rows)
     failed = [r for r in rows if r["outcome"] != "pass"]
     assert not failed, json.dumps(failed, indent=1)
     # Planning and running a step never waits for the GPU (async scheduling stays useful).
     assert on["sync_violations"] == [], on["sync_violations"]
+    if on["executors"] == ["fa3"]:  # its decode steps ran from CUDA graphs (the outputs above)
+        assert on["graph_replays"] > 0, (on["graph_captures"], on["graph_replays"])
     if kernel := os.environ.get("CASCADE_TEST_KERNEL"):
         assert on["executors"] == [kernel], on["executors"]
 

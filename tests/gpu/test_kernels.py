@@ -384,3 +384,73 @@ def test_unsupported_configurations_have_a_reason(
 ) -> None:
     assert unsupported_reason(num_qo_heads, num_kv_heads, head_dim, DTYPE, kv_dtype,
                               window_left=window_left)
+
+
+GRAPHED_STEPS = 6
+GRAPHED_SCENARIOS = {  # name: prefix sizes in pages (a list per level path), requests
+    "one_prefix": ([[32]], 8),
+    "four_interleaved_groups": ([[16], [20], [18], [30]], 16),
+    "two_level_tree": ([[8, 10], [8, 16], [8, 8]], 9),
+}
+
+
+def growing_batch(scenario: str, rng: np.random.Generator) -> Batch:
+    """Requests on shared prefixes (row r on path r % paths), each with more than
+    GRAPHED_STEPS own tokens at the end, so every step of the run below keeps the same plan
+    shape; the tree's paths share their first part (the system prompt)."""
+    paths, requests = GRAPHED_SCENARIOS[scenario]
+    pages = Pages()
+    trunk: dict[int, list[int]] = {}
+    built = []
+    for path in paths:
+        ids: list[int] = []
+        for depth, n in enumerate(path):
+            if depth == 0 and len(path) > 1:
+                ids += trunk.setdefault(n, pages.new(n))
+            else:
+                ids += pages.new(n)
+        built.append(ids)
+    for r in range(requests):
+        prefix = built[r % len(built)]
+        pages.add(prefix, len(prefix) * PAGE + int(rng.integers(GRAPHED_STEPS + 1, 80)))
+    return pages.build(rng)
+
+
+@pytest.mark.parametrize("scenario", list(GRAPHED_SCENARIOS))
+def test_graphed_decode_steps_match_flat_attention(
+    scenario: str, workspace: torch.Tensor, results: list[dict[str, Any]],
+    request: pytest.FixtureRequest,
+) -> None:
+    """Consecutive decode steps (each request one token longer) through the FA3 executor's CUDA
+    graphs: captured on the CAPTURE_AFTER-th step, replayed after; every step equals flat
+    attention with that step's lengths. q and out are the same tensors every step, as vLLM's
+    graph buffers are; their contents change."""
+    if reason := fa3_unsupported_reason("NHD"):
+        pytest.skip(reason)
+    from vllm_cascade_plugin.kernels import CAPTURE_AFTER
+
+    shape = Shape(32, 8, 128)
+    final = growing_batch(scenario, np.random.default_rng(3))
+    executor = FlashAttnCascadeExecutor("NHD", max_levels=4, cuda_graphs=True)
+    layers = [random_layer(final, shape, seed) for seed in range(LAYERS)]
+    outs = [torch.empty(layer.q.shape, dtype=DTYPE, device=DEVICE) for layer in layers]
+    gen = torch.Generator(DEVICE).manual_seed(11)
+    for s in range(GRAPHED_STEPS):
+        batch = dataclasses.replace(final, seq_lens=final.seq_lens - (GRAPHED_STEPS - 1 - s))
+        plan = plan_for(batch)
+        executor.plan(plan, num_qo_heads=shape.num_qo_heads, num_kv_heads=shape.num_kv_heads,
+                      head_dim=shape.head_dim, page_size=PAGE, sm_scale=shape.sm_scale,
+                      logits_soft_cap=None, q_dtype=DTYPE, kv_dtype=DTYPE, device=DEVICE)
+        assert executor._step.graph_key is not None
+        prefill = flat_prefill(workspace, batch, shape)
+        for i, (layer, out) in enumerate(zip(layers, outs, strict=True)):
+            layer.q.copy_(torch.randn(layer.q.shape, generator=gen, device=DEVICE, dtype=DTYPE))
+            out.fill_(math.nan)
+            executor.run(layer.q, layer.k, layer.v, out)
+            want, want_lse = prefill.run(layer.q, layer.kv, return_lse=True)
+            name = f"{request.node.name}/step{s}/layer{i}"
+            check_close(results, name, out, want, TOL)
+            check_close(results, f"{name}-lse", executor.lse, want_lse, LSE_TOL)
+    assert executor.graphs is not None
+    assert executor.graphs.captures == LAYERS
+    assert executor.graphs.replays == LAYERS * (GRAPHED_STEPS - CAPTURE_AFTER)
