@@ -23,6 +23,7 @@ E2E_LABELS = {  # e2e_bench.py configuration -> label, in plotting order
     "cascade": "cascade\n(policy auto)",
     "cascade_always": "cascade\n(policy always)",
     "cascade_unfused": "cascade\n(no fused decode)",
+    "cascade_nographs": "cascade\n(no CUDA graphs)",
 }
 
 
@@ -53,7 +54,10 @@ def plot_e2e(folder: Path, plt: Any) -> Path:
             c for c in by_config if c not in E2E_LABELS)
         speeds = [by_config[c]["out_tok_per_s"] for c in configs]
         base = by_config.get("flashinfer", {}).get("out_tok_per_s")
-        bars = ax.bar([E2E_LABELS.get(c, c) for c in configs], speeds,
+        # Rows of a second GPU that ran at the same time (e2e.json "gpu" 1) say so.
+        labels = [E2E_LABELS.get(c, c) + ("\n[GPU 1]" if by_config[c].get("gpu") == 1 else "")
+                  for c in configs]
+        bars = ax.bar(labels, speeds,
                       color=["#999999" if c.startswith("flash") else "#2a7ab9" for c in configs])
         for bar, config, speed in zip(bars, configs, speeds, strict=True):
             note = f"{speed:,.0f}"

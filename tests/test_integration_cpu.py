@@ -348,3 +348,9 @@ def test_cuda_graphs_knob_and_vllm_eager_mode_reach_the_fa3_executor(tmp_path, m
     executor = vllm_cpu.make_builder(config, names)._executor()
     assert isinstance(executor, kernels.FlashAttnCascadeExecutor)
     assert (executor.graphs is not None) is graphs
+    # The cost model charges each cascade step what it costs with or without the graphs.
+    from vllm_cascade_plugin.cost import COST_MODELS, FA3_EAGER_STEP_FIXED_US
+
+    assert session.cost_model.step_fixed_us == (
+        COST_MODELS["fa3"].step_fixed_us if graphs else FA3_EAGER_STEP_FIXED_US)
+    assert COST_MODELS["fa3"].step_fixed_us < FA3_EAGER_STEP_FIXED_US

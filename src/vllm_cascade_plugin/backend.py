@@ -23,7 +23,7 @@ from vllm.v1.attention.backends.flashinfer import (
 
 from . import compat, hooks, stats
 from .config import load_config
-from .cost import COST_MODELS, AttentionShape
+from .cost import AttentionShape, cost_model_for
 from .step import session
 
 logger = logging.getLogger("vllm.cascade_plugin")
@@ -138,7 +138,8 @@ class CascadeFlashInferMetadataBuilder(FlashInferMetadataBuilder):
         shape = AttentionShape(self.num_qo_heads, self.num_kv_heads, self.head_dim,
                                kv_cache_spec.dtype.itemsize, num_layers=len(layer_names))
         session.configure(config, shape, self.page_size, reason,
-                          cost_model=COST_MODELS[self._cascade_kernel])
+                          cost_model=cost_model_for(self._cascade_kernel,
+                                                    self._cuda_graphs and config.fused_decode))
         # Bytes of one page over every layer a step's plan serves: the saving the log line reports.
         stats.set_page_bytes(kv_cache_spec.page_size_bytes * len(layer_names))
 

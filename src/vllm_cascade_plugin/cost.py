@@ -26,23 +26,23 @@ B       P      groups  flat         FlashInfer executor  FA3 executor
 ======  =====  ======  ===========  ===================  ==============
 
 The 16-group row shows what FlashInfer's model misses: many small groups cost more than their
-bytes say. The per-step term (FA3: 7.57 ms, FlashInfer: 3.08 ms over 32 layers) is what a
-cascade step costs beyond its kernels: attention runs outside FULL CUDA graphs, and a cascade
-step's host work (~120 µs of kernel launches per layer for the FA3 executor, against ~25 µs for
-flat decode; ``kernel_grid.json`` ``host_us``) then sets its pace. The FA3 figure comes from runs
-in vLLM's default engine process (``e2e.json``, session 4); in-process runs give about the same
-(``e2e_modes.json``).
+bytes say. The per-step term (FA3: 1.5 ms, FlashInfer: 3.08 ms over 32 layers) is what a
+cascade step costs beyond its kernels: attention runs outside vLLM's FULL CUDA graphs, so a
+cascade step's host work sets its pace. The FA3 executor replays a CUDA graph per layer in
+decode steps (``CASCADE_CUDA_GRAPHS``, session 5, ``e2e.json``); launched from Python instead
+(~120 µs of host time per layer against ~25 µs for flat decode, ``kernel_grid.json``
+``host_us``) its per-step cost was 7.57 ms (``FA3_EAGER_STEP_FIXED_US``, session 4's runs).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from .planner import CascadeLevel, CascadePlan
 
-__all__ = ["COST_MODELS", "AttentionShape", "CostModel", "Decision", "decide"]
+__all__ = ["COST_MODELS", "AttentionShape", "CostModel", "Decision", "cost_model_for", "decide"]
 
 
 @dataclass(frozen=True)
@@ -98,8 +98,21 @@ COST_MODELS: dict[str, CostModel] = {
     "flashinfer": CostModel(),
     "fa3": CostModel(flat_fixed_us=17.3, flat_bandwidth=9.09e12, level_fixed_us=11.4,
                      request_us=0.141, flops=790e12, group_bandwidth=3.37e12,
-                     shared_bandwidth=4.8e12, step_fixed_us=7570.0),
+                     shared_bandwidth=4.8e12, step_fixed_us=1500.0),
 }
+# The FA3 executor's per-step cost when its decode steps launch their kernels from Python
+# (``CASCADE_CUDA_GRAPHS=0``, ``CASCADE_FUSED_DECODE=0`` or vLLM without CUDA graphs): the same
+# calibration on session 4's runs, before the graphs (``e2e_session4_no_graphs.json``).
+FA3_EAGER_STEP_FIXED_US = 7570.0
+
+
+def cost_model_for(kernel: str, decode_graphs: bool = True) -> CostModel:
+    """The calibration of ``kernel``'s executor (``COST_MODELS``); for FA3 without decode-step
+    CUDA graphs, with :data:`FA3_EAGER_STEP_FIXED_US` as its per-step cost."""
+    model = COST_MODELS[kernel]
+    if kernel == "fa3" and not decode_graphs:
+        model = replace(model, step_fixed_us=FA3_EAGER_STEP_FIXED_US)
+    return model
 
 
 @dataclass(frozen=True)

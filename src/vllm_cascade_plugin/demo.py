@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from .config import CascadeConfig
-from .cost import COST_MODELS, AttentionShape, Decision, decide
+from .cost import AttentionShape, CostModel, Decision, cost_model_for, decide
 from .planner import CascadePlan, plan_cascade
 
 KERNEL_NAMES = {"fa3": "FA3 (Hopper, CASCADE_KERNEL=auto)", "flashinfer": "FlashInfer"}
@@ -166,6 +166,7 @@ class PlanDemo:
     decision: Decision  # what CASCADE_POLICY=auto would do with this step
     check: NumericalCheck
     kernel: str = "fa3"  # the executor whose cost model decided (CASCADE_KERNEL on a Hopper GPU)
+    cost_model: CostModel | None = None  # that model (None: the executor's default calibration)
 
     @property
     def page_bytes(self) -> int:
@@ -200,7 +201,9 @@ def plan_demo(workload: Workload, model: str, config: CascadeConfig, seed: int =
                         min_shared_pages=int(table.shape[1]) + 1)  # nothing shared: flat
     # The executor CASCADE_KERNEL picks on a Hopper GPU such as the H200 the model is fit on.
     kernel = "flashinfer" if config.kernel == "flashinfer" else "fa3"
-    decision = decide(plan, shape, COST_MODELS[kernel])
+    # With the FA3 executor's decode-step CUDA graphs unless the knobs turn them off.
+    cost_model = cost_model_for(kernel, config.cuda_graphs and config.fused_decode)
+    decision = decide(plan, shape, cost_model)
 
     group = shape.num_qo_heads // shape.num_kv_heads
     g = torch.Generator().manual_seed(seed)
@@ -214,7 +217,8 @@ def plan_demo(workload: Workload, model: str, config: CascadeConfig, seed: int =
         max_abs_err=float((out - out_flat).abs().max()),
         max_lse_err=float((lse - lse_flat).abs().max()),
         tolerance=CHECK_TOLERANCE)
-    return PlanDemo(workload, model, shape, layers, generated, plan, decision, check, kernel)
+    return PlanDemo(workload, model, shape, layers, generated, plan, decision, check, kernel,
+                    cost_model)
 
 
 # ------------------------------------------------------------------------- GPU: vLLM, twice
@@ -367,7 +371,7 @@ def describe_plan(demo: PlanDemo, config: CascadeConfig) -> list[str]:
                          f"{_span(rows)} requests, {_span(pages)} pages per group, read once "
                          "per group")
     gb = demo.page_bytes / 1e9
-    model = COST_MODELS[demo.kernel]
+    model = demo.cost_model or cost_model_for(demo.kernel)
     lines += [
         f"KV pages read per layer: {flat:,} flat vs {cascade:,} with cascade "
         f"({flat / max(cascade, 1):.1f}x fewer)",
