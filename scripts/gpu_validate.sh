@@ -86,14 +86,17 @@ gpu1_pipeline() {  # kernel grid, offline example, then the end-to-end benchmark
   e2e_per_config cascade cascade_always flashinfer flash_attn
 }
 
-gpu0_pipeline4() {  # FA3 kernel tests, engine tests (both runners), kernel grid, breakdown
+gpu0_tests() {  # $1: the kernel tests' -k expression; then the engine tests (both runners)
   CUDA_VISIBLE_DEVICES=0 CASCADE_RESULTS_DIR="$res/kernels" timeout 300 python3 -m pytest -q \
-    -p no:cacheprovider tests/gpu/test_kernels.py -k "fa3 or fp32_reference or corrupted" \
-    > "$res/kernels.log" 2>&1
+    -p no:cacheprovider tests/gpu/test_kernels.py -k "$1" > "$res/kernels.log" 2>&1
   stamp "kernel tests rc=$?"; tail -3 "$res/kernels.log"
   CUDA_VISIBLE_DEVICES=0 CASCADE_RESULTS_DIR="$res/engine" timeout 480 python3 -m pytest -q \
     -p no:cacheprovider tests/gpu/test_engine.py -k "not tensor_parallel" > "$res/engine.log" 2>&1
   stamp "engine tests rc=$?"; tail -3 "$res/engine.log"
+}
+
+gpu0_pipeline4() {  # FA3 kernel tests, engine tests (both runners), kernel grid, breakdown
+  gpu0_tests "fa3 or fp32_reference or corrupted"
   CUDA_VISIBLE_DEVICES=0 timeout 240 python3 benchmarks/kernel_bench.py --out "$res/kernel" \
     > "$res/kernel.log" 2>&1
   stamp "kernel bench rc=$?"; tail -30 "$res/kernel.log"
@@ -107,13 +110,7 @@ gpu1_pipeline4() {  # end to end, one engine per configuration, flat configurati
 }
 
 gpu0_pipeline5() {  # FA3 kernel tests (graphed decode steps included), engine tests
-  CUDA_VISIBLE_DEVICES=0 CASCADE_RESULTS_DIR="$res/kernels" timeout 300 python3 -m pytest -q \
-    -p no:cacheprovider tests/gpu/test_kernels.py -k "fa3 or fp32_reference or corrupted or graphed" \
-    > "$res/kernels.log" 2>&1
-  stamp "kernel tests rc=$?"; tail -3 "$res/kernels.log"
-  CUDA_VISIBLE_DEVICES=0 CASCADE_RESULTS_DIR="$res/engine" timeout 480 python3 -m pytest -q \
-    -p no:cacheprovider tests/gpu/test_engine.py -k "not tensor_parallel" > "$res/engine.log" 2>&1
-  stamp "engine tests rc=$?"; tail -3 "$res/engine.log"
+  gpu0_tests "fa3 or fp32_reference or corrupted or graphed"
 }
 
 gpu1_pipeline5() {  # end to end: flat, cascade with and without the decode graphs
@@ -128,7 +125,7 @@ wait_pipelines() {  # until both pipelines are done or $1 seconds have passed
 }
 
 start_pipelines() {  # $1 $2: the GPU 0 and GPU 1 pipelines, detached; $3: seconds to wait
-  export -f "$1" "$2" stamp e2e_per_config
+  export -f "$1" "$2" stamp e2e_per_config gpu0_tests
   export res WORKLOADS
   local gpu fn
   for gpu in 0 1; do
