@@ -333,3 +333,20 @@ def test_non_decode_steps_and_graphs_off_run_eagerly():
     assert planned(decode, shape, fused=True)._step.graph_key is None  # cuda_graphs=False
     # Without a stand-in, graphs need a CUDA device.
     assert not kernels._Graphs().usable(torch.device("cpu"))
+
+
+def test_inside_another_capture_the_layer_runs_its_kernels(monkeypatch):
+    """While the stream is being captured by someone else (a whole-step graph), a layer neither
+    replays nor captures a graph of its own: its kernels go into that capture."""
+    graphs = kernels._Graphs(capture_after=1)
+    runs = []
+    replays = []
+    graphs._graphs[("k",)] = lambda: replays.append(1) or torch.zeros(1)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    graphs.run(("k",), lambda: runs.append("k") or torch.zeros(1))
+    graphs.run(("new",), lambda: runs.append("new") or torch.zeros(1))
+    assert runs == ["k", "new"] and not replays
+    assert (graphs.captures, graphs.replays, len(graphs)) == (0, 0, 1)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    graphs.run(("k",), lambda: runs.append("k") or torch.zeros(1))
+    assert replays == [1] and graphs.replays == 1

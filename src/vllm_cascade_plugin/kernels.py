@@ -468,12 +468,14 @@ class _Graphs:
     def run(self, key: tuple[Any, ...], fn: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Replay ``key``'s graph, or run ``fn`` (capturing it when ``key`` has come often
         enough); returns ``fn``'s result either way."""
+        if self._capturing():  # a graph launch into someone else's capture: not attempted
+            return fn()
         replay = self._graphs.get(key)
         if replay is not None:
             self.replays += 1
             return replay()
         seen = self._seen.get(key, 0) + 1
-        if seen < self.capture_after or self._failed or self._capturing():
+        if seen < self.capture_after or self._failed:
             if len(self._seen) >= MAX_SIGHTINGS:
                 self._seen.clear()
             self._seen[key] = seen
@@ -496,7 +498,8 @@ class _Graphs:
         return result
 
     def _capturing(self) -> bool:
-        # Inside someone else's capture (vLLM's), kernels belong to that graph: run eagerly.
+        # Inside someone else's capture (vLLM's, or a whole-step graph), the kernels belong to
+        # that graph: run them, neither replay nor capture a graph of our own.
         return self.capture is None and torch.cuda.is_current_stream_capturing()
 
     def _capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], torch.Tensor],
