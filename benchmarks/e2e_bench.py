@@ -120,11 +120,11 @@ def _worker_counters(worker: object) -> dict:
     counters = stats.snapshot()
     kernels = sys.modules.get("vllm_cascade_plugin.kernels")
     executors = [] if kernels is None else list(kernels._EXECUTORS)
-    graphs = [g for g in (getattr(e, "graphs", None) for e in executors) if g is not None]
+    graphs = {} if kernels is None else kernels.graph_stats()
     return {"steps_planned": counters.steps_planned, "steps_cascade": counters.steps_cascade,
             "fallbacks": dict(counters.fallbacks),
-            "graph_captures": sum(g.captures for g in graphs),
-            "graph_replays": sum(g.replays for g in graphs),
+            "graph_captures": graphs.get("graph_captures", 0),
+            "graph_replays": graphs.get("graph_replays", 0),
             "executors": sorted({e.kernel for e in executors})}
 
 

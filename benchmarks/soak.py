@@ -383,7 +383,13 @@ def _device_memory(worker: object) -> dict[str, Any]:
     return {"used_mib": (total - free) / 2**20, "used_raw_mib": raw / 2**20,
             "total_mib": total / 2**20, "allocated_mib": torch.cuda.memory_allocated() / 2**20,
             "plugin_mib": _plugin_mib(), "gpu": torch.cuda.get_device_name(),
-            "executors": _executors()}
+            "executors": _executors(), "graphs": _graphs()}
+
+
+def _graphs() -> dict[str, int] | None:
+    """The FA3 executor's per-layer CUDA graphs (held now: their pool is not in plugin_mib)."""
+    kernels = sys.modules.get("vllm_cascade_plugin.kernels")
+    return None if kernels is None else kernels.graph_stats()
 
 
 def _executors() -> list[str]:

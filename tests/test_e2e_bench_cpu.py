@@ -98,6 +98,8 @@ def test_worker_counters_report_this_process_plugin_state():
 
 
 def test_worker_counters_sum_the_graph_counts_of_every_executor(monkeypatch):
+    import torch
+
     from vllm_cascade_plugin import compat, kernels
 
     monkeypatch.setattr(compat, "fa3_kernels", lambda: (None, None))
@@ -106,6 +108,9 @@ def test_worker_counters_sum_the_graph_counts_of_every_executor(monkeypatch):
     eager = kernels.FlashAttnCascadeExecutor(cuda_graphs=False)
     for n, executor in enumerate(graphed, start=1):
         executor.graphs.captures, executor.graphs.replays = n, 10 * n
+    held = kernels.graph_stats()["graphs_held"]
+    graphed[0].graphs._graphs[("key",)] = lambda: torch.zeros(1)
+    assert kernels.graph_stats()["graphs_held"] == held + 1
     counters = _module()._worker_counters(object())
     assert counters["graph_captures"] - before["graph_captures"] == 3
     assert counters["graph_replays"] - before["graph_replays"] == 30

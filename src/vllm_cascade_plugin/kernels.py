@@ -175,6 +175,15 @@ def device_bytes() -> int:
     return sum(executor.device_bytes() for executor in list(_EXECUTORS))
 
 
+def graph_stats() -> dict[str, int]:
+    """The FA3 executors' per-layer CUDA graphs in this process: captured and replayed so far,
+    and held now (each holds a little memory in the executor's graph pool)."""
+    graphs = [g for g in (getattr(e, "graphs", None) for e in list(_EXECUTORS)) if g is not None]
+    return {"graph_captures": sum(g.captures for g in graphs),
+            "graph_replays": sum(g.replays for g in graphs),
+            "graphs_held": sum(len(g) for g in graphs)}
+
+
 class FlashInferCascadeExecutor:
     """Runs cascade plans with one FlashInfer batch-prefill wrapper per level.
 

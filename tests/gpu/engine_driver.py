@@ -119,14 +119,12 @@ def _worker_counters(worker) -> dict:
         from vllm_cascade_plugin import kernels
 
         alive = list(kernels._EXECUTORS)
+        graphs = kernels.graph_stats()  # the FA3 executor's decode-step CUDA graphs
     except ImportError:
-        alive = []
-    graphs = [g for g in (getattr(e, "graphs", None) for e in alive) if g is not None]
+        alive, graphs = [], {"graph_captures": 0, "graph_replays": 0}
     return {**dataclasses.asdict(counters), "fallbacks": dict(counters.fallbacks),
             "executors": sorted({e.kernel for e in alive}),
-            # The FA3 executor's CUDA graphs of decode steps (CASCADE_CUDA_GRAPHS).
-            "graph_captures": sum(g.captures for g in graphs),
-            "graph_replays": sum(g.replays for g in graphs)}
+            "graph_captures": graphs["graph_captures"], "graph_replays": graphs["graph_replays"]}
 
 
 def _counters(llm) -> dict:
