@@ -339,7 +339,9 @@ def test_cuda_graphs_knob_and_vllm_eager_mode_reach_the_fa3_executor(tmp_path, m
     monkeypatch.setattr(backend.CascadeFlashInferMetadataBuilder, "_warm_up_decode_level",
                         lambda self, dtype: None)
     config = vllm_cpu.cpu_vllm_config(str(tmp_path))
+    assert not compat.vllm_uses_cuda_graphs(config)  # enforce_eager=True, as built
     # The CPU test config is eager; make it look like a GPU engine's default (piecewise graphs).
+    # monkeypatch.setattr raises if vLLM renamed either attribute: this test then fails loudly.
     monkeypatch.setattr(config.model_config, "enforce_eager", eager)
     monkeypatch.setattr(config.compilation_config, "cudagraph_mode",
                         CUDAGraphMode.NONE if eager else CUDAGraphMode.FULL_AND_PIECEWISE)

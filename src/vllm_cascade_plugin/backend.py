@@ -237,7 +237,6 @@ class CascadeFlashInferImpl(FlashInferImpl):
         return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                output_scale, output_block_scale)
 
-
     def _kv_views(self, kv_cache: Any, attn_metadata: Any) -> tuple[Any, Any]:
         key = (kv_cache.data_ptr(), kv_cache.shape, kv_cache.stride(),
                getattr(attn_metadata, "kv_cache_layout", None))
