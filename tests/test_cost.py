@@ -187,3 +187,39 @@ def test_the_shipped_defaults_are_the_calibration_of_the_committed_measurements(
         fitted, shipped = result["fitted"], COST_MODELS[kernel]
         assert fitted == {name: pytest.approx(getattr(shipped, name), rel=1e-3)
                           for name in fitted}, kernel
+
+
+def test_a_decode_shape_is_charged_the_graphed_step_cost_once_it_is_steady():
+    """The session decides with the eager per-step cost until the previous STEADY_AFTER planned
+    decode steps had this step's shape (the executor's graphs replay such steps), then with the
+    graphed one; a new shape or a prefill step starts over. Flat or cascade steps both count."""
+    from vllm_cascade_plugin.config import CascadeConfig
+    from vllm_cascade_plugin.cost import FA3_EAGER_STEP_FIXED_US, cost_model_for
+    from vllm_cascade_plugin.step import STEADY_AFTER, StepSession
+
+    session = StepSession()
+    session.configure(CascadeConfig(enabled=True), dataclasses.replace(H200_LAYER, num_layers=32),
+                      16, None, cost_model=cost_model_for("fa3", decode_graphs=False),
+                      steady_cost_model=cost_model_for("fa3"))
+    # 64 requests behind an 8K prefix: cascade only at the graphed per-step cost.
+    plan = shared_prefix_decode(64, 8192, own=16 + 128)
+    layer = dataclasses.replace(H200_LAYER, num_layers=32)
+    assert decide(plan, layer, cost_model_for("fa3")).use_cascade
+    assert not decide(plan, layer, cost_model_for("fa3", decode_graphs=False)).use_cascade
+    assert session.cost_model.step_fixed_us == FA3_EAGER_STEP_FIXED_US
+    # The same batch as a block table: 512 shared pages, then 12 own pages per row (enough for
+    # the 144 own tokens and the 22 steps below).
+    table = np.zeros((64, 512 + 12), np.int32)
+    table[:, :512] = np.arange(1, 513)
+    table[:, 512:] = 1000 + np.arange(64 * 12).reshape(64, 12)
+    seq = np.full(64, 8192 + 144, np.int32)
+
+    def step(query_lens=1, grow=0):
+        q = np.full(64, query_lens, np.int32)
+        return session.plan_step(table, seq + grow, q)
+
+    picks = [step(grow=i).decision.use_cascade for i in range(STEADY_AFTER + 3)]
+    assert picks == [False] * STEADY_AFTER + [True] * 3
+    assert not step(query_lens=4, grow=10).decision.use_cascade  # a prefill chunk: not steady
+    picks = [step(grow=20 + i).decision.use_cascade for i in range(STEADY_AFTER + 1)]
+    assert picks == [False] * STEADY_AFTER + [True]

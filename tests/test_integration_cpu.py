@@ -350,9 +350,12 @@ def test_cuda_graphs_knob_and_vllm_eager_mode_reach_the_fa3_executor(tmp_path, m
     executor = vllm_cpu.make_builder(config, names)._executor()
     assert isinstance(executor, kernels.FlashAttnCascadeExecutor)
     assert (executor.graphs is not None) is graphs
-    # The cost model charges each cascade step what it costs with or without the graphs.
+    # The cost model charges a decode step of a steady shape what it costs with or without the
+    # graphs, and any other step the eager cost.
     from vllm_cascade_plugin.cost import COST_MODELS, FA3_EAGER_STEP_FIXED_US
 
-    assert session.cost_model.step_fixed_us == (
+    assert session.steady_cost_model is not None
+    assert session.steady_cost_model.step_fixed_us == (
         COST_MODELS["fa3"].step_fixed_us if graphs else FA3_EAGER_STEP_FIXED_US)
+    assert session.cost_model.step_fixed_us == FA3_EAGER_STEP_FIXED_US
     assert COST_MODELS["fa3"].step_fixed_us < FA3_EAGER_STEP_FIXED_US

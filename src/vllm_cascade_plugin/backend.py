@@ -137,9 +137,12 @@ class CascadeFlashInferMetadataBuilder(FlashInferMetadataBuilder):
                 self._warm_up_decode_level(kv_cache_spec.dtype)
         shape = AttentionShape(self.num_qo_heads, self.num_kv_heads, self.head_dim,
                                kv_cache_spec.dtype.itemsize, num_layers=len(layer_names))
+        # FA3 with decode-step graphs: a decode step costs what the graphs make it once its shape
+        # is steady (the executor captures it on the 3rd step), the eager cost before that.
+        graphs = self._cuda_graphs and config.fused_decode
         session.configure(config, shape, self.page_size, reason,
-                          cost_model=cost_model_for(self._cascade_kernel,
-                                                    self._cuda_graphs and config.fused_decode))
+                          cost_model=cost_model_for(self._cascade_kernel, decode_graphs=False),
+                          steady_cost_model=cost_model_for(self._cascade_kernel, graphs))
         # Bytes of one page over every layer a step's plan serves: the saving the log line reports.
         stats.set_page_bytes(kv_cache_spec.page_size_bytes * len(layer_names))
 

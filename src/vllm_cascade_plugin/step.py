@@ -40,6 +40,19 @@ class StepPlan:
                 and bool(np.all(qsl[n + 1:] == total)))
 
 
+# Consecutive decode steps of one shape after which the executor's per-layer CUDA graphs are
+# expected to run them (it captures a shape's layers on the 3rd cascade step of that shape).
+STEADY_AFTER = 2
+
+
+def decode_shape(plan: CascadePlan) -> tuple[object, ...]:
+    """What a decode step's CUDA graphs depend on, from the plan: rows, and each shared level's
+    groups, rows, row order and pages (the per-request level's pages change every step)."""
+    return (int(plan.levels[-1].qo_indptr[-1]), *(
+        (level.num_groups, int(level.qo_indptr[-1]), level.q_is_identity,
+         int(level.kv_page_indptr[-1])) for level in plan.levels[:-1]))
+
+
 class StepSession:
     """Per-process planning state: limits, the attention shape, and the current step's plan."""
 
@@ -49,18 +62,26 @@ class StepSession:
         self.page_size = 0
         self.disabled_reason: str | None = "no FlashInfer cascade builder yet"
         self.cost_model = CostModel()
+        self.steady_cost_model: CostModel | None = None
         self.current: StepPlan | None = None
         self._planner: CascadePlanner | None = None
+        self._shape_seen: tuple[object, ...] | None = None
+        self._shape_streak = 0
 
     def configure(self, config: CascadeConfig, shape: AttentionShape, page_size: int,
-                  disabled_reason: str | None, cost_model: CostModel | None = None) -> None:
+                  disabled_reason: str | None, cost_model: CostModel | None = None,
+                  steady_cost_model: CostModel | None = None) -> None:
         """Called by each new builder: what the model's attention looks like, or why it can't.
 
         ``cost_model``: the calibration of the executor the builder will run (default:
-        FlashInfer's).
+        FlashInfer's). ``steady_cost_model``: the same executor on a decode step whose shape the
+        previous :data:`STEADY_AFTER` planned decode steps had, which its CUDA graphs replay
+        (None: ``cost_model`` for every step).
         """
         self.config, self.shape, self.page_size = config, shape, page_size
         self.cost_model = cost_model or CostModel()
+        self.steady_cost_model = steady_cost_model
+        self._shape_seen, self._shape_streak = None, 0
         self.disabled_reason = disabled_reason
         self._planner = CascadePlanner(max_levels=config.max_levels,
                                        min_shared_pages=config.min_shared_pages)
@@ -116,12 +137,14 @@ class StepSession:
                 if broken:
                     stats.record_fallback("plan invariant violated", "; ".join(broken[:3]))
                     return None
+            steady = self._steady(plan, decode)
             if plan.num_levels < 2:
                 decision = Decision(False, 0.0, 0.0, "no shared pages")
             elif self.config.policy == "always":
                 decision = Decision(True, 0.0, 0.0, "CASCADE_POLICY=always")
             else:
-                decision = decide(plan, self.shape, self.cost_model)
+                model = self.steady_cost_model if steady and self.steady_cost_model else None
+                decision = decide(plan, self.shape, model or self.cost_model)
         except Exception as exc:  # the engine must never fail because of the planner
             stats.record_fallback("planner error", f"{type(exc).__name__}: {exc}")
             return None
@@ -135,6 +158,17 @@ class StepSession:
                 plan.stats.group_sizes, plan.stats.pages_flat, plan.stats.pages_cascade,
                 stats.snapshot())
         return self.current
+
+    def _steady(self, plan: CascadePlan, decode: bool) -> bool:
+        """Count consecutive planned decode steps of one :func:`decode_shape`; True once the
+        previous :data:`STEADY_AFTER` had this step's shape (flat or cascade alike, so a run of
+        flat steps can reach it)."""
+        shape = decode_shape(plan) if decode and plan.num_levels > 1 else None
+        if shape is None or shape != self._shape_seen:
+            self._shape_seen, self._shape_streak = shape, 0
+            return False
+        self._shape_streak += 1
+        return self._shape_streak >= STEADY_AFTER
 
     def step_for(self, query_start_loc: np.ndarray, num_actual_tokens: int) -> StepPlan | None:
         """The current plan if it is for this batch and chose cascade, else None."""
