@@ -541,29 +541,55 @@ class _Packed:
     max_k: int
 
 
+# One level's int32 parts (cu_q, kv_lens, block table, each padded to 16 bytes), its padded
+# table's shape and its largest KV length: what packing it computes.
+_LevelParts = tuple[CascadeLevel, list[np.ndarray], tuple[int, int], int]
+
+
+def _level_parts(level: CascadeLevel, page_size: int, width_bucket: int) -> _LevelParts:
+    table = level.block_table()
+    width = -(-table.shape[1] // width_bucket) * width_bucket
+    if width != table.shape[1]:  # np.pad does the same, several times slower
+        padded = np.zeros((table.shape[0], width), table.dtype)
+        padded[:, :table.shape[1]] = table
+        table = padded
+    lens = level.kv_lens(page_size)
+    parts: list[np.ndarray] = []
+    for part in (level.qo_indptr, lens, table.ravel()):
+        parts += [np.asarray(part, np.int32), np.zeros(-part.size % 4, np.int32)]
+    return level, parts, table.shape, int(lens.max(initial=0))
+
+
 def _pack_levels(levels: list[tuple[int, CascadeLevel]], page_size: int,
-                 width_bucket: int = 1) -> tuple[np.ndarray, np.ndarray, list[_Packed]]:
+                 width_bucket: int = 1, known: dict[int, _LevelParts] | None = None,
+                 ) -> tuple[np.ndarray, np.ndarray, list[_Packed]]:
     """The int32 and int64 arrays of ``levels`` in one array each (every int32 part 16-byte
     aligned, as a tensor of its own would be); block tables padded with page 0 to a multiple
-    of ``width_bucket`` columns (never read: kernels stop at each row's KV length)."""
+    of ``width_bucket`` columns (never read: kernels stop at each row's KV length).
+
+    ``known``: parts of earlier plans' levels by ``id``, reused for a level that ``is`` one of
+    them (steady decode keeps its shared levels); replaced by this call's levels' parts.
+    """
     ints: list[np.ndarray] = []
     longs: list[np.ndarray] = []
     packed: list[_Packed] = []
+    current: dict[int, _LevelParts] = {}
     n32 = n64 = 0
     for position, level in levels:
-        table = level.block_table()
-        width = -(-table.shape[1] // width_bucket) * width_bucket
-        if width != table.shape[1]:
-            table = np.pad(table, ((0, 0), (0, width - table.shape[1])))
-        lens = level.kv_lens(page_size)
-        packed.append(_Packed(position, level, table.shape, n32, n64,
-                              int(lens.max(initial=0))))
-        for part in (level.qo_indptr, lens, table.ravel()):
-            ints += [np.asarray(part, np.int32), np.zeros(-part.size % 4, np.int32)]
-            n32 += part.size + (-part.size % 4)
+        hit = None if known is None else known.get(id(level))
+        entry = hit if hit is not None and hit[0] is level else _level_parts(
+            level, page_size, width_bucket)
+        current[id(level)] = entry
+        _, parts, shape, max_k = entry
+        packed.append(_Packed(position, level, shape, n32, n64, max_k))
+        ints += parts
+        n32 += sum(part.size for part in parts)
         if not level.q_is_identity:
             longs.append(np.asarray(level.q_index, np.int64))
             n64 += level.q_index.size
+    if known is not None:
+        known.clear()
+        known.update(current)
     return (np.concatenate(ints) if ints else np.zeros(0, np.int32),
             np.concatenate(longs) if longs else np.zeros(0, np.int64), packed)
 
@@ -574,9 +600,12 @@ def _fa_level(p: _Packed, dev32: torch.Tensor, dev64: torch.Tensor | None) -> _F
     assert dev64 is not None or level.q_is_identity
     groups = level.num_groups
     table_size = p.table_shape[0] * p.table_shape[1]
-    sizes = (groups + 1, groups, table_size)
-    starts = p.at32 + np.concatenate([[0], np.cumsum([n + (-n % 4) for n in sizes])])
-    cu_q, kv_lens, flat_table = (dev32[a:a + n] for a, n in zip(starts, sizes, strict=False))
+    views = []
+    start = p.at32
+    for n in (groups + 1, groups, table_size):
+        views.append(dev32[start:start + n])
+        start += n + (-n % 4)
+    cu_q, kv_lens, flat_table = views
     rows = int(level.qo_indptr[-1])
     return _FaLevel(
         level=level, cu_q=cu_q, kv_lens=kv_lens, block_table=flat_table.view(p.table_shape),
@@ -638,6 +667,7 @@ class FlashAttnCascadeExecutor:
         self._fused_decode = fused_decode
         self.graphs = _Graphs() if cuda_graphs else None
         self._static_key: tuple[Any, ...] = ()
+        self._static_parts: dict[int, _LevelParts] = {}  # graphed steps' packed levels
         self._scratch = _Scratch()
         self._levels: tuple[_FaLevel, ...] = ()
         self._step: _FaStep | None = None
@@ -739,7 +769,7 @@ class FlashAttnCascadeExecutor:
         """Every level into the static buffers a graphed step's graphs read; sets
         ``_static_key``, which is equal for steps whose views and sizes are equal."""
         ints, longs, packed = _pack_levels(list(enumerate(plan.levels)), page_size,
-                                           GRAPH_PAGE_BUCKET)
+                                           GRAPH_PAGE_BUCKET, self._static_parts)
         take = self._scratch.take
         # Views of the whole buffers: their start addresses do not move until they grow.
         dev32 = take("static32", (max(ints.size, 1),), torch.int32, device)
