@@ -286,8 +286,9 @@ def test_device_bytes_counts_the_executors_scratch_and_forgets_dead_executors():
 
     from vllm_cascade_plugin import kernels
 
-    # Executors of earlier tests that only a reference cycle keeps (a graphed executor's
-    # replays refer back to it) go first, or they would leave the baseline below mid-test.
+    # Executors of earlier tests that only a reference cycle keeps (the graph tests' stand-in
+    # replays hold the closure that refers back to their executor) go first, or they would leave
+    # the baseline below mid-test.
     gc.collect()
     baseline = kernels.device_bytes()
     executor = kernels.FlashInferCascadeExecutor(torch.empty(1024, dtype=torch.uint8))
