@@ -39,6 +39,8 @@ CONFIGS = {  # name -> (attention backend, plugin environment)
     "cascade_unfused": ("FLASHINFER", {"CASCADE_ATTENTION": "1", "CASCADE_FUSED_DECODE": "0"}),
     # Without the executor's CUDA graphs of decode steps (A/B of CASCADE_CUDA_GRAPHS).
     "cascade_nographs": ("FLASHINFER", {"CASCADE_ATTENTION": "1", "CASCADE_CUDA_GRAPHS": "0"}),
+    # Whole cascade decode steps from one CUDA graph (work in progress, CASCADE_FULL_GRAPHS).
+    "cascade_fullgraph": ("FLASHINFER", {"CASCADE_ATTENTION": "1", "CASCADE_FULL_GRAPHS": "1"}),
 }
 
 # The longest workload: a 16K-token prefix, 64 own tokens and 256 generated ones.

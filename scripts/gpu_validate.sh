@@ -43,7 +43,7 @@ if ! python3 -c 'import truststore' 2>/dev/null; then
 fi
 stamp() { echo "[gpu_validate $(date +%T)] $*"; }
 
-part=${1:?part1, part2, part3, start, start4, e2e4, start5, prof5, e2e5, final5, wait or tp}
+part=${1:?part1, part2, part3, start, start4, e2e4, start5, prof5, e2e5, final5, full6, wait or tp}
 
 WORKLOADS=b128_16k_prefix_64_own,8_prefixes_8k_x16_interleaved,n16_sampling_32_prompts_4k,no_sharing_256_random_2k
 
@@ -245,6 +245,17 @@ final5)
     > "$res/e2e-final-b.log" 2>&1 &
   wait
   stamp "e2e done"; tail -n 3 "$res"/e2e-final*.log
+  ;;
+full6)
+  # Branch wip/full-step-graphs (never run yet): GPU 0 the whole-step-graph engine tests, then
+  # GPU 1 flat vs cascade vs cascade with whole-step graphs, end to end.
+  CUDA_VISIBLE_DEVICES=0 CASCADE_RESULTS_DIR="$res/engine-full" timeout 480 python3 -m pytest -q \
+    -p no:cacheprovider tests/gpu/test_engine.py -k whole_step > "$res/engine-full.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 timeout 480 python3 benchmarks/e2e_bench.py --out "$res/e2e-full" \
+    --configs flashinfer,cascade,cascade_fullgraph --workloads $WORKLOADS \
+    > "$res/e2e-full.log" 2>&1 &
+  wait
+  stamp "done"; tail -n 5 "$res"/engine-full.log "$res"/e2e-full.log
   ;;
 part3)
   # Both GPUs: workloads (a) and (d) with tensor_parallel_size=2.

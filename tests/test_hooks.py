@@ -28,6 +28,10 @@ ARGUMENTS_READ = {
         "self", "scheduler_output", "intermediate_tensors", "dummy_run"],
     ("cudagraph_utils", "CudaGraphManager", "dispatch"): [
         "self", "num_reqs", "num_tokens", "uniform_token_count", "num_active_loras"],
+    ("gpu_model_runner", "GPUModelRunner", "_model_forward"): [
+        "self", "input_ids", "positions", "intermediate_tensors", "inputs_embeds",
+        "model_kwargs"],
+    ("cudagraph_utils", "CudaGraphManager", "run_pw_graph"): ["self", "model", "model_inputs"],
 }
 # Every way a V2 batch can match a captured graph: a new one could let a cascade step into a
 # FULL graph, so it must be looked at (and added to compat.V2_FULL_GRAPH_ARGUMENTS if it does).

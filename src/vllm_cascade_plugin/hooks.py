@@ -222,6 +222,71 @@ def _v2_dispatch(original: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+# ------------------------------------------------------- whole-step graphs (CASCADE_FULL_GRAPHS)
+
+_FULL = "_cascade_full_graphs"
+
+
+def _full_graphs(runner: Any) -> Any:
+    """The runner's whole-step graphs when ``CASCADE_FULL_GRAPHS`` is on, else None."""
+    config = session.config
+    if config is None or not config.full_graphs or not config.cuda_graphs:
+        return None
+    graphs = runner.__dict__.get(_FULL)
+    if graphs is None:
+        from .fullgraph import StepGraphs
+
+        graphs = runner.__dict__[_FULL] = StepGraphs()
+    return graphs
+
+
+def _parallel_sizes(runner: Any) -> tuple[int, ...]:
+    parallel = runner.vllm_config.parallel_config
+    return (parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
+            parallel.data_parallel_size)
+
+
+def _v1_model_forward(original: Callable[..., Any]) -> Callable[..., Any]:
+    """V1: a cascade decode step's model call from a whole-step graph (``fullgraph``)."""
+    signature = inspect.signature(original)
+
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        step = _pending
+        if step is None or step.runner is not self or not step.cascade:
+            return original(self, *args, **kwargs)
+        graphs = _full_graphs(self)
+        if graphs is None:
+            return original(self, *args, **kwargs)
+        call = signature.bind(self, *args, **kwargs)
+        if call.arguments.get("model_kwargs"):
+            return original(self, *args, **kwargs)
+        from vllm.forward_context import get_forward_context
+
+        inputs = {k: call.arguments.get(k) for k in
+                  ("input_ids", "positions", "intermediate_tensors", "inputs_embeds")}
+        return graphs.run(lambda: original(self, *args, **kwargs), get_forward_context(),
+                          inputs, _parallel_sizes(self), "v1")
+    return wrapper
+
+
+def _v2_run_pw_graph(original: Callable[..., Any]) -> Callable[..., Any]:
+    """V2: a cascade decode step's piecewise model call from a whole-step graph."""
+
+    def wrapper(self: Any, model: Any, model_inputs: dict[str, Any]) -> Any:
+        step = _pending
+        if (step is None or step.runner.cudagraph_manager is not self or not step.cascade
+                or getattr(self, "use_breakable_cg", False)):
+            return original(self, model, model_inputs)
+        graphs = _full_graphs(step.runner)
+        if graphs is None:
+            return original(self, model, model_inputs)
+        from vllm.forward_context import get_forward_context
+
+        return graphs.run(lambda: original(self, model, model_inputs), get_forward_context(),
+                          dict(model_inputs), _parallel_sizes(step.runner), "v2")
+    return wrapper
+
+
 def patch_targets() -> list[tuple[type, str, Callable[[Callable[..., Any]], Callable[..., Any]]]]:
     """(class, method, wrapper factory) for every patch; imports vLLM's runner modules."""
     from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
@@ -237,6 +302,8 @@ def patch_targets() -> list[tuple[type, str, Callable[[Callable[..., Any]], Call
         (BlockTables, "append_block_ids", _v2_append_block_ids),
         (V2Runner, "execute_model", _execute_model),
         (CudaGraphManager, "dispatch", _v2_dispatch),
+        (V1Runner, "_model_forward", _v1_model_forward),
+        (CudaGraphManager, "run_pw_graph", _v2_run_pw_graph),
     ]
 
 

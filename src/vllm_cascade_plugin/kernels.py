@@ -674,6 +674,7 @@ class FlashAttnCascadeExecutor:
         self._sm_scale = 1.0
         self._softcap = 0.0
         self._lse: torch.Tensor | None = None
+        self.runs = 0  # run() calls: a whole-step graph checks every layer ran here
         _EXECUTORS.add(self)
 
     def device_bytes(self) -> int:
@@ -810,6 +811,7 @@ class FlashAttnCascadeExecutor:
         step = self._step
         if step is None:
             raise RuntimeError("run() before plan()")
+        self.runs += 1
         if step.graph_key is not None and self.graphs is not None:
             key = (step.graph_key, q.data_ptr(), q.shape, q.stride(), k_cache.data_ptr(),
                    k_cache.stride(), v_cache.data_ptr(), v_cache.stride(), out.data_ptr(),

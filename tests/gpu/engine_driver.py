@@ -122,9 +122,14 @@ def _worker_counters(worker) -> dict:
         graphs = kernels.graph_stats()  # the FA3 executor's decode-step CUDA graphs
     except ImportError:
         alive, graphs = [], {"graph_captures": 0, "graph_replays": 0}
+    # Whole-step graphs (CASCADE_FULL_GRAPHS), kept on the model runner.
+    full = getattr(getattr(worker, "model_runner", None), "__dict__", {}).get(
+        "_cascade_full_graphs")
     return {**dataclasses.asdict(counters), "fallbacks": dict(counters.fallbacks),
             "executors": sorted({e.kernel for e in alive}),
-            "graph_captures": graphs["graph_captures"], "graph_replays": graphs["graph_replays"]}
+            "graph_captures": graphs["graph_captures"], "graph_replays": graphs["graph_replays"],
+            "full_graph_captures": getattr(full, "captures", 0),
+            "full_graph_replays": getattr(full, "replays", 0)}
 
 
 def _counters(llm) -> dict:
@@ -185,7 +190,8 @@ def main() -> int:
         json.dump({"plugin": os.environ.get("CASCADE_ATTENTION", ""),
                    "runner": "v1" if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "0" else "v2",
                    "tensor_parallel_size": args.tp, "sync_violations": SYNC_VIOLATIONS,
-                   **{k: final[k] for k in ("executors", "graph_captures", "graph_replays")},
+                   **{k: final[k] for k in ("executors", "graph_captures", "graph_replays",
+                                             "full_graph_captures", "full_graph_replays")},
                    "workloads": results}, f)
     return 0
 

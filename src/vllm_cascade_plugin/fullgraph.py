@@ -1,0 +1,196 @@
+"""Whole-step CUDA graphs of cascade decode steps (``CASCADE_FULL_GRAPHS``; experimental, off).
+
+**Work in progress: written from ``docs/design/full_step_graphs.md`` and tested on a CPU with
+stand-ins only; never run on a GPU.**
+
+A cascade step runs vLLM's PIECEWISE path (its FULL graph would skip our attention), which
+costs ~100 µs of host time per layer even when the FA3 executor replays a CUDA graph per layer.
+Here the runner's model call of a cascade decode step is captured whole — every layer, our
+attention included — the ``capture_after``-th time the same key comes, and replayed after:
+
+- key: the runner, vLLM's batch descriptor, the token count, the executor's ``graph_key``
+  (level sizes, static metadata buffers, scratch) and the addresses of the model inputs, the
+  slot mappings and the first layer's KV cache: everything the graph reads is named by the key or
+  lives in the graph's own pool, and the step's data behind those addresses (``prepare_inputs``,
+  ``executor.plan``) is written on the same stream before the replay;
+- eligible: a planned cascade decode step (``StepSession.current``), every layer's metadata the
+  same planned FA3 executor with a graphed step, tensor/pipeline/data parallel size 1, plain
+  token inputs, the plan's largest block id inside the cache;
+- capture: vLLM's wrappers are told to run their code (forward context mode NONE, as vLLM's own
+  FULL capture does), a side stream in ``thread_local`` mode, a private pool; the graph is kept
+  only if every attention layer ran the executor (none fell back to flat attention, whose
+  per-step metadata is not static); then replayed once (capturing runs nothing);
+- any failure: the step runs the normal path; a failed capture turns the feature off for the
+  process (one warning).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from . import stats
+from .step import session
+
+logger = logging.getLogger("vllm.cascade_plugin")
+
+CAPTURE_AFTER = 3
+MAX_GRAPHS = 32  # per runner; beyond it every graph is dropped (decode activations are small)
+MAX_SIGHTINGS = 1024
+
+
+def _ptr(value: Any) -> Any:
+    """A tensor's (address, shape, stride); anything else as it is (None, ints)."""
+    if hasattr(value, "data_ptr"):
+        return (value.data_ptr(), tuple(value.shape), tuple(value.stride()))
+    return value
+
+
+class StepGraphs:
+    """The graphs of one runner. ``capture`` is :meth:`_capture_cuda` on a GPU; tests pass a
+    stand-in ``capture(call) -> (replay, output)``."""
+
+    def __init__(self, capture: Callable[..., Any] | None = None,
+                 capture_after: int = CAPTURE_AFTER, max_graphs: int = MAX_GRAPHS) -> None:
+        self.capture = capture
+        self.capture_after = capture_after
+        self.max_graphs = max_graphs
+        self.captures = 0
+        self.replays = 0
+        self.failed = False
+        self._graphs: dict[tuple[Any, ...], Callable[[], Any]] = {}
+        self._seen: dict[tuple[Any, ...], int] = {}
+        self._pool: Any = None
+        self._stream: Any = None
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def clear(self) -> None:
+        self._graphs.clear()
+        self._seen.clear()
+
+    def run(self, forward: Callable[[], Any], ctx: Any, inputs: dict[str, Any],
+            parallel_sizes: tuple[int, ...], tag: Any) -> Any:
+        """``forward()`` (the runner's model call), or its graph."""
+        if self.failed:
+            return forward()
+        try:
+            found = eligible(ctx, inputs, parallel_sizes)
+        except Exception as exc:  # never the step's failure
+            stats.record_fallback("full graph check error", f"{type(exc).__name__}: {exc}")
+            found = None
+        if found is None:
+            return forward()
+        executor, layers, key_parts = found
+        key = (tag, *key_parts)
+        replay = self._graphs.get(key)
+        if replay is not None:
+            self.replays += 1
+            return replay()
+        seen = self._seen.get(key, 0) + 1
+        if seen < self.capture_after:
+            if len(self._seen) >= MAX_SIGHTINGS:
+                self._seen.clear()
+            self._seen[key] = seen
+            return forward()
+        self._seen.pop(key, None)
+        if len(self._graphs) >= self.max_graphs:
+            self.clear()
+        runs_before = executor.runs
+        fallbacks_before = sum(stats.snapshot().fallbacks.values())
+        try:
+            replay, output = self._capture(forward, ctx)
+        except Exception as exc:
+            self.failed = True
+            self.clear()
+            logger.warning("vllm-cascade-plugin: capturing a whole cascade decode step in a CUDA "
+                           "graph failed (%s: %s); cascade steps run vLLM's piecewise path from "
+                           "now on.", type(exc).__name__, exc)
+            return forward()  # the capture ran nothing: this is the step's only run
+        ran = executor.runs - runs_before
+        fell_back = sum(stats.snapshot().fallbacks.values()) - fallbacks_before
+        if ran != layers or fell_back:
+            # A layer ran flat attention (per-step metadata) inside the graph: never replay it.
+            stats.record_fallback("full graph discarded",
+                                  f"{ran} of {layers} layers ran cascade, {fell_back} fallbacks")
+            return output  # this step's result is right: the graph ran once, as captured
+        self._graphs[key] = replay
+        self.captures += 1
+        return output
+
+    def _capture(self, forward: Callable[[], Any], ctx: Any) -> tuple[Callable[[], Any], Any]:
+        from vllm.config import CUDAGraphMode
+
+        saved = ctx.cudagraph_runtime_mode
+        ctx.cudagraph_runtime_mode = CUDAGraphMode.NONE  # vLLM's wrappers run their code
+        try:
+            if self.capture is not None:
+                return self.capture(forward)
+            return self._capture_cuda(forward)
+        finally:
+            ctx.cudagraph_runtime_mode = saved
+
+    def _capture_cuda(self, forward: Callable[[], Any]) -> tuple[Callable[[], Any], Any]:
+        import torch
+
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        current = torch.cuda.current_stream()
+        self._stream.wait_stream(current)
+        with torch.cuda.stream(self._stream):
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
+                output = forward()
+            finally:
+                graph.capture_end()
+        current.wait_stream(self._stream)
+        graph.replay()
+
+        def replay() -> Any:
+            graph.replay()
+            return output
+
+        return replay, output
+
+
+def eligible(ctx: Any, inputs: dict[str, Any],
+             parallel_sizes: tuple[int, ...]) -> tuple[Any, int, tuple[Any, ...]] | None:
+    """(executor, attention layers, key parts) when this step may run from a whole-step graph,
+    else None. Host data only."""
+    step = session.current
+    if step is None or not step.decision.use_cascade or not step.decode:
+        return None
+    if any(size != 1 for size in parallel_sizes):
+        return None
+    if inputs.get("inputs_embeds") is not None or inputs.get("intermediate_tensors") is not None:
+        return None
+    if any(v is not None and not hasattr(v, "data_ptr") for v in inputs.values()):
+        return None  # only tensors can be named by their addresses
+    metadata = ctx.attn_metadata
+    if not isinstance(metadata, dict) or not metadata:
+        return None  # a list: microbatches
+    executors = {id(getattr(md, "cascade", None)) for md in metadata.values()}
+    first = next(iter(metadata.values()))
+    executor = getattr(first, "cascade", None)
+    if executor is None or len(executors) != 1:
+        return None
+    graph_key = getattr(getattr(executor, "_step", None), "graph_key", None)
+    if graph_key is None or not hasattr(executor, "runs"):
+        return None  # not a graphed FA3 decode step: its metadata is not static
+    name = next(iter(metadata))
+    layer = ctx.no_compile_layers.get(name)
+    kv_cache = getattr(layer, "kv_cache", None)
+    views = getattr(getattr(layer, "impl", None), "_cascade_kv_views", None)
+    if kv_cache is None or views is None or first.cascade_max_page >= views[1].shape[0]:
+        return None
+    slots = ctx.slot_mapping
+    slot_parts = tuple(sorted((k, _ptr(v)) for k, v in slots.items())) if isinstance(
+        slots, dict) else _ptr(slots)
+    key = (ctx.batch_descriptor, first.num_actual_tokens, graph_key,
+           tuple(sorted((k, _ptr(v)) for k, v in inputs.items())), slot_parts, _ptr(kv_cache),
+           len(metadata))
+    return executor, len(metadata), key

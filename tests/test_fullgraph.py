@@ -1,0 +1,133 @@
+"""Whole-step graphs (``fullgraph.StepGraphs``) on a CPU: when a step is eligible, what keys it,
+when it is captured, replayed, discarded or given up. The capture is a stand-in whose replay
+returns the captured output without running the model, as a CUDA graph replay does; the real
+capture needs a GPU (not run yet: the module is work in progress)."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+from vllm.config import CUDAGraphMode
+
+from vllm_cascade_plugin import fullgraph, stats
+from vllm_cascade_plugin.step import session
+
+LAYERS = 2
+
+
+class Model:
+    """The runner's model call: every layer runs the executor (``layers_run`` of them)."""
+
+    def __init__(self, ctx, executor):
+        self.ctx, self.executor, self.calls, self.modes = ctx, executor, 0, []
+        self.layers_run = LAYERS
+
+    def __call__(self):
+        self.calls += 1
+        self.modes.append(self.ctx.cudagraph_runtime_mode)
+        self.executor.runs += self.layers_run
+        return torch.full((4, 8), float(self.calls))
+
+
+def capture_stand_in(forward):
+    output = forward()
+    return (lambda: output), output
+
+
+@pytest.fixture
+def step(monkeypatch):
+    stats.reset()
+    executor = SimpleNamespace(_step=SimpleNamespace(graph_key=("levels",)), runs=0)
+    md = SimpleNamespace(cascade=executor, cascade_max_page=5, num_actual_tokens=4)
+    layer = SimpleNamespace(kv_cache=torch.zeros(10, 16, 2, 8),
+                            impl=SimpleNamespace(_cascade_kv_views=(None, torch.zeros(10, 16, 1, 8),
+                                                                    None)))
+    ctx = SimpleNamespace(attn_metadata={f"l{i}": md for i in range(LAYERS)},
+                          no_compile_layers={"l0": layer},
+                          slot_mapping={f"l{i}": torch.zeros(4) for i in range(LAYERS)},
+                          batch_descriptor=("desc", 4),
+                          cudagraph_runtime_mode=CUDAGraphMode.PIECEWISE)
+    monkeypatch.setattr(session, "current", SimpleNamespace(
+        decision=SimpleNamespace(use_cascade=True), decode=True))
+    inputs = {"input_ids": torch.zeros(4, dtype=torch.long), "positions": torch.zeros(4)}
+    return SimpleNamespace(ctx=ctx, md=md, executor=executor, inputs=inputs,
+                           model=Model(ctx, executor))
+
+
+def run(graphs, s, sizes=(1, 1, 1)):
+    return graphs.run(s.model, s.ctx, s.inputs, sizes, "v2")
+
+
+def test_captured_on_the_third_step_then_replayed_without_running_the_model(step):
+    graphs = fullgraph.StepGraphs(capture=capture_stand_in)
+    outs = [run(graphs, step) for _ in range(5)]
+    assert step.model.calls == 3  # two eager steps, one capture; then replays
+    assert (graphs.captures, graphs.replays) == (1, 2)
+    assert step.model.modes == [CUDAGraphMode.PIECEWISE] * 2 + [CUDAGraphMode.NONE]
+    assert step.ctx.cudagraph_runtime_mode == CUDAGraphMode.PIECEWISE  # restored
+    assert outs[3] is outs[2] and outs[4] is outs[2]
+
+
+def test_another_input_address_or_executor_key_is_another_graph(step):
+    graphs = fullgraph.StepGraphs(capture=capture_stand_in, capture_after=1)
+    run(graphs, step)
+    step.inputs["input_ids"] = torch.zeros(4, dtype=torch.long)  # new buffer, same shape
+    run(graphs, step)
+    step.executor._step = SimpleNamespace(graph_key=("other levels",))
+    run(graphs, step)
+    assert graphs.captures == 3 and graphs.replays == 0
+
+
+@pytest.mark.parametrize("change", ["not decode", "flat", "tp2", "eager executor", "page range",
+                                    "embeds", "microbatches"])
+def test_ineligible_steps_run_the_model(step, monkeypatch, change):
+    sizes = (1, 1, 1)
+    if change == "not decode":
+        session.current.decode = False
+    elif change == "flat":
+        session.current.decision.use_cascade = False
+    elif change == "tp2":
+        sizes = (2, 1, 1)
+    elif change == "eager executor":
+        step.executor._step.graph_key = None
+    elif change == "page range":
+        step.md.cascade_max_page = 10
+    elif change == "embeds":
+        step.inputs["inputs_embeds"] = torch.zeros(4, 8)
+    else:
+        step.ctx.attn_metadata = [step.ctx.attn_metadata]
+    graphs = fullgraph.StepGraphs(capture=capture_stand_in, capture_after=1)
+    for _ in range(3):
+        run(graphs, step, sizes)
+    assert step.model.calls == 3 and graphs.captures == 0
+
+
+def test_a_graph_in_which_a_layer_fell_back_is_discarded(step):
+    graphs = fullgraph.StepGraphs(capture=capture_stand_in, capture_after=1)
+    step.model.layers_run = LAYERS - 1  # one layer ran flat attention while capturing
+    out = run(graphs, step)
+    assert out is not None and graphs.captures == 0 and len(graphs) == 0
+    assert stats.snapshot().fallbacks["full graph discarded"] == 1
+
+
+def test_a_failed_capture_runs_the_model_once_and_turns_the_feature_off(step, caplog):
+    def broken(forward):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    graphs = fullgraph.StepGraphs(capture=broken, capture_after=1)
+    with caplog.at_level(logging.WARNING, logger="vllm.cascade_plugin"):
+        out = run(graphs, step)
+        run(graphs, step)
+    assert step.model.calls == 2 and graphs.failed and out is not None
+    assert sum("whole cascade decode step" in r.getMessage() for r in caplog.records) == 1
+    assert step.ctx.cudagraph_runtime_mode == CUDAGraphMode.PIECEWISE
+
+
+def test_full_graphs_knob_is_off_by_default_and_parses():
+    from vllm_cascade_plugin.config import load_config
+
+    assert load_config({}).full_graphs is False
+    assert load_config({"CASCADE_FULL_GRAPHS": "1"}).full_graphs is True
