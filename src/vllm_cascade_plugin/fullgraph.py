@@ -135,26 +135,12 @@ class StepGraphs:
     def _capture_cuda(self, forward: Callable[[], Any]) -> tuple[Callable[[], Any], Any]:
         import torch
 
+        from .kernels import _capture_cuda
+
         if self._stream is None:
             self._stream = torch.cuda.Stream()
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        current = torch.cuda.current_stream()
-        self._stream.wait_stream(current)
-        with torch.cuda.stream(self._stream):
-            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
-            try:
-                output = forward()
-            finally:
-                graph.capture_end()
-        current.wait_stream(self._stream)
-        graph.replay()
-
-        def replay() -> Any:
-            graph.replay()
-            return output
-
-        return replay, output
+        return _capture_cuda(forward, self._pool, self._stream)
 
 
 def eligible(ctx: Any, inputs: dict[str, Any],

@@ -415,10 +415,10 @@ MAX_SIGHTINGS = 4096  # keys seen but not captured yet, remembered (then forgott
 _log = logging.getLogger("vllm.cascade_plugin")
 
 
-def _capture_cuda(fn: Callable[[], torch.Tensor], pool: Any,
-                  stream: torch.cuda.Stream) -> tuple[Callable[[], torch.Tensor], torch.Tensor]:
+def _capture_cuda(fn: Callable[[], Any], pool: Any,
+                  stream: torch.cuda.Stream) -> tuple[Callable[[], Any], Any]:
     """``fn``'s kernels captured in a CUDA graph, then replayed once (the capture itself runs
-    nothing). Returns the replay and ``fn``'s result, a tensor the replays rewrite in place."""
+    nothing). Returns the replay and ``fn``'s result, tensors the replays rewrite in place."""
     graph = torch.cuda.CUDAGraph()
     current = torch.cuda.current_stream()
     stream.wait_stream(current)
@@ -432,7 +432,7 @@ def _capture_cuda(fn: Callable[[], torch.Tensor], pool: Any,
     current.wait_stream(stream)
     graph.replay()
 
-    def replay() -> torch.Tensor:
+    def replay() -> Any:
         graph.replay()
         return result
 
