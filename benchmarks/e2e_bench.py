@@ -39,8 +39,8 @@ CONFIGS = {  # name -> (attention backend, plugin environment)
     "cascade_unfused": ("FLASHINFER", {"CASCADE_ATTENTION": "1", "CASCADE_FUSED_DECODE": "0"}),
     # Without the executor's CUDA graphs of decode steps (A/B of CASCADE_CUDA_GRAPHS).
     "cascade_nographs": ("FLASHINFER", {"CASCADE_ATTENTION": "1", "CASCADE_CUDA_GRAPHS": "0"}),
-    # Whole cascade decode steps from one CUDA graph (work in progress, CASCADE_FULL_GRAPHS).
-    "cascade_fullgraph": ("FLASHINFER", {"CASCADE_ATTENTION": "1", "CASCADE_FULL_GRAPHS": "1"}),
+    # Per-layer graphs only, no whole-step graphs (A/B of CASCADE_FULL_GRAPHS).
+    "cascade_layergraphs": ("FLASHINFER", {"CASCADE_ATTENTION": "1", "CASCADE_FULL_GRAPHS": "0"}),
 }
 
 # The longest workload: a 16K-token prefix, 64 own tokens and 256 generated ones.
@@ -103,14 +103,17 @@ def run_one(model: str, config: str, names: list[str], in_process: bool) -> list
             row["plugin_counters"] = {
                 "steps_planned": after["steps_planned"] - before["steps_planned"],
                 "steps_cascade": after["steps_cascade"] - before["steps_cascade"],
-                **{k: after.get(k, 0) - before.get(k, 0)
-                   for k in ("graph_captures", "graph_replays")},
+                **{k: after.get(k, 0) - before.get(k, 0) for k in GRAPH_COUNTERS},
                 "fallbacks": {k: v - before["fallbacks"].get(k, 0)
                               for k, v in after["fallbacks"].items()
                               if v > before["fallbacks"].get(k, 0)}}
             row["kernel"] = after["executors"]
         rows.append(row)
     return rows
+
+
+# Per-layer graphs (kernels.graph_stats) and whole-step graphs (fullgraph.graph_stats).
+GRAPH_COUNTERS = ("graph_captures", "graph_replays", "full_graph_captures", "full_graph_replays")
 
 
 def _worker_counters(worker: object) -> dict:
@@ -123,10 +126,11 @@ def _worker_counters(worker: object) -> dict:
     kernels = sys.modules.get("vllm_cascade_plugin.kernels")
     executors = [] if kernels is None else list(kernels._EXECUTORS)
     graphs = {} if kernels is None else kernels.graph_stats()
+    fullgraph = sys.modules.get("vllm_cascade_plugin.fullgraph")
+    graphs.update({} if fullgraph is None else fullgraph.graph_stats())
     return {"steps_planned": counters.steps_planned, "steps_cascade": counters.steps_cascade,
             "fallbacks": dict(counters.fallbacks),
-            "graph_captures": graphs.get("graph_captures", 0),
-            "graph_replays": graphs.get("graph_replays", 0),
+            **{k: graphs.get(k, 0) for k in GRAPH_COUNTERS},
             "executors": sorted({e.kernel for e in executors})}
 
 

@@ -31,6 +31,12 @@
 #   source .devb/setup_device.sh && bash scripts/gpu_validate.sh final5
 #   source .devb/setup_device.sh && CASCADE_RESULTS_DIR=$OUT/tp python3 -m pytest -q \
 #     -p no:cacheprovider tests/gpu/test_engine.py -k "tensor_parallel and v1"
+# Session 6 (whole-step graphs, CASCADE_FULL_GRAPHS): first on their branch, `full6`; then on
+# main with the knob on by default, GPU 0 the table and a profile, GPU 1 the engine
+# tests and the A/B configurations:
+#   source .devb/setup_device.sh && bash scripts/gpu_validate.sh full6
+#   source .devb/setup_device.sh && bash scripts/gpu_validate.sh start6 [SECONDS]
+#   source .devb/setup_device.sh && bash scripts/gpu_validate.sh wait [SECONDS]
 # .whl holds truststore (the OpenAI client's httpx2 needs it; the bundle lacks it) and, for
 # part2, the FlashInfer wheels of the GPU version matrix. Each part leaves its logs and JSON in
 # $OUT/<part>.tar.xz (unpack into benchmarks/results/h200/ what belongs there).
@@ -43,7 +49,7 @@ if ! python3 -c 'import truststore' 2>/dev/null; then
 fi
 stamp() { echo "[gpu_validate $(date +%T)] $*"; }
 
-part=${1:?part1, part2, part3, start, start4, e2e4, start5, prof5, e2e5, final5, full6, wait or tp}
+part=${1:?part1, part2, part3, start, start4, e2e4, start5, prof5, e2e5, final5, full6, start6, wait or tp}
 
 WORKLOADS=b128_16k_prefix_64_own,8_prefixes_8k_x16_interleaved,n16_sampling_32_prompts_4k,no_sharing_256_random_2k
 
@@ -115,6 +121,24 @@ gpu0_pipeline5() {  # FA3 kernel tests (graphed decode steps included), engine t
 
 gpu1_pipeline5() {  # end to end: flat, cascade with and without the decode graphs
   e2e_per_config flashinfer cascade cascade_nographs
+}
+
+gpu0_pipeline6() {  # the end-to-end table (e2e.json), then where a cascade step's time goes
+  CUDA_VISIBLE_DEVICES=0 timeout 480 python3 benchmarks/e2e_bench.py --out "$res/e2e-final" \
+    --configs flash_attn,flashinfer,cascade --workloads $WORKLOADS > "$res/e2e-final.log" 2>&1
+  stamp "e2e rc=$?"; tail -n 12 "$res/e2e-final.log" | cut -c1-200
+  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/profile_step.py --config cascade \
+    --out "$res/profile" > /dev/null 2>&1
+  stamp "profile cascade rc=$?"; head -40 "$res/profile/profile-cascade.txt" | cut -c1-150
+}
+
+gpu1_pipeline6() {  # engine tests (both runners, both graph modes), then the A/B configurations
+  CUDA_VISIBLE_DEVICES=1 CASCADE_RESULTS_DIR="$res/engine" timeout 480 python3 -m pytest -q \
+    -p no:cacheprovider tests/gpu/test_engine.py -k "not tensor_parallel" > "$res/engine.log" 2>&1
+  stamp "engine tests rc=$?"; tail -3 "$res/engine.log"
+  CUDA_VISIBLE_DEVICES=1 timeout 420 python3 benchmarks/e2e_bench.py --out "$res/e2e-ab" \
+    --configs cascade_layergraphs,cascade_always --workloads $WORKLOADS > "$res/e2e-ab.log" 2>&1
+  stamp "e2e A/B rc=$?"
 }
 
 wait_pipelines() {  # until both pipelines are done or $1 seconds have passed
@@ -198,6 +222,9 @@ e2e4)
 start5)
   start_pipelines gpu0_pipeline5 gpu1_pipeline5 "${2:-540}"
   ;;
+start6)
+  start_pipelines gpu0_pipeline6 gpu1_pipeline6 "${2:-540}"
+  ;;
 prof5)
   # GPU 0: the graphed-decode kernel tests, then a profiled cascade run; GPU 1: profiled runs
   # of flat FlashInfer and cascade without the graphs (benchmarks/profile_step.py).
@@ -247,12 +274,13 @@ final5)
   stamp "e2e done"; tail -n 3 "$res"/e2e-final*.log
   ;;
 full6)
-  # Branch wip/full-step-graphs (never run yet): GPU 0 the whole-step-graph engine tests, then
-  # GPU 1 flat vs cascade vs cascade with whole-step graphs, end to end.
+  # The first GPU run of whole-step graphs (then on a branch, knob off; here with the knob's
+  # later names): GPU 0 their engine tests, GPU 1 flat vs per-layer graphs vs whole-step graphs.
   CUDA_VISIBLE_DEVICES=0 CASCADE_RESULTS_DIR="$res/engine-full" timeout 480 python3 -m pytest -q \
-    -p no:cacheprovider tests/gpu/test_engine.py -k whole_step > "$res/engine-full.log" 2>&1 &
+    -p no:cacheprovider tests/gpu/test_engine.py -k cascade_engine_matches \
+    > "$res/engine-full.log" 2>&1 &
   CUDA_VISIBLE_DEVICES=1 timeout 480 python3 benchmarks/e2e_bench.py --out "$res/e2e-full" \
-    --configs flashinfer,cascade,cascade_fullgraph --workloads $WORKLOADS \
+    --configs flashinfer,cascade_layergraphs,cascade --workloads $WORKLOADS \
     > "$res/e2e-full.log" 2>&1 &
   wait
   stamp "done"; tail -n 5 "$res"/engine-full.log "$res"/e2e-full.log

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from test_planner import run_python
-from vllm_cascade_plugin.cost import COST_MODELS, AttentionShape, CostModel, decide
+from vllm_cascade_plugin.cost import COST_MODELS, AttentionShape, CostModel, cost_model_for, decide
 from vllm_cascade_plugin.demo import Workload, prefix_cached_step
 from vllm_cascade_plugin.planner import plan_cascade
 
@@ -220,6 +220,47 @@ def test_a_decode_shape_is_charged_the_graphed_step_cost_once_it_is_steady():
 
     picks = [step(grow=i).decision.use_cascade for i in range(STEADY_AFTER + 3)]
     assert picks == [False] * STEADY_AFTER + [True] * 3
-    assert not step(query_lens=4, grow=10).decision.use_cascade  # a prefill chunk: not steady
+    step(query_lens=4, grow=10)  # a prefill chunk is no decode shape: the streak starts over
     picks = [step(grow=20 + i).decision.use_cascade for i in range(STEADY_AFTER + 1)]
     assert picks == [False] * STEADY_AFTER + [True]
+
+
+def test_flat_prefill_rows_pay_for_whole_query_tiles():
+    """Rows of a few query tokens behind a long cached prefix (vLLM recomputes a fully cached
+    prompt's last page): flat runs FlashInfer's prefill kernel in 128-token query tiles, which
+    the model charges at the measured rate, so such steps run cascade. Reference: the padded
+    pairs counted from the batch itself, not from the plan."""
+    page, prefix, own, requests, q = 16, 16384, 64, 128, 16
+    shared, own_pages = prefix // page, own // page
+    table = np.zeros((requests, shared + own_pages), np.int32)
+    table[:, :shared] = 1 + np.arange(shared)
+    table[:, shared:] = 1 + shared + np.arange(requests * own_pages).reshape(requests, own_pages)
+    seq_lens = np.full(requests, prefix + own, np.int32)
+    plan = plan_cascade(table, seq_lens, np.full(requests, q, np.int32), page)
+    model = COST_MODELS["fa3"]
+    padded = requests * 128 * float(prefix + own)  # each row: one 128-token tile, all its keys
+    flop = padded * 4 * 128 * 32
+    decision = decide(plan, H200_LAYER, model)
+    assert decision.flat_us == pytest.approx(model.flat_fixed_us + 1e6 * flop /
+                                             model.flat_prefill_flops)
+    assert decision.flat_us == pytest.approx(7700, rel=0.05)  # the H200's 7.7 ms per layer
+    assert decision.use_cascade
+    # Even at the eager per-step cost of the FA3 executor (prefill steps launch from Python).
+    assert decide(plan, H200_LAYER, cost_model_for("fa3", decode_graphs=False)).use_cascade
+    # Decode rows (one query token) are not padded: the decode kernel streams them.
+    decode = plan_cascade(table, seq_lens, np.ones(requests, np.int32), page)
+    unpadded = decide(decode, H200_LAYER, model).flat_us
+    assert unpadded < 0.2 * decision.flat_us
+
+
+@pytest.mark.parametrize("q", [128, 256, 1000])
+def test_long_prefill_rows_are_barely_padded(q):
+    """A row of q >= 128 query tokens wastes under one tile: less than 2x over the unpadded
+    compute, exactly none when q is a multiple of 128."""
+    from vllm_cascade_plugin.cost import _prefill_padding_pairs
+
+    table = np.arange(1, 1 + 2 * 80, dtype=np.int32).reshape(2, 80)
+    seq_lens = np.full(2, 80 * 16, np.int32)
+    plan = plan_cascade(table, seq_lens, np.full(2, q, np.int32), 16)
+    extra = _prefill_padding_pairs(plan, 128)
+    assert extra == 2 * (-(-q // 128) * 128 - q) * 80 * 16

@@ -1,10 +1,11 @@
 """Whole-step graphs (``fullgraph.StepGraphs``) on a CPU: when a step is eligible, what keys it,
 when it is captured, replayed, discarded or given up. The capture is a stand-in whose replay
 returns the captured output without running the model, as a CUDA graph replay does; the real
-capture needs a GPU (not run yet: the module is work in progress)."""
+capture needs a GPU (``tests/gpu/test_engine.py`` compares whole engines with and without it)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from types import SimpleNamespace
 
@@ -126,8 +127,62 @@ def test_a_failed_capture_runs_the_model_once_and_turns_the_feature_off(step, ca
     assert step.ctx.cudagraph_runtime_mode == CUDAGraphMode.PIECEWISE
 
 
-def test_full_graphs_knob_is_off_by_default_and_parses():
-    from vllm_cascade_plugin.config import load_config
+def test_full_graphs_knob_is_on_by_default_and_parses():
+    from vllm_cascade_plugin.config import ConfigError, load_config
 
-    assert load_config({}).full_graphs is False
-    assert load_config({"CASCADE_FULL_GRAPHS": "1"}).full_graphs is True
+    assert load_config({}).full_graphs is True
+    assert load_config({"CASCADE_FULL_GRAPHS": "0"}).full_graphs is False
+    with pytest.raises(ConfigError, match="CASCADE_FULL_GRAPHS"):
+        load_config({"CASCADE_FULL_GRAPHS": "sometimes"})
+
+
+def runner(tp=1, lora=None):
+    parallel = SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1,
+                               data_parallel_size=1)
+    return SimpleNamespace(vllm_config=SimpleNamespace(parallel_config=parallel),
+                           lora_config=lora)
+
+
+@pytest.fixture
+def configured():
+    from vllm_cascade_plugin.config import CascadeConfig
+    from vllm_cascade_plugin.cost import AttentionShape
+
+    saved = dict(vars(session))
+    session.configure(CascadeConfig(enabled=True), AttentionShape(8, 2, 128, 2), 16, None)
+    yield
+    vars(session).update(saved)
+
+
+def test_whole_step_graphs_are_kept_per_runner_and_refused_where_unsupported(configured, caplog):
+    from vllm.model_executor.offloader import base as offloader
+    from vllm.model_executor.offloader.uva import UVAOffloader
+
+    from vllm_cascade_plugin import hooks
+
+    plain = runner()
+    graphs = hooks._full_graphs(plain)
+    assert isinstance(graphs, fullgraph.StepGraphs) and hooks._full_graphs(plain) is graphs
+    saved = offloader.get_offloader()
+    with caplog.at_level(logging.INFO, logger="vllm.cascade_plugin"):
+        for refused, why in ((runner(tp=2), "parallel size"), (runner(lora=object()), "LoRA")):
+            assert hooks._full_graphs(refused) is None and hooks._full_graphs(refused) is None
+            assert sum(why in r.getMessage() for r in caplog.records) == 1  # logged once
+        try:
+            offloader.set_offloader(UVAOffloader(cpu_offload_max_bytes=1 << 30))
+            assert hooks._full_graphs(runner()) is None
+        finally:
+            offloader.set_offloader(saved)
+    assert any("offloads weights" in r.getMessage() for r in caplog.records)
+    assert hooks._full_graphs(runner()) is not None  # the no-op offloader is back
+    session.config = dataclasses.replace(session.config, full_graphs=False)
+    assert hooks._full_graphs(runner()) is None
+
+
+def test_graph_stats_count_every_live_runners_graphs():
+    before = fullgraph.graph_stats()
+    graphs = fullgraph.StepGraphs()
+    graphs.captures, graphs.replays = 2, 5
+    after = fullgraph.graph_stats()
+    assert after["full_graph_captures"] == before["full_graph_captures"] + 2
+    assert after["full_graph_replays"] == before["full_graph_replays"] + 5

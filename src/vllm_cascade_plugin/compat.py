@@ -247,3 +247,14 @@ def fa3_kernels() -> tuple[Callable[..., Any], Callable[..., Any]]:
     if not supported:
         raise RuntimeError(f"FlashAttention 3 is not supported here ({reason})")
     return flash_attn_varlen_func, merge_attn_states
+
+
+def weight_offloading() -> bool:
+    """Whether vLLM offloads weights through its global offloader (``cpu_offload_gb`` and the
+    prefetch offloader; ``vllm.model_executor.offloader`` in 0.26-0.33), whose streams vLLM syncs
+    around its own graph replays. False where the module does not exist (nothing offloads)."""
+    try:
+        from vllm.model_executor.offloader.base import NoopOffloader, get_offloader
+    except ImportError:
+        return False
+    return not isinstance(get_offloader(), NoopOffloader)

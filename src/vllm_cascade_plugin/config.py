@@ -87,10 +87,11 @@ KNOBS: tuple[Knob, ...] = (
          "Decode steps on FlashAttention 3: capture each layer's cascade attention in a CUDA "
          "graph once a step shape repeats and replay it (on), or launch its kernels from Python "
          "in every layer (off). Off as well when vLLM runs without CUDA graphs (enforce_eager)."),
-    Knob("CASCADE_FULL_GRAPHS", "full_graphs", False, _bool, "1/true/on or 0/false/off",
-         "Experimental, not yet run on a GPU: capture whole cascade decode steps (every layer) "
-         "in CUDA graphs and replay them, instead of vLLM's piecewise path. Needs "
-         "CASCADE_CUDA_GRAPHS and tensor/pipeline/data parallel size 1."),
+    Knob("CASCADE_FULL_GRAPHS", "full_graphs", True, _bool, "1/true/on or 0/false/off",
+         "Decode steps on FlashAttention 3: capture a whole cascade decode step (every layer) "
+         "in a CUDA graph of the plugin's once its shape repeats and replay it (on), or run "
+         "vLLM's piecewise path with per-layer graphs (off). Needs CASCADE_CUDA_GRAPHS; not used "
+         "with tensor/pipeline/data parallel size above 1, LoRA or weight offloading."),
     Knob("CASCADE_MAX_LEVELS", "max_levels", 3, _int_at_least(2), "an integer >= 2",
          "Most attention levels per step, the per-request level included (2 = one shared level)."),
     Knob("CASCADE_MIN_SHARED_PAGES", "min_shared_pages", 1, _int_at_least(1), "an integer >= 1",
@@ -110,7 +111,7 @@ class CascadeConfig:
     kernel: str = "auto"
     fused_decode: bool = True
     cuda_graphs: bool = True
-    full_graphs: bool = False
+    full_graphs: bool = True
     max_levels: int = 3
     min_shared_pages: int = 1
     log_interval_s: float = 60.0

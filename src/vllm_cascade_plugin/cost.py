@@ -63,6 +63,14 @@ class CostModel:
     flat_fixed_us : launch and split-KV merge of one flat FlashInfer decode call.
     flat_bandwidth : bytes/s a flat call streams KV at; above HBM's 4.8 TB/s because rows
         sharing pages hit in L2.
+    flat_prefill_tile, flat_prefill_flops : flat attention of a row with several query tokens
+        (a prefill chunk, the last page vLLM recomputes when a whole prompt hits the prefix
+        cache) runs FlashInfer's prefill kernel, whose thread blocks each take ``tile`` query
+        tokens of one request and one head: a 16-token row pays for 128. Its compute is
+        ``ceil(q / tile) * tile`` query tokens at ``flat_prefill_flops``. Fitted on the H200:
+        128 rows of 16 query tokens behind a cached 16K prefix took 7.7 ms per layer
+        (``profile_step/profile-flashinfer.json``, ``PrefillWithKVCacheKernel``), 573 TFLOP/s
+        of padded work; the unpadded model said 0.97 ms and kept such steps flat.
     level_fixed_us : launch and state merge per cascade level.
     request_us : per request per cascade call (the per-request level runs one-token rows
         through a prefill kernel); fitted: the cascade's intercept grows ~1.3 µs per request.
@@ -82,6 +90,8 @@ class CostModel:
 
     flat_fixed_us: float = 17.3
     flat_bandwidth: float = 9.09e12
+    flat_prefill_tile: int = 128
+    flat_prefill_flops: float = 573e12
     level_fixed_us: float = 8.35
     request_us: float = 1.26
     flops: float = 790e12
@@ -125,6 +135,24 @@ class Decision:
     reason: str
 
 
+def _prefill_padding_pairs(plan: CascadePlan, tile: int) -> float:
+    """Query-key pairs a flat prefill kernel computes beyond the plan's own: each row with
+    ``q > 1`` query tokens is padded to whole ``tile``-token query tiles against all its keys
+    (full pages). 0.0 for decode steps (one query per row), without touching the levels."""
+    own = plan.levels[-1]
+    queries = np.diff(own.qo_indptr)
+    if plan.stats.num_tokens == plan.stats.num_requests or not len(queries):
+        return 0.0
+    # The per-request level has one row per group: its queries and rows.
+    rows = own.rows[own.row_indptr[:-1]]
+    keys = np.zeros(plan.stats.num_requests, dtype=np.float64)
+    for level in plan.levels:
+        group_keys = np.diff(level.kv_page_indptr).astype(np.float64) * plan.page_size
+        np.add.at(keys, level.rows, np.repeat(group_keys, np.diff(level.row_indptr)))
+    padded = np.where(queries > 1, -(-queries // tile) * tile, queries)
+    return float((padded - queries).astype(np.float64) @ keys[rows])
+
+
 def decide(plan: CascadePlan, shape: AttentionShape, model: CostModel = CostModel()) -> Decision:
     """Estimate flat and cascade attention for ``plan`` and pick the cheaper one.
 
@@ -151,6 +179,10 @@ def decide(plan: CascadePlan, shape: AttentionShape, model: CostModel = CostMode
     flat_us = model.flat_fixed_us + stream_us(
         plan.stats.pages_flat, all_pairs * flop_per_pair, model.flat_bandwidth
     )
+    padding = _prefill_padding_pairs(plan, model.flat_prefill_tile)
+    if padding:  # rows of several query tokens: FlashInfer's prefill kernel, padded tiles
+        flat_us = max(flat_us, model.flat_fixed_us + 1e6 * (all_pairs + padding)
+                      * flop_per_pair / model.flat_prefill_flops)
     if plan.num_levels < 2:
         return Decision(False, flat_us, flat_us, "no shared prefix")
     cascade_us = (

@@ -21,6 +21,9 @@ V2 runner, ``vllm.v1.worker.gpu``:
   ``block_table.BlockTables.append_block_ids``  keep a CPU mirror of the block ids;
   ``model_runner.GPUModelRunner.execute_model``  remember a real (not dummy) step;
   ``cudagraph_utils.CudaGraphManager.dispatch``  plan the step; no FULL graph for cascade steps.
+Whole-step graphs (``CASCADE_FULL_GRAPHS``, :mod:`.fullgraph`): V1
+``GPUModelRunner._model_forward`` and V2 ``CudaGraphManager.run_pw_graph`` run a cascade decode
+step's model call from the plugin's own CUDA graph of the whole step.
 """
 
 from __future__ import annotations
@@ -228,7 +231,8 @@ _FULL = "_cascade_full_graphs"
 
 
 def _full_graphs(runner: Any) -> Any:
-    """The runner's whole-step graphs when ``CASCADE_FULL_GRAPHS`` is on, else None."""
+    """The runner's whole-step graphs when ``CASCADE_FULL_GRAPHS`` is on and this engine can use
+    them, else None (why not is logged once per runner)."""
     config = session.config
     if config is None or not config.full_graphs or not config.cuda_graphs:
         return None
@@ -236,8 +240,23 @@ def _full_graphs(runner: Any) -> Any:
     if graphs is None:
         from .fullgraph import StepGraphs
 
-        graphs = runner.__dict__[_FULL] = StepGraphs()
-    return graphs
+        reason = _full_graphs_unsupported(runner)
+        if reason is not None:
+            stats.logger.info("vllm-cascade-plugin: cascade decode steps keep vLLM's piecewise "
+                              "path and per-layer graphs, not whole-step graphs: %s.", reason)
+        graphs = runner.__dict__[_FULL] = StepGraphs() if reason is None else False
+    return None if graphs is False else graphs  # not `or`: a StepGraphs without graphs is falsy
+
+
+def _full_graphs_unsupported(runner: Any) -> str | None:
+    """Why this runner's engine cannot replay whole-step graphs, or None."""
+    if any(size != 1 for size in _parallel_sizes(runner)):
+        return "tensor/pipeline/data parallel size above 1"
+    if getattr(runner, "lora_config", None):
+        return "LoRA is enabled (its per-step adapter mapping is not in the graph's key)"
+    if compat.weight_offloading():
+        return "vLLM offloads weights (its prefetch streams are synced around vLLM's own graphs)"
+    return None
 
 
 def _parallel_sizes(runner: Any) -> tuple[int, ...]:

@@ -116,20 +116,17 @@ def _worker_counters(worker) -> dict:
 
     counters = stats.snapshot()
     try:  # which executor ran the cascade steps (CASCADE_KERNEL); none before a cascade step
-        from vllm_cascade_plugin import kernels
+        from vllm_cascade_plugin import fullgraph, kernels
 
         alive = list(kernels._EXECUTORS)
-        graphs = kernels.graph_stats()  # the FA3 executor's decode-step CUDA graphs
+        # The FA3 executor's per-layer CUDA graphs and the whole-step graphs of decode steps.
+        graphs = {**kernels.graph_stats(), **fullgraph.graph_stats()}
     except ImportError:
-        alive, graphs = [], {"graph_captures": 0, "graph_replays": 0}
-    # Whole-step graphs (CASCADE_FULL_GRAPHS), kept on the model runner.
-    full = getattr(getattr(worker, "model_runner", None), "__dict__", {}).get(
-        "_cascade_full_graphs")
+        alive, graphs = [], {}
     return {**dataclasses.asdict(counters), "fallbacks": dict(counters.fallbacks),
             "executors": sorted({e.kernel for e in alive}),
-            "graph_captures": graphs["graph_captures"], "graph_replays": graphs["graph_replays"],
-            "full_graph_captures": getattr(full, "captures", 0),
-            "full_graph_replays": getattr(full, "replays", 0)}
+            **{k: graphs.get(k, 0) for k in ("graph_captures", "graph_replays",
+                                              "full_graph_captures", "full_graph_replays")}}
 
 
 def _counters(llm) -> dict:
