@@ -3,6 +3,11 @@ timed generate (engine core in this process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0`
 
 Usage (on the GPU machine; the configuration's environment is set here, as in e2e_bench.py):
     python benchmarks/profile_step.py --config cascade --out DIR [--workload NAME] [--tokens 48]
+    python benchmarks/profile_step.py --python --config cascade --out DIR   # Python's view
+
+``--python`` profiles the same run with ``cProfile`` instead (the engine's Python: scheduler,
+runner, plugin; the torch profiler sees operators only) and writes ``DIR/pyprofile-CONFIG.*``:
+wall time, and the top functions by own and by cumulative time.
 
 Writes ``DIR/profile-CONFIG.json``: wall time of the profiled generate, GPU busy time (union of
 kernel intervals) and its share of the wall time, CUDA kernel time by kernel, CPU time by
@@ -37,9 +42,9 @@ def _busy_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def profile(model: str, config: str, workload: str, tokens: int) -> dict:
-    import torch
-    from torch.profiler import ProfilerActivity
+def _warm_engine(model: str, config: str, workload: str, tokens: int) -> tuple:
+    """An engine that has run the workload twice (every kernel and graph shape seen once), and
+    what generates it again."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -51,7 +56,38 @@ def profile(model: str, config: str, workload: str, tokens: int) -> dict:
     batch = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     llm.generate(batch, SamplingParams(**{**params, "max_tokens": 8}), use_tqdm=False)
     sampling = SamplingParams(**{**params, "max_tokens": tokens})
-    llm.generate(batch, sampling, use_tqdm=False)  # every kernel and graph shape seen once
+    llm.generate(batch, sampling, use_tqdm=False)
+    return llm, batch, sampling, len(prompts)
+
+
+def python_profile(model: str, config: str, workload: str, tokens: int) -> dict:
+    """cProfile around the same generate: where the engine's host time goes, by function."""
+    import cProfile
+    import pstats
+
+    import torch
+
+    llm, batch, sampling, requests = _warm_engine(model, config, workload, tokens)
+    prof = cProfile.Profile()
+    start = time.perf_counter()
+    prof.enable()
+    llm.generate(batch, sampling, use_tqdm=False)
+    torch.cuda.synchronize()
+    prof.disable()
+    wall_ms = (time.perf_counter() - start) * 1e3
+    rows = [(f"{Path(f).name}:{line}({name})", tt * 1e3, ct * 1e3, nc)
+            for (f, line, name), (_, nc, tt, ct, _) in pstats.Stats(prof).stats.items()]
+    return {"config": config, "workload": workload, "tokens": tokens, "requests": requests,
+            "wall_ms": wall_ms,
+            "own_ms": [[k, t, n] for k, t, _, n in sorted(rows, key=lambda r: -r[1])[:60]],
+            "cumulative_ms": [[k, c, n] for k, _, c, n in sorted(rows, key=lambda r: -r[2])[:80]]}
+
+
+def profile(model: str, config: str, workload: str, tokens: int) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity
+
+    llm, batch, sampling, requests = _warm_engine(model, config, workload, tokens)
     with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         llm.generate(batch, sampling, use_tqdm=False)
@@ -70,7 +106,7 @@ def profile(model: str, config: str, workload: str, tokens: int) -> dict:
                      key=lambda x: -x[1])
     busy = _busy_us(intervals)
     return {
-        "config": config, "workload": workload, "tokens": tokens, "requests": len(prompts),
+        "config": config, "workload": workload, "tokens": tokens, "requests": requests,
         "wall_ms": wall_us / 1e3, "gpu_busy_ms": busy / 1e3, "gpu_busy_share": busy / wall_us,
         "kernels_ms": {k: v / 1e3 for k, v in sorted(kernels.items(), key=lambda x: -x[1])[:40]},
         "cpu_self_ms": [[k, t / 1e3, n] for k, t, n in cpu_ops[:40]],
@@ -85,10 +121,13 @@ def main() -> int:
     parser.add_argument("--config", default="cascade", choices=list(CONFIGS))
     parser.add_argument("--workload", default="b128_16k_prefix_64_own")
     parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--python", action="store_true",
+                        help="cProfile the engine's Python instead of the torch profiler")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print("ROW" + json.dumps(profile(args.model, args.config, args.workload, args.tokens)))
+        run = python_profile if args.python else profile
+        print("ROW" + json.dumps(run(args.model, args.config, args.workload, args.tokens)))
         return 0
     env = {k: v for k, v in os.environ.items() if not k.startswith("CASCADE_")}
     env.update(CONFIGS[args.config][1], VLLM_ENABLE_V1_MULTIPROCESSING="0")
@@ -96,7 +135,8 @@ def main() -> int:
                           capture_output=True, text=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"profile-{args.config}.log").write_text(proc.stdout + proc.stderr)
+    stem = f"{'pyprofile' if args.python else 'profile'}-{args.config}"
+    (out / f"{stem}.log").write_text(proc.stdout + proc.stderr)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("ROW")), None)
     if proc.returncode != 0 or line is None:
         print(proc.stderr[-4000:], file=sys.stderr)
@@ -110,7 +150,16 @@ def main() -> int:
                    "gpu": torch.cuda.get_device_name(), "vllm": vllm.__version__,
                    "flashinfer": flashinfer.__version__, "torch": torch.__version__,
                    "command": " ".join([Path(sys.executable).name, *sys.argv])}
-    (out / f"profile-{args.config}.json").write_text(json.dumps(row, indent=1))
+    (out / f"{stem}.json").write_text(json.dumps(row, indent=1))
+    if args.python:
+        lines = [f"{args.config} {args.workload}: wall {row['wall_ms']:.1f} ms (cProfile on)",
+                 "own time (ms, calls):"]
+        lines += [f"  {t:9.2f} {n:7d}  {k[:110]}" for k, t, n in row["own_ms"][:40]]
+        lines += ["cumulative time (ms, calls):"]
+        lines += [f"  {t:9.2f} {n:7d}  {k[:110]}" for k, t, n in row["cumulative_ms"][:60]]
+        (out / f"{stem}.txt").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines))
+        return 0
     lines = [f"{args.config} {args.workload}: wall {row['wall_ms']:.1f} ms, GPU busy "
              f"{row['gpu_busy_ms']:.1f} ms ({100 * row['gpu_busy_share']:.0f}%)", "kernels (ms):"]
     lines += [f"  {v:9.2f}  {k[:110]}" for k, v in list(row["kernels_ms"].items())[:25]]

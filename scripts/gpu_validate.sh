@@ -37,6 +37,8 @@
 #   source .devb/setup_device.sh && bash scripts/gpu_validate.sh full6
 #   source .devb/setup_device.sh && bash scripts/gpu_validate.sh start6 [SECONDS]
 #   source .devb/setup_device.sh && bash scripts/gpu_validate.sh wait [SECONDS]
+# and the engine's Python under cProfile, cascade vs flat:
+#   source .devb/setup_device.sh && bash scripts/gpu_validate.sh pyprof6
 # .whl holds truststore (the OpenAI client's httpx2 needs it; the bundle lacks it) and, for
 # part2, the FlashInfer wheels of the GPU version matrix. Each part leaves its logs and JSON in
 # $OUT/<part>.tar.xz (unpack into benchmarks/results/h200/ what belongs there).
@@ -49,7 +51,7 @@ if ! python3 -c 'import truststore' 2>/dev/null; then
 fi
 stamp() { echo "[gpu_validate $(date +%T)] $*"; }
 
-part=${1:?part1, part2, part3, start, start4, e2e4, start5, prof5, e2e5, final5, full6, start6, wait or tp}
+part=${1:?part1, part2, part3, start, start4, e2e4, start5, prof5, e2e5, final5, full6, start6, pyprof6, wait or tp}
 
 WORKLOADS=b128_16k_prefix_64_own,8_prefixes_8k_x16_interleaved,n16_sampling_32_prompts_4k,no_sharing_256_random_2k
 
@@ -224,6 +226,17 @@ start5)
   ;;
 start6)
   start_pipelines gpu0_pipeline6 gpu1_pipeline6 "${2:-540}"
+  ;;
+pyprof6)
+  # The engine's Python under cProfile (benchmarks/profile_step.py --python): cascade on GPU 0,
+  # flat FlashInfer on GPU 1, the 128 x 16K workload.
+  for gpu in 0 1; do
+    config=cascade; [ $gpu = 1 ] && config=flashinfer
+    CUDA_VISIBLE_DEVICES=$gpu timeout 280 python3 benchmarks/profile_step.py --python \
+      --config $config --out "$res/pyprofile" > /dev/null 2>&1 &
+  done
+  wait
+  for f in "$res"/pyprofile/pyprofile-*.txt; do head -75 "$f" | cut -c1-140; done
   ;;
 prof5)
   # GPU 0: the graphed-decode kernel tests, then a profiled cascade run; GPU 1: profiled runs
