@@ -37,8 +37,9 @@
 #   source .devb/setup_device.sh && bash scripts/gpu_validate.sh full6
 #   source .devb/setup_device.sh && bash scripts/gpu_validate.sh start6 [SECONDS]
 #   source .devb/setup_device.sh && bash scripts/gpu_validate.sh wait [SECONDS]
-# and the engine's Python under cProfile, cascade vs flat:
+# and the engine's Python under cProfile, cascade vs flat; then the final table, alone:
 #   source .devb/setup_device.sh && bash scripts/gpu_validate.sh pyprof6
+#   source .devb/setup_device.sh && bash scripts/gpu_validate.sh final6
 # .whl holds truststore (the OpenAI client's httpx2 needs it; the bundle lacks it) and, for
 # part2, the FlashInfer wheels of the GPU version matrix. Each part leaves its logs and JSON in
 # $OUT/<part>.tar.xz (unpack into benchmarks/results/h200/ what belongs there).
@@ -51,7 +52,7 @@ if ! python3 -c 'import truststore' 2>/dev/null; then
 fi
 stamp() { echo "[gpu_validate $(date +%T)] $*"; }
 
-part=${1:?part1, part2, part3, start, start4, e2e4, start5, prof5, e2e5, final5, full6, start6, pyprof6, wait or tp}
+part=${1:?part1, part2, part3, start, start4, e2e4, start5, prof5, e2e5, final5, full6, start6, pyprof6, final6, wait or tp}
 
 WORKLOADS=b128_16k_prefix_64_own,8_prefixes_8k_x16_interleaved,n16_sampling_32_prompts_4k,no_sharing_256_random_2k
 
@@ -226,6 +227,17 @@ start5)
   ;;
 start6)
   start_pipelines gpu0_pipeline6 gpu1_pipeline6 "${2:-540}"
+  ;;
+final6)
+  # The end-to-end table with nothing else on the machine: each GPU runs the issue's three
+  # configurations in one e2e_bench run, in opposite orders (GPU 0's is e2e.json).
+  CUDA_VISIBLE_DEVICES=0 timeout 450 python3 benchmarks/e2e_bench.py --out "$res/e2e-final6" \
+    --configs flash_attn,flashinfer,cascade --workloads $WORKLOADS > "$res/e2e-final6.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 timeout 450 python3 benchmarks/e2e_bench.py --out "$res/e2e-final6-b" \
+    --configs cascade,flashinfer,flash_attn --workloads $WORKLOADS \
+    > "$res/e2e-final6-b.log" 2>&1 &
+  wait
+  stamp "e2e done"; grep -h '"workload"' "$res"/e2e-final6*.log | cut -c1-130
   ;;
 pyprof6)
   # The engine's Python under cProfile (benchmarks/profile_step.py --python): cascade on GPU 0,
