@@ -24,6 +24,7 @@ E2E_LABELS = {  # e2e_bench.py configuration -> label, in plotting order
     "cascade_always": "cascade\n(policy always)",
     "cascade_unfused": "cascade\n(no fused decode)",
     "cascade_nographs": "cascade\n(no CUDA graphs)",
+    "cascade_layergraphs": "cascade\n(per-layer graphs)",
 }
 
 

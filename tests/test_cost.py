@@ -264,3 +264,21 @@ def test_long_prefill_rows_are_barely_padded(q):
     plan = plan_cascade(table, seq_lens, np.full(2, q, np.int32), 16)
     extra = _prefill_padding_pairs(plan, 128)
     assert extra == 2 * (-(-q // 128) * 128 - q) * 80 * 16
+
+
+def test_fa3_per_step_cost_follows_the_graph_mode():
+    """Whole-step graphs (the calibration in COST_MODELS), a graph per layer (session 5's
+    calibration) and no graphs (session 4's) cost a cascade step less in that order; the decision
+    at 64 requests behind 8K follows: cascade only with graphs."""
+    from vllm_cascade_plugin.cost import FA3_EAGER_STEP_FIXED_US, FA3_LAYER_GRAPHS_STEP_FIXED_US
+
+    full, layer, eager = (cost_model_for("fa3", graphs, full) for graphs, full in
+                          ((True, True), (True, False), (False, True)))
+    assert full == COST_MODELS["fa3"]
+    assert full.step_fixed_us < layer.step_fixed_us == FA3_LAYER_GRAPHS_STEP_FIXED_US
+    assert layer.step_fixed_us < eager.step_fixed_us == FA3_EAGER_STEP_FIXED_US
+    assert dataclasses.replace(layer, step_fixed_us=full.step_fixed_us) == full
+    plan = shared_prefix_decode(64, 8192, own=16 + 128)
+    picks = [decide(plan, H200_LAYER, model).use_cascade for model in (full, layer, eager)]
+    assert picks == [True, True, False]
+    assert cost_model_for("flashinfer", True, False) == COST_MODELS["flashinfer"]

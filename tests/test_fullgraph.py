@@ -139,8 +139,8 @@ def test_full_graphs_knob_is_on_by_default_and_parses():
 def runner(tp=1, lora=None):
     parallel = SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1,
                                data_parallel_size=1)
-    return SimpleNamespace(vllm_config=SimpleNamespace(parallel_config=parallel),
-                           lora_config=lora)
+    return SimpleNamespace(vllm_config=SimpleNamespace(parallel_config=parallel,
+                                                       lora_config=lora))
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ from vllm.v1.attention.backends.flashinfer import (
 from . import compat, hooks, stats
 from .config import load_config
 from .cost import AttentionShape, cost_model_for
+from .fullgraph import unsupported_reason as full_graphs_reason
 from .step import session
 
 logger = logging.getLogger("vllm.cascade_plugin")
@@ -138,11 +139,13 @@ class CascadeFlashInferMetadataBuilder(FlashInferMetadataBuilder):
         shape = AttentionShape(self.num_qo_heads, self.num_kv_heads, self.head_dim,
                                kv_cache_spec.dtype.itemsize, num_layers=len(layer_names))
         # FA3 with decode-step graphs: a decode step costs what the graphs make it once its shape
-        # is steady (the executor captures it on the 3rd step), the eager cost before that.
+        # is steady (they are captured on the 3rd step), the eager cost before that. Whole-step
+        # graphs where this engine can use them, else one graph per layer.
         graphs = self._cuda_graphs and config.fused_decode
+        full = config.full_graphs and full_graphs_reason(vllm_config) is None
         session.configure(config, shape, self.page_size, reason,
                           cost_model=cost_model_for(self._cascade_kernel, decode_graphs=False),
-                          steady_cost_model=cost_model_for(self._cascade_kernel, graphs))
+                          steady_cost_model=cost_model_for(self._cascade_kernel, graphs, full))
         # Bytes of one page over every layer a step's plan serves: the saving the log line reports.
         stats.set_page_bytes(kv_cache_spec.page_size_bytes * len(layer_names))
 

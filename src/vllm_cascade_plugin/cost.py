@@ -26,12 +26,15 @@ B       P      groups  flat         FlashInfer executor  FA3 executor
 ======  =====  ======  ===========  ===================  ==============
 
 The 16-group row shows what FlashInfer's model misses: many small groups cost more than their
-bytes say. The per-step term (FA3: 1.5 ms, FlashInfer: 3.08 ms over 32 layers) is what a
+bytes say. The per-step term (FA3: 1.26 ms, FlashInfer: 3.08 ms over 32 layers) is what a
 cascade step costs beyond its kernels: attention runs outside vLLM's FULL CUDA graphs, so a
-cascade step's host work sets its pace. The FA3 executor replays a CUDA graph per layer in
-decode steps (``CASCADE_CUDA_GRAPHS``, session 5, ``e2e.json``); launched from Python instead
-(~120 µs of host time per layer against ~25 µs for flat decode, ``kernel_grid.json``
-``host_us``) its per-step cost was 7.57 ms (``FA3_EAGER_STEP_FIXED_US``, session 4's runs).
+cascade step's host work sets its pace. The FA3 executor's decode steps replay the plugin's own
+CUDA graph of the whole step (``CASCADE_FULL_GRAPHS``, session 6, ``e2e.json``): 1.26 ms; with
+a graph per layer inside vLLM's piecewise path instead (``CASCADE_FULL_GRAPHS=0``, or where
+whole-step graphs are not used: tensor parallelism, LoRA, weight offloading) 1.5 ms
+(``FA3_LAYER_GRAPHS_STEP_FIXED_US``, session 5, ``e2e_session5_layer_graphs.json``); launched from
+Python (~120 µs of host time per layer against ~25 µs for flat decode, ``kernel_grid.json``
+``host_us``) 7.57 ms (``FA3_EAGER_STEP_FIXED_US``, session 4's runs).
 """
 
 from __future__ import annotations
@@ -108,20 +111,28 @@ COST_MODELS: dict[str, CostModel] = {
     "flashinfer": CostModel(),
     "fa3": CostModel(flat_fixed_us=17.3, flat_bandwidth=9.09e12, level_fixed_us=11.4,
                      request_us=0.141, flops=790e12, group_bandwidth=3.37e12,
-                     shared_bandwidth=4.8e12, step_fixed_us=1500.0),
+                     shared_bandwidth=4.8e12, step_fixed_us=1260.0),
 }
+# The FA3 executor's per-step cost when its decode steps replay a CUDA graph per layer inside
+# vLLM's piecewise path, not a whole-step graph: session 5's calibration (``CASCADE_FULL_GRAPHS``
+# off, or an engine that cannot use it, see ``fullgraph.unsupported_reason``).
+FA3_LAYER_GRAPHS_STEP_FIXED_US = 1500.0
 # The FA3 executor's per-step cost when its decode steps launch their kernels from Python
 # (``CASCADE_CUDA_GRAPHS=0``, ``CASCADE_FUSED_DECODE=0`` or vLLM without CUDA graphs): the same
 # calibration on session 4's runs, before the graphs (``e2e_session4_no_graphs.json``).
 FA3_EAGER_STEP_FIXED_US = 7570.0
 
 
-def cost_model_for(kernel: str, decode_graphs: bool = True) -> CostModel:
-    """The calibration of ``kernel``'s executor (``COST_MODELS``); for FA3 without decode-step
-    CUDA graphs, with :data:`FA3_EAGER_STEP_FIXED_US` as its per-step cost."""
+def cost_model_for(kernel: str, decode_graphs: bool = True,
+                   full_graphs: bool = True) -> CostModel:
+    """The calibration of ``kernel``'s executor (``COST_MODELS``, whole-step graphs for FA3);
+    for FA3 with per-layer graphs only, :data:`FA3_LAYER_GRAPHS_STEP_FIXED_US` as its per-step
+    cost; without decode-step CUDA graphs, :data:`FA3_EAGER_STEP_FIXED_US`."""
     model = COST_MODELS[kernel]
     if kernel == "fa3" and not decode_graphs:
         model = replace(model, step_fixed_us=FA3_EAGER_STEP_FIXED_US)
+    elif kernel == "fa3" and not full_graphs:
+        model = replace(model, step_fixed_us=FA3_LAYER_GRAPHS_STEP_FIXED_US)
     return model
 
 

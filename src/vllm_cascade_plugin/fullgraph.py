@@ -33,7 +33,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from . import stats
+from . import compat, stats
 from .step import session
 
 logger = logging.getLogger("vllm.cascade_plugin")
@@ -58,6 +58,19 @@ def _ptr(value: Any) -> Any:
     if hasattr(value, "data_ptr"):
         return (value.data_ptr(), tuple(value.shape), tuple(value.stride()))
     return value
+
+
+def unsupported_reason(vllm_config: Any) -> str | None:
+    """Why an engine with this configuration cannot replay whole-step graphs, or None."""
+    parallel = vllm_config.parallel_config
+    if any(size != 1 for size in (parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
+                                  parallel.data_parallel_size)):
+        return "tensor/pipeline/data parallel size above 1"
+    if getattr(vllm_config, "lora_config", None):
+        return "LoRA is enabled (its per-step adapter mapping is not in the graph's key)"
+    if compat.weight_offloading():
+        return "vLLM offloads weights (its prefetch streams are synced around vLLM's own graphs)"
+    return None
 
 
 class StepGraphs:

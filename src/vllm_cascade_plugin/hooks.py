@@ -238,25 +238,14 @@ def _full_graphs(runner: Any) -> Any:
         return None
     graphs = runner.__dict__.get(_FULL)
     if graphs is None:
-        from .fullgraph import StepGraphs
+        from .fullgraph import StepGraphs, unsupported_reason
 
-        reason = _full_graphs_unsupported(runner)
+        reason = unsupported_reason(runner.vllm_config)
         if reason is not None:
             stats.logger.info("vllm-cascade-plugin: cascade decode steps keep vLLM's piecewise "
                               "path and per-layer graphs, not whole-step graphs: %s.", reason)
         graphs = runner.__dict__[_FULL] = StepGraphs() if reason is None else False
     return None if graphs is False else graphs  # not `or`: a StepGraphs without graphs is falsy
-
-
-def _full_graphs_unsupported(runner: Any) -> str | None:
-    """Why this runner's engine cannot replay whole-step graphs, or None."""
-    if any(size != 1 for size in _parallel_sizes(runner)):
-        return "tensor/pipeline/data parallel size above 1"
-    if getattr(runner, "lora_config", None):
-        return "LoRA is enabled (its per-step adapter mapping is not in the graph's key)"
-    if compat.weight_offloading():
-        return "vLLM offloads weights (its prefetch streams are synced around vLLM's own graphs)"
-    return None
 
 
 def _parallel_sizes(runner: Any) -> tuple[int, ...]:
