@@ -136,7 +136,7 @@ def test_full_graphs_knob_is_on_by_default_and_parses():
         load_config({"CASCADE_FULL_GRAPHS": "sometimes"})
 
 
-def runner(tp=1, lora=None):
+def make_runner(tp=1, lora=None):
     parallel = SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1,
                                data_parallel_size=1)
     return SimpleNamespace(vllm_config=SimpleNamespace(parallel_config=parallel,
@@ -160,23 +160,24 @@ def test_whole_step_graphs_are_kept_per_runner_and_refused_where_unsupported(con
 
     from vllm_cascade_plugin import hooks
 
-    plain = runner()
+    plain = make_runner()
     graphs = hooks._full_graphs(plain)
     assert isinstance(graphs, fullgraph.StepGraphs) and hooks._full_graphs(plain) is graphs
     saved = offloader.get_offloader()
     with caplog.at_level(logging.INFO, logger="vllm.cascade_plugin"):
-        for refused, why in ((runner(tp=2), "parallel size"), (runner(lora=object()), "LoRA")):
+        for refused, why in ((make_runner(tp=2), "parallel size"),
+                            (make_runner(lora=object()), "LoRA")):
             assert hooks._full_graphs(refused) is None and hooks._full_graphs(refused) is None
             assert sum(why in r.getMessage() for r in caplog.records) == 1  # logged once
         try:
             offloader.set_offloader(UVAOffloader(cpu_offload_max_bytes=1 << 30))
-            assert hooks._full_graphs(runner()) is None
+            assert hooks._full_graphs(make_runner()) is None
         finally:
             offloader.set_offloader(saved)
     assert any("offloads weights" in r.getMessage() for r in caplog.records)
-    assert hooks._full_graphs(runner()) is not None  # the no-op offloader is back
+    assert hooks._full_graphs(make_runner()) is not None  # the no-op offloader is back
     session.config = dataclasses.replace(session.config, full_graphs=False)
-    assert hooks._full_graphs(runner()) is None
+    assert hooks._full_graphs(make_runner()) is None
 
 
 def test_graph_stats_count_every_live_runners_graphs():
@@ -186,3 +187,90 @@ def test_graph_stats_count_every_live_runners_graphs():
     after = fullgraph.graph_stats()
     assert after["full_graph_captures"] == before["full_graph_captures"] + 2
     assert after["full_graph_replays"] == before["full_graph_replays"] + 5
+
+
+class Recorder:
+    """Stands in for a runner's StepGraphs: records what the wrapper hands it, runs forward."""
+
+    def __init__(self):
+        self.calls = []
+
+    def run(self, forward, ctx, inputs, sizes, tag):
+        self.calls.append((ctx, inputs, sizes, tag))
+        return ("graphs", forward())
+
+
+@pytest.fixture
+def wrappers(monkeypatch):
+    """hooks' two whole-step wrappers around stand-in originals with vLLM's real signatures."""
+    import inspect
+
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_cascade_plugin import hooks
+
+    def original(*args, **kwargs):
+        original.calls.append((args, kwargs))
+        return "original"
+
+    original.calls = []
+    # V1's wrapper binds the call to the original's signature (functools.wraps: vLLM's own).
+    original.__signature__ = inspect.signature(  # type: ignore[attr-defined]
+        GPUModelRunner._model_forward)
+    recorder = Recorder()
+    monkeypatch.setattr(hooks, "_full_graphs", lambda runner: recorder)
+    monkeypatch.setattr("vllm.forward_context.get_forward_context", lambda: "ctx")
+    runner = SimpleNamespace(vllm_config=make_runner().vllm_config,
+                             cudagraph_manager=SimpleNamespace())
+    step = hooks._PendingStep(runner, None)
+    step.cascade = True
+    monkeypatch.setattr(hooks, "_pending", step)
+    return SimpleNamespace(hooks=hooks, original=original, recorder=recorder, runner=runner,
+                           step=step, v1=hooks._v1_model_forward(original),
+                           v2=hooks._v2_run_pw_graph(original))
+
+
+def test_v1_wrapper_hands_a_cascade_steps_model_call_to_the_graphs(wrappers):
+    w, ids, pos = wrappers, torch.zeros(4, dtype=torch.long), torch.arange(4)
+    assert w.v1(w.runner, ids, positions=pos) == ("graphs", "original")
+    ((ctx, inputs, sizes, tag),) = w.recorder.calls
+    assert ctx == "ctx" and tag == "v1" and sizes == (1, 1, 1)
+    assert inputs["input_ids"] is ids and inputs["positions"] is pos
+    assert inputs["intermediate_tensors"] is None and inputs["inputs_embeds"] is None
+    assert w.original.calls == [((w.runner, ids), {"positions": pos})]  # the call as made
+
+
+@pytest.mark.parametrize("case", ["no step", "other runner", "flat step", "model kwargs"])
+def test_v1_wrapper_leaves_every_other_model_call_alone(wrappers, monkeypatch, case):
+    w = wrappers
+    kwargs = {"input_ids": torch.zeros(4, dtype=torch.long)}
+    if case == "no step":
+        monkeypatch.setattr(w.hooks, "_pending", None)
+    elif case == "other runner":
+        w.step.runner = SimpleNamespace()
+    elif case == "flat step":
+        w.step.cascade = False
+    else:
+        kwargs["pixel_values"] = torch.zeros(1)  # multimodal inputs: not in the graph's key
+    assert w.v1(w.runner, **kwargs) == "original"
+    assert w.recorder.calls == [] and len(w.original.calls) == 1
+
+
+@pytest.mark.parametrize("case", ["cascade", "other manager", "breakable graphs", "flat step"])
+def test_v2_wrapper_hands_only_its_runners_cascade_steps_to_the_graphs(wrappers, case):
+    w = wrappers
+    manager, inputs = w.runner.cudagraph_manager, {"input_ids": torch.zeros(4)}
+    if case == "other manager":
+        manager = SimpleNamespace()
+    elif case == "breakable graphs":
+        manager.use_breakable_cg = True
+    elif case == "flat step":
+        w.step.cascade = False
+    out = w.v2(manager, "model", inputs)
+    if case == "cascade":
+        assert out == ("graphs", "original")
+        ((_, handed, _, tag),) = w.recorder.calls
+        assert tag == "v2" and handed == inputs and handed is not inputs  # a copy
+    else:
+        assert out == "original" and w.recorder.calls == []
+    assert w.original.calls == [((manager, "model", inputs), {})]
