@@ -74,18 +74,23 @@ def test_demo_on_a_cpu_prints_the_plan_the_check_and_the_gpu_run(clean_env, caps
     assert "On a GPU, `vllm-cascade demo` runs this workload in vLLM" in out
 
 
-@pytest.mark.parametrize(("knob", "step_ms"), [("1", "1.50"), ("0", "7.57")])
-def test_demo_charges_the_step_cost_of_the_decode_graphs_setting(clean_env, capsys, knob,
+@pytest.mark.parametrize(("graphs", "full", "step_ms"), [("1", "1", "1.26"), ("1", "0", "1.50"),
+                                                         ("0", "1", "7.57")])
+def test_demo_charges_the_step_cost_of_the_decode_graphs_setting(clean_env, capsys, graphs, full,
                                                                 step_ms):
     """The demo's cost-model line uses the builder's model: the FA3 per-step cost with
-    CASCADE_CUDA_GRAPHS on, the eager one (FA3_EAGER_STEP_FIXED_US) with it off."""
-    from vllm_cascade_plugin.cost import COST_MODELS, FA3_EAGER_STEP_FIXED_US
+    whole-step graphs (the default), with per-layer graphs only (CASCADE_FULL_GRAPHS=0), and the
+    eager one (FA3_EAGER_STEP_FIXED_US) with CASCADE_CUDA_GRAPHS off."""
+    from vllm_cascade_plugin.cost import (COST_MODELS, FA3_EAGER_STEP_FIXED_US,
+                                          FA3_LAYER_GRAPHS_STEP_FIXED_US)
 
-    clean_env.setenv("CASCADE_CUDA_GRAPHS", knob)
+    clean_env.setenv("CASCADE_CUDA_GRAPHS", graphs)
+    clean_env.setenv("CASCADE_FULL_GRAPHS", full)
     assert cli.main(["demo", "--cpu", *SMALL]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert f"with its per-step cost, {step_ms} ms" in out
-    step_us = COST_MODELS["fa3"].step_fixed_us if knob == "1" else FA3_EAGER_STEP_FIXED_US
+    step_us = (FA3_EAGER_STEP_FIXED_US if graphs == "0" else COST_MODELS["fa3"].step_fixed_us
+               if full == "1" else FA3_LAYER_GRAPHS_STEP_FIXED_US)
     assert f"{step_us / 1e3:.2f}" == step_ms  # the parameters follow the shipped calibration
 
 

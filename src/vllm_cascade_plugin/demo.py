@@ -201,8 +201,10 @@ def plan_demo(workload: Workload, model: str, config: CascadeConfig, seed: int =
                         min_shared_pages=int(table.shape[1]) + 1)  # nothing shared: flat
     # The executor CASCADE_KERNEL picks on a Hopper GPU such as the H200 the model is fit on.
     kernel = "flashinfer" if config.kernel == "flashinfer" else "fa3"
-    # With the FA3 executor's decode-step CUDA graphs unless the knobs turn them off.
-    cost_model = cost_model_for(kernel, config.cuda_graphs and config.fused_decode)
+    # With the FA3 executor's decode-step CUDA graphs (whole-step ones by default; the demo's
+    # engine is one GPU) unless the knobs turn them off.
+    cost_model = cost_model_for(kernel, config.cuda_graphs and config.fused_decode,
+                                config.full_graphs)
     decision = decide(plan, shape, cost_model)
 
     group = shape.num_qo_heads // shape.num_kv_heads
