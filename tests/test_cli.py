@@ -81,8 +81,11 @@ def test_demo_charges_the_step_cost_of_the_decode_graphs_setting(clean_env, caps
     """The demo's cost-model line uses the builder's model: the FA3 per-step cost with
     whole-step graphs (the default), with per-layer graphs only (CASCADE_FULL_GRAPHS=0), and the
     eager one (FA3_EAGER_STEP_FIXED_US) with CASCADE_CUDA_GRAPHS off."""
-    from vllm_cascade_plugin.cost import (COST_MODELS, FA3_EAGER_STEP_FIXED_US,
-                                          FA3_LAYER_GRAPHS_STEP_FIXED_US)
+    from vllm_cascade_plugin.cost import (
+        COST_MODELS,
+        FA3_EAGER_STEP_FIXED_US,
+        FA3_LAYER_GRAPHS_STEP_FIXED_US,
+    )
 
     clean_env.setenv("CASCADE_CUDA_GRAPHS", graphs)
     clean_env.setenv("CASCADE_FULL_GRAPHS", full)
