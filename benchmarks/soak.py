@@ -387,9 +387,14 @@ def _device_memory(worker: object) -> dict[str, Any]:
 
 
 def _graphs() -> dict[str, int] | None:
-    """The FA3 executor's per-layer CUDA graphs (held now: their pool is not in plugin_mib)."""
+    """The FA3 executor's per-layer CUDA graphs and the whole-step graphs of decode steps
+    (held now: their pools are not in plugin_mib)."""
     kernels = sys.modules.get("vllm_cascade_plugin.kernels")
-    return None if kernels is None else kernels.graph_stats()
+    fullgraph = sys.modules.get("vllm_cascade_plugin.fullgraph")
+    if kernels is None and fullgraph is None:
+        return None
+    return {**({} if kernels is None else kernels.graph_stats()),
+            **({} if fullgraph is None else fullgraph.graph_stats())}
 
 
 def _executors() -> list[str]:

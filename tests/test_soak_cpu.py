@@ -396,3 +396,18 @@ def test_child_phases_get_the_plugin_only_in_the_run(monkeypatch):
     assert {k: on[k] for k in soak.PLUGIN_ENV} == soak.PLUGIN_ENV
     assert on["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1" and "CASCADE_MAX_LEVELS" not in on
     assert not any(k.startswith("CASCADE_") for k in off)
+
+
+def test_memory_readings_count_both_kinds_of_cuda_graphs(monkeypatch):
+    """The soak's "graphs" reading holds the per-layer graphs (kernels) and the whole-step
+    graphs (fullgraph) as each module counts them; None before either is imported."""
+    from vllm_cascade_plugin import fullgraph, kernels
+
+    graphs = fullgraph.StepGraphs()
+    graphs.captures, graphs.replays = 3, 7
+    reading = soak._graphs()
+    assert reading == {**kernels.graph_stats(), **fullgraph.graph_stats()}
+    assert reading["full_graph_replays"] >= 7 and "graph_replays" in reading
+    monkeypatch.delitem(sys.modules, "vllm_cascade_plugin.kernels")
+    monkeypatch.delitem(sys.modules, "vllm_cascade_plugin.fullgraph")
+    assert soak._graphs() is None
