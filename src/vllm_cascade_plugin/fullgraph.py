@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import compat, stats
+from .graphs import GraphCache
 from .step import session
 
 logger = logging.getLogger("vllm.cascade_plugin")
@@ -73,30 +74,15 @@ def unsupported_reason(vllm_config: Any) -> str | None:
     return None
 
 
-class StepGraphs:
-    """The graphs of one runner. ``capture`` is :meth:`_capture_cuda` on a GPU; tests pass a
-    stand-in ``capture(call) -> (replay, output)``."""
+class StepGraphs(GraphCache):
+    """The whole-step graphs of one runner (the bookkeeping is :class:`~vllm_cascade_plugin.
+    graphs.GraphCache`'s)."""
 
     def __init__(self, capture: Callable[..., Any] | None = None,
                  capture_after: int = CAPTURE_AFTER, max_graphs: int = MAX_GRAPHS) -> None:
-        self.capture = capture
-        self.capture_after = capture_after
-        self.max_graphs = max_graphs
-        self.captures = 0
-        self.replays = 0
+        super().__init__(capture, capture_after, max_graphs, MAX_SIGHTINGS)
         self.failed = False
-        self._graphs: dict[tuple[Any, ...], Callable[[], Any]] = {}
-        self._seen: dict[tuple[Any, ...], int] = {}
-        self._pool: Any = None
-        self._stream: Any = None
         _ALL.add(self)
-
-    def __len__(self) -> int:
-        return len(self._graphs)
-
-    def clear(self) -> None:
-        self._graphs.clear()
-        self._seen.clear()
 
     def run(self, forward: Callable[[], Any], ctx: Any, inputs: dict[str, Any],
             parallel_sizes: tuple[int, ...], tag: Any) -> Any:
@@ -116,15 +102,8 @@ class StepGraphs:
         if replay is not None:
             self.replays += 1
             return replay()
-        seen = self._seen.get(key, 0) + 1
-        if seen < self.capture_after:
-            if len(self._seen) >= MAX_SIGHTINGS:
-                self._seen.clear()
-            self._seen[key] = seen
+        if not self._due(key):
             return forward()
-        self._seen.pop(key, None)
-        if len(self._graphs) >= self.max_graphs:
-            self.clear()
         runs_before = executor.runs
         fallbacks_before = sum(stats.snapshot().fallbacks.values())
         try:
@@ -153,21 +132,9 @@ class StepGraphs:
         saved = ctx.cudagraph_runtime_mode
         ctx.cudagraph_runtime_mode = CUDAGraphMode.NONE  # vLLM's wrappers run their code
         try:
-            if self.capture is not None:
-                return self.capture(forward)
-            return self._capture_cuda(forward)
+            return self._capture_with(forward)
         finally:
             ctx.cudagraph_runtime_mode = saved
-
-    def _capture_cuda(self, forward: Callable[[], Any]) -> tuple[Callable[[], Any], Any]:
-        import torch
-
-        from .kernels import _capture_cuda
-
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-            self._pool = torch.cuda.graph_pool_handle()
-        return _capture_cuda(forward, self._pool, self._stream)
 
 
 def eligible(ctx: Any, inputs: dict[str, Any],

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from vllm_cascade_plugin import compat, decode_level
+from vllm_cascade_plugin.graphs import GraphCache
 from vllm_cascade_plugin.planner import CascadeLevel, CascadePlan
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -415,31 +416,7 @@ MAX_SIGHTINGS = 4096  # keys seen but not captured yet, remembered (then forgott
 _log = logging.getLogger("vllm.cascade_plugin")
 
 
-def _capture_cuda(fn: Callable[[], Any], pool: Any,
-                  stream: torch.cuda.Stream) -> tuple[Callable[[], Any], Any]:
-    """``fn``'s kernels captured in a CUDA graph, then replayed once (the capture itself runs
-    nothing). Returns the replay and ``fn``'s result, tensors the replays rewrite in place."""
-    graph = torch.cuda.CUDAGraph()
-    current = torch.cuda.current_stream()
-    stream.wait_stream(current)
-    with torch.cuda.stream(stream):  # CUDA cannot capture the legacy default stream
-        # thread_local: vLLM's other threads keep working while this one captures.
-        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-        try:
-            result = fn()
-        finally:
-            graph.capture_end()
-    current.wait_stream(stream)
-    graph.replay()
-
-    def replay() -> Any:
-        graph.replay()
-        return result
-
-    return replay, result
-
-
-class _Graphs:
+class _Graphs(GraphCache):
     """One CUDA graph per (layer, step shape) of graphed decode steps, captured once a key
     repeats and replayed instead of launching the layer's kernels from Python.
 
@@ -449,30 +426,17 @@ class _Graphs:
     data behind those addresses (queries, KV cache, this step's metadata in the static buffers)
     is read when the graph runs. All graphs share one memory pool; that is safe because they
     run one after another on one stream and each leaves nothing in the pool that another reads
-    (a graph's LSE, its only result there, stays referenced by its replay).
-
-    ``capture`` is :func:`_capture_cuda` on a GPU; tests pass a stand-in that keeps ``fn`` and
-    its tensors, which is what a real replay does.
+    (a graph's LSE, its only result there, stays referenced by its replay). Tests' stand-in
+    ``capture`` keeps ``fn`` and its tensors, which is what a real replay does.
     """
 
     def __init__(self, capture: Callable[..., Any] | None = None,
                  capture_after: int = CAPTURE_AFTER, max_graphs: int = MAX_GRAPHS) -> None:
-        self.capture = capture
-        self.capture_after = capture_after
-        self.max_graphs = max_graphs
-        self.captures = 0
-        self.replays = 0
-        self._graphs: dict[tuple[Any, ...], Callable[[], torch.Tensor]] = {}
-        self._seen: dict[tuple[Any, ...], int] = {}
+        super().__init__(capture, capture_after, max_graphs, MAX_SIGHTINGS)
         self._failed = False
-        self._pool: Any = None
-        self._stream: torch.cuda.Stream | None = None
 
     def usable(self, device: torch.device) -> bool:
         return not self._failed and (self.capture is not None or device.type == "cuda")
-
-    def __len__(self) -> int:
-        return len(self._graphs)
 
     def run(self, key: tuple[Any, ...], fn: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Replay ``key``'s graph, or run ``fn`` (capturing it when ``key`` has come often
@@ -483,17 +447,10 @@ class _Graphs:
         if replay is not None:
             self.replays += 1
             return replay()
-        seen = self._seen.get(key, 0) + 1
-        if seen < self.capture_after or self._failed:
-            if len(self._seen) >= MAX_SIGHTINGS:
-                self._seen.clear()
-            self._seen[key] = seen
+        if self._failed or not self._due(key):
             return fn()
-        self._seen.pop(key, None)
-        if len(self._graphs) >= self.max_graphs:
-            self.clear()
         try:
-            replay, result = self._capture(fn)
+            replay, result = self._capture_with(fn)
         except Exception as exc:  # eager from now on; this layer runs eagerly right away
             self._failed = True
             self.clear()
@@ -510,22 +467,6 @@ class _Graphs:
         # Inside someone else's capture (vLLM's, or a whole-step graph), the kernels belong to
         # that graph: run them, neither replay nor capture a graph of our own.
         return self.capture is None and torch.cuda.is_current_stream_capturing()
-
-    def _capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], torch.Tensor],
-                                                                   torch.Tensor]:
-        if self.capture is not None:
-            return self.capture(fn)
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-            self._pool = torch.cuda.graph_pool_handle()
-        return _capture_cuda(fn, self._pool, self._stream)
-
-    def clear(self) -> None:
-        """Drop every graph and sighting. No wait for the GPU: CUDA frees a graph that is still
-        running when it completes, and a graph captured later into the same pool runs after it
-        on the same stream."""
-        self._graphs.clear()
-        self._seen.clear()
 
 
 @dataclass(frozen=True)
