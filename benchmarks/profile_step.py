@@ -153,23 +153,23 @@ def main() -> int:
     (out / f"{stem}.json").write_text(json.dumps(row, indent=1))
     if args.python:
         lines = [f"{args.config} {args.workload}: wall {row['wall_ms']:.1f} ms (cProfile on)",
-                 "own time (ms, calls):"]
-        lines += [f"  {t:9.2f} {n:7d}  {k[:110]}" for k, t, n in row["own_ms"][:40]]
-        lines += ["cumulative time (ms, calls):"]
-        lines += [f"  {t:9.2f} {n:7d}  {k[:110]}" for k, t, n in row["cumulative_ms"][:60]]
-        (out / f"{stem}.txt").write_text("\n".join(lines) + "\n")
-        print("\n".join(lines))
-        return 0
-    lines = [f"{args.config} {args.workload}: wall {row['wall_ms']:.1f} ms, GPU busy "
-             f"{row['gpu_busy_ms']:.1f} ms ({100 * row['gpu_busy_share']:.0f}%)", "kernels (ms):"]
-    lines += [f"  {v:9.2f}  {k[:110]}" for k, v in list(row["kernels_ms"].items())[:25]]
-    lines += ["CPU self time (ms, calls):"]
-    lines += [f"  {t:9.2f} {n:7d}  {k[:100]}" for k, t, n in row["cpu_self_ms"][:25]]
-    lines += ["annotated regions (ms, calls):"]
-    lines += [f"  {t:9.2f} {n:7d}  {k[:100]}" for k, t, n in row["regions_ms"][:20]]
-    (out / f"profile-{args.config}.txt").write_text("\n".join(lines) + "\n")
+                 *_table("own time (ms, calls):", row["own_ms"], 40, 110),
+                 *_table("cumulative time (ms, calls):", row["cumulative_ms"], 60, 110)]
+    else:
+        lines = [f"{args.config} {args.workload}: wall {row['wall_ms']:.1f} ms, GPU busy "
+                 f"{row['gpu_busy_ms']:.1f} ms ({100 * row['gpu_busy_share']:.0f}%)",
+                 "kernels (ms):",
+                 *(f"  {v:9.2f}  {k[:110]}" for k, v in list(row["kernels_ms"].items())[:25]),
+                 *_table("CPU self time (ms, calls):", row["cpu_self_ms"], 25, 100),
+                 *_table("annotated regions (ms, calls):", row["regions_ms"], 20, 100)]
+    (out / f"{stem}.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
+
+
+def _table(title: str, rows: list, count: int, width: int) -> list[str]:
+    """``title`` and the first ``count`` ``[name, ms, calls]`` rows, one line each."""
+    return [title, *(f"  {t:9.2f} {n:7d}  {k[:width]}" for k, t, n in rows[:count])]
 
 
 if __name__ == "__main__":

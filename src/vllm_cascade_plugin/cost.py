@@ -150,10 +150,10 @@ def _prefill_padding_pairs(plan: CascadePlan, tile: int) -> float:
     """Query-key pairs a flat prefill kernel computes beyond the plan's own: each row with
     ``q > 1`` query tokens is padded to whole ``tile``-token query tiles against all its keys
     (full pages). 0.0 for decode steps (one query per row), without touching the levels."""
+    if plan.stats.num_tokens == plan.stats.num_requests:
+        return 0.0  # every row has one query token (the cost model runs every decode step)
     own = plan.levels[-1]
     queries = np.diff(own.qo_indptr)
-    if plan.stats.num_tokens == plan.stats.num_requests or not len(queries):
-        return 0.0
     # The per-request level has one row per group: its queries and rows.
     rows = own.rows[own.row_indptr[:-1]]
     keys = np.zeros(plan.stats.num_requests, dtype=np.float64)
