@@ -40,6 +40,11 @@
 # and the engine's Python under cProfile, cascade vs flat; then the final table, alone:
 #   source .devb/setup_device.sh && bash scripts/gpu_validate.sh pyprof6
 #   source .devb/setup_device.sh && bash scripts/gpu_validate.sh final6
+# Session 7 (one H200 only: vLLM's flat FlashInfer metadata deferred on cascade steps): the
+# issue's end-to-end table, the engine tests, and where an interleaved step's time goes, one
+# after another on GPU 0, detached; `wait` as before:
+#   source .devb/setup_device.sh && bash scripts/gpu_validate.sh start7 [SECONDS]
+#   source .devb/setup_device.sh && bash scripts/gpu_validate.sh wait [SECONDS]
 # .whl holds truststore (the OpenAI client's httpx2 needs it; the bundle lacks it) and, for
 # part2, the FlashInfer wheels of the GPU version matrix. Each part leaves its logs and JSON in
 # $OUT/<part>.tar.xz (unpack into benchmarks/results/h200/ what belongs there).
@@ -52,7 +57,7 @@ if ! python3 -c 'import truststore' 2>/dev/null; then
 fi
 stamp() { echo "[gpu_validate $(date +%T)] $*"; }
 
-part=${1:?part1, part2, part3, start, start4, e2e4, start5, prof5, e2e5, final5, full6, start6, pyprof6, final6, wait or tp}
+part=${1:?part1, part2, part3, start, start4, e2e4, start5, prof5, e2e5, final5, full6, start6, pyprof6, final6, start7, wait or tp}
 
 WORKLOADS=b128_16k_prefix_64_own,8_prefixes_8k_x16_interleaved,n16_sampling_32_prompts_4k,no_sharing_256_random_2k
 
@@ -144,6 +149,18 @@ gpu1_pipeline6() {  # engine tests (both runners, both graph modes), then the A/
   stamp "e2e A/B rc=$?"
 }
 
+gpu0_pipeline7() {  # one GPU: the issue's table (e2e.json), engine tests, an interleaved profile
+  CUDA_VISIBLE_DEVICES=0 timeout 480 python3 benchmarks/e2e_bench.py --out "$res/e2e-final7" \
+    --configs flash_attn,flashinfer,cascade --workloads $WORKLOADS > "$res/e2e-final7.log" 2>&1
+  stamp "e2e rc=$?"; grep -h '"workload"' "$res/e2e-final7.log" | cut -c1-130
+  CUDA_VISIBLE_DEVICES=0 CASCADE_RESULTS_DIR="$res/engine" timeout 480 python3 -m pytest -q \
+    -p no:cacheprovider tests/gpu/test_engine.py -k "not tensor_parallel" > "$res/engine.log" 2>&1
+  stamp "engine tests rc=$?"; tail -3 "$res/engine.log"
+  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/profile_step.py --config cascade \
+    --workload 8_prefixes_8k_x16_interleaved --out "$res/profile7" > /dev/null 2>&1
+  stamp "profile cascade interleaved rc=$?"; head -30 "$res/profile7/profile-cascade.txt"
+}
+
 wait_pipelines() {  # until both pipelines are done or $1 seconds have passed
   local deadline=$((SECONDS + ${1:-540}))
   while [ $SECONDS -lt $deadline ] && { [ ! -e "$res/gpu0.done" ] || [ ! -e "$res/gpu1.done" ]; }
@@ -227,6 +244,15 @@ start5)
   ;;
 start6)
   start_pipelines gpu0_pipeline6 gpu1_pipeline6 "${2:-540}"
+  ;;
+start7)  # one GPU: its pipeline detached; `wait` counts GPU 1's as done
+  export -f gpu0_pipeline7 stamp
+  export res WORKLOADS
+  touch "$res/gpu1.done"
+  setsid nohup bash -c "gpu0_pipeline7 > \"\$res/gpu0.log\" 2>&1; touch \"\$res/gpu0.done\"" \
+    < /dev/null > /dev/null 2>&1 &
+  stamp "pipeline started"
+  wait_pipelines "${2:-540}"
   ;;
 final6)
   # The end-to-end table with nothing else on the machine: each GPU runs the issue's three

@@ -224,6 +224,131 @@ def test_kernel_failure_runs_the_layer_flat_and_logs_once(engine, monkeypatch, c
     assert sum("kernel error" in r.getMessage() for r in caplog.records) == 1
 
 
+def _count_flat_builds(monkeypatch):
+    """vLLM's own FlashInfer build() (our builder's parent), counted."""
+    from vllm.v1.attention.backends.flashinfer import FlashInferMetadataBuilder
+
+    calls, original = [], FlashInferMetadataBuilder.build
+    monkeypatch.setattr(FlashInferMetadataBuilder, "build",
+                        lambda self, *a, **k: calls.append(a) or original(self, *a, **k))
+    return calls, original
+
+
+# What vLLM's build() sets outside its flat plans; the deferred metadata must agree on them.
+PLAIN_FIELDS = ("num_actual_tokens", "slot_mapping", "q_data_type_prefill", "q_data_type_decode",
+                "num_decodes", "num_decode_tokens", "num_prefills", "num_prefill_tokens",
+                "causal", "kv_cache_layout")
+
+
+def test_a_cascade_step_builds_vllms_flat_metadata_only_for_a_layer_that_falls_back(
+        engine, monkeypatch):
+    """vLLM's flat build (its FlashInfer plans; on 0.26's Model Runner V2 a device-to-host copy
+    of seq_lens that waits for the GPU's previous step) is skipped on a cascade step and run at
+    most once, on first use, when layers fall back to flat attention."""
+    from vllm.v1.attention.backends.flashinfer import FlashInferImpl, FlashInferMetadata
+
+    from vllm_cascade_plugin.backend import CascadeFlashInferMetadata
+
+    _config, builder, layers = engine
+    table, seq, q = batch()
+    flat_builds, vllm_build = _count_flat_builds(monkeypatch)
+    executor = builder._cascade_executor = ReferenceExecutor()
+    session.plan_step(table, seq, q)
+    cm = common_metadata(table, seq, q)
+    metadata = builder.build(0, cm)
+    g, tokens = torch.Generator().manual_seed(3), int(q.sum())
+    for layer in layers:
+        memory, kv_cache = packed_cache(g)
+        query = torch.randn(tokens, HEADS, DIM, generator=g)
+        output = torch.full_like(query, float("nan"))
+        layer.impl.forward(layer, query, None, None, kv_cache, metadata, output)
+        torch.testing.assert_close(output, dense_attention(query, memory, table, seq, q),
+                                   atol=TOL, rtol=TOL)
+    assert flat_builds == [] and metadata.prefill is None and metadata.decode is None
+    reference = vllm_build(builder, 0, cm)  # vLLM's own metadata of the same batch
+    for name in PLAIN_FIELDS:
+        if hasattr(reference, name):
+            assert getattr(metadata, name) is getattr(reference, name) or (
+                getattr(metadata, name) == getattr(reference, name)), name
+    assert (metadata.num_decodes, metadata.num_prefills) == (4, 2)  # batch(): 4 one-token rows
+
+    # Next step, every layer's kernel fails: one flat build, shared by the layers.
+    executor.fail = True
+    session.plan_step(table, seq, q)
+    metadata = builder.build(0, cm)
+    assert isinstance(metadata, CascadeFlashInferMetadata) and flat_builds == []
+    seen = []
+    monkeypatch.setattr(FlashInferImpl, "forward",
+                        lambda self, *args, **kw: seen.append(args[5]) or args[-1])
+    for layer in layers:
+        _, kv_cache = packed_cache(g)
+        query = torch.randn(tokens, HEADS, DIM, generator=g)
+        layer.impl.forward(layer, query, None, None, kv_cache, metadata, torch.empty_like(query))
+    assert len(flat_builds) == 1 and len(seen) == len(layers) and seen[0] is seen[1]
+    flat = seen[0]
+    assert type(flat) is FlashInferMetadata and flat.decode is not None
+    assert flat.prefill is not None  # vLLM planned both of its flat paths for the fallback
+
+
+def test_without_a_known_metadata_layout_a_cascade_step_builds_vllms_metadata_at_once(
+        engine, monkeypatch):
+    """A vLLM release whose FlashInfer metadata has a required field we cannot fill: the flat
+    build runs in build() as before, and the fallback uses that metadata itself."""
+    from vllm_cascade_plugin import compat
+
+    _config, builder, _ = engine
+    table, seq, q = batch()
+    flat_builds, _ = _count_flat_builds(monkeypatch)
+    monkeypatch.setattr(compat, "dataclass_values", lambda *a, **k: None)
+    builder._cascade_executor = ReferenceExecutor()
+    session.plan_step(table, seq, q)
+    metadata = builder.build(0, common_metadata(table, seq, q))
+    assert metadata.cascade is builder._cascade_executor and len(flat_builds) == 1
+    assert metadata.flat_metadata() is metadata and metadata.decode is not None
+
+
+def test_failing_to_fill_in_the_metadata_builds_vllms_at_once_and_warns_once(
+        engine, monkeypatch, caplog):
+    import vllm_cascade_plugin.backend as backend
+
+    _config, builder, _ = engine
+    table, seq, q = batch()
+    flat_builds, _ = _count_flat_builds(monkeypatch)
+
+    def broken(*args, **kwargs):
+        raise TypeError("an argument this release does not take")
+
+    monkeypatch.setattr(backend, "split_decodes_and_prefills", broken)
+    builder._cascade_executor = ReferenceExecutor()
+    with caplog.at_level(logging.WARNING, logger="vllm.cascade_plugin"):
+        for _ in range(2):
+            session.plan_step(table, seq, q)
+            metadata = builder.build(0, common_metadata(table, seq, q))
+            assert metadata.cascade is builder._cascade_executor
+    assert len(flat_builds) == 2 and stats.snapshot().steps_cascade == 2
+    assert sum("filling in vLLM's FlashInfer metadata failed" in r.getMessage()
+               for r in caplog.records) == 1
+
+
+def test_dataclass_values_fill_known_and_lazy_fields_or_give_up():
+    from vllm_cascade_plugin.compat import dataclass_values
+
+    @dataclasses.dataclass
+    class Meta:
+        a: int
+        layout: str
+        b: int = 2
+        c: list = dataclasses.field(default_factory=list)
+        d: int = dataclasses.field(default=0, init=False)
+
+    assert dataclass_values(Meta, {"a": 1, "d": 5}, {"layout": lambda: "NHD"}) == {
+        "a": 1, "layout": "NHD"}  # defaults stay the class's; init=False fields are skipped
+    assert dataclass_values(Meta, {"a": 1, "b": 3, "layout": "HND"}) == {
+        "a": 1, "b": 3, "layout": "HND"}
+    assert dataclass_values(Meta, {"a": 1}) is None  # a required field nobody knows
+    assert dataclass_values(Meta, {"a": 1}, {"layout": lambda: 1 / 0}) is None
+
+
 def test_step_without_sharing_builds_plain_vllm_metadata(engine):
     _config, builder, _ = engine
     table, seq, q = batch()

@@ -6,9 +6,11 @@ Imported only in vLLM workers, when the Attention layers resolve the FLASHINFER 
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
-from dataclasses import dataclass, fields
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from typing_extensions import override
@@ -20,6 +22,7 @@ from vllm.v1.attention.backends.flashinfer import (
     FlashInferMetadata,
     FlashInferMetadataBuilder,
 )
+from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
 from . import compat, hooks, stats
 from .config import load_config
@@ -68,10 +71,27 @@ def _check_scales(vllm_config: Any, layer_names: list[str]) -> None:
 
 @dataclass
 class CascadeFlashInferMetadata(FlashInferMetadata):
-    """vLLM's FlashInfer metadata plus, on cascade steps, the planned executor."""
+    """vLLM's FlashInfer metadata plus, on cascade steps, the planned executor.
+
+    vLLM's flat plans (its FlashInfer wrappers) are what a layer falls back to. The builder
+    defers them to :meth:`flat_metadata` (``flat_build``): building them first reads
+    ``seq_lens_cpu``, which on Model Runner V2 is a device-to-host copy that waits for the GPU
+    to finish the previous step, and would stall the host every cascade step.
+    """
 
     cascade: Any = None  # a kernels executor (FlashInfer or FA3), planned for this step
     cascade_max_page: int = -1  # largest block id the plan reads
+    # vLLM's build() of this step's flat metadata, called on first use; None: this object is it.
+    flat_build: Callable[[], FlashInferMetadata] | None = field(default=None, repr=False)
+    _flat: FlashInferMetadata | None = field(default=None, init=False, repr=False)
+
+    def flat_metadata(self) -> FlashInferMetadata:
+        """This step's metadata for vLLM's flat FlashInfer forward (built once, when needed)."""
+        if self.flat_build is None:
+            return self
+        if self._flat is None:
+            self._flat = self.flat_build()
+        return self._flat
 
 
 def unsupported_reason(vllm_config: Any, kv_cache_spec: Any, impls: list[Any]) -> str | None:
@@ -152,14 +172,11 @@ class CascadeFlashInferMetadataBuilder(FlashInferMetadataBuilder):
     @override
     def build(self, common_prefix_len: int, common_attn_metadata: Any,
               fast_build: bool = False) -> FlashInferMetadata:
-        # vLLM's own metadata is always built: it is the fallback of every cascade step.
-        metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        if fast_build:
-            return metadata
         cm = common_attn_metadata
-        step = session.step_for(cm.query_start_loc_cpu.numpy(), cm.num_actual_tokens)
+        step = None if fast_build else session.step_for(cm.query_start_loc_cpu.numpy(),
+                                                         cm.num_actual_tokens)
         if step is None:
-            return metadata
+            return super().build(common_prefix_len, cm, fast_build)
         try:
             executor = self._executor()
             executor.plan(step.plan, num_qo_heads=self.num_qo_heads,
@@ -170,12 +187,43 @@ class CascadeFlashInferMetadataBuilder(FlashInferMetadataBuilder):
                           device=self.device)
         except Exception as exc:
             stats.record_fallback("kernel planning error", f"{type(exc).__name__}: {exc}")
-            return metadata
+            return super().build(common_prefix_len, cm, fast_build)
         stats.record_cascade(step.plan.stats.pages_flat, step.plan.stats.pages_cascade,
                              step.decode)
-        return CascadeFlashInferMetadata(
-            **{f.name: getattr(metadata, f.name) for f in fields(metadata)}, cascade=executor,
-            cascade_max_page=step.plan.stats.max_page)
+        cascade = {"cascade": executor, "cascade_max_page": step.plan.stats.max_page}
+        # vLLM's flat metadata, the fallback of every layer, only if a layer needs it.
+        flat_build = functools.partial(super().build, common_prefix_len, cm, fast_build)
+        try:
+            values = self._unplanned_fields(cm)
+        except Exception as exc:  # vLLM's build now, as below; the step still runs cascade
+            stats.log_once("metadata fields error", "vllm-cascade-plugin: filling in vLLM's "
+                           "FlashInfer metadata failed (%s: %s); cascade steps build vLLM's "
+                           "flat metadata up front instead (logged once).",
+                           type(exc).__name__, exc, level=logging.WARNING)
+            values = None
+        if values is None:  # a release whose metadata we cannot fill in: vLLM's build now
+            metadata = flat_build()
+            values = {f.name: getattr(metadata, f.name) for f in fields(metadata)}
+            return CascadeFlashInferMetadata(**values, **cascade)
+        return CascadeFlashInferMetadata(**values, **cascade, flat_build=flat_build)
+
+    def _unplanned_fields(self, cm: Any) -> dict[str, Any] | None:
+        """vLLM's FlashInfer metadata fields for this batch without its flat plans (host data
+        only), or None when this release has a required field we do not know."""
+        num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens = (
+            split_decodes_and_prefills(cm, decode_threshold=self.reorder_batch_threshold,
+                                       require_uniform=True))
+        known = {
+            "num_actual_tokens": cm.num_actual_tokens, "slot_mapping": cm.slot_mapping,
+            "q_data_type_prefill": self.q_data_type_prefill,
+            "q_data_type_decode": self.q_data_type_decode, "num_decodes": num_decodes,
+            "num_decode_tokens": num_decode_tokens, "num_prefills": num_prefills,
+            "num_prefill_tokens": num_prefill_tokens, "causal": getattr(cm, "causal", True),
+            "prefill": None, "decode": None, "use_cascade": False, "cascade_wrapper": None,
+        }
+        # kv_cache_layout: a builder property in the releases whose metadata has the field.
+        layout = {"kv_cache_layout": lambda: self.kv_cache_layout}  # type: ignore[attr-defined]
+        return compat.dataclass_values(FlashInferMetadata, known, layout)
 
     def _warm_up_decode_level(self, kv_dtype: Any) -> None:
         """Compile the FA3 executor's fused decode kernel now rather than in the first cascade
@@ -240,6 +288,8 @@ class CascadeFlashInferImpl(FlashInferImpl):
                     return output
             except Exception as exc:  # this layer runs flat; both paths compute the same thing
                 stats.record_fallback("kernel error", f"{type(exc).__name__}: {exc}")
+        if isinstance(attn_metadata, CascadeFlashInferMetadata):
+            attn_metadata = attn_metadata.flat_metadata()
         return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                output_scale, output_block_scale)
 

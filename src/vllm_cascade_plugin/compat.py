@@ -258,3 +258,28 @@ def weight_offloading() -> bool:
     except ImportError:
         return False
     return not isinstance(get_offloader(), NoopOffloader)
+
+
+def dataclass_values(cls: type, known: dict[str, Any],
+                     lazy: dict[str, Callable[[], Any]] | None = None) -> dict[str, Any] | None:
+    """Constructor arguments of the dataclass ``cls``: each field's value from ``known``, else
+    from calling its ``lazy`` getter; None when a field without a default has neither (or its
+    getter fails). For vLLM's ``FlashInferMetadata``, whose fields differ between releases
+    (``kv_cache_layout`` from 0.31; ``use_cascade`` and ``cascade_wrapper`` only while vLLM had
+    cascade attention)."""
+    import dataclasses
+
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        if f.name in known:
+            values[f.name] = known[f.name]
+        elif lazy and f.name in lazy:
+            try:
+                values[f.name] = lazy[f.name]()
+            except Exception:
+                return None
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            return None
+    return values

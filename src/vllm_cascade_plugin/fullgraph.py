@@ -21,7 +21,8 @@ attention included — the ``capture_after``-th time the same key comes, and rep
 - capture: vLLM's wrappers are told to run their code (forward context mode NONE, as vLLM's own
   FULL capture does), a side stream in ``thread_local`` mode, a private pool; the graph is kept
   only if every attention layer ran the executor (none fell back to flat attention, whose
-  per-step metadata is not static); then replayed once (capturing runs nothing);
+  per-step metadata is not static; building that metadata during a capture may itself fail the
+  capture, where it waits for the GPU); then replayed once (capturing runs nothing);
 - any failure: the step runs the normal path; a failed capture turns the feature off for the
   process (one warning).
 """
