@@ -45,6 +45,9 @@
 # after another on GPU 0, detached; `wait` as before:
 #   source .devb/setup_device.sh && bash scripts/gpu_validate.sh start7 [SECONDS]
 #   source .devb/setup_device.sh && bash scripts/gpu_validate.sh wait [SECONDS]
+# then, after a shared level that reorders every row stopped merging with an empty state: FA3
+# kernel tests, interleaved prefixes flat vs cascade end to end, the engine tests' default case:
+#   source .devb/setup_device.sh && bash scripts/gpu_validate.sh start7b [SECONDS]
 # .whl holds truststore (the OpenAI client's httpx2 needs it; the bundle lacks it) and, for
 # part2, the FlashInfer wheels of the GPU version matrix. Each part leaves its logs and JSON in
 # $OUT/<part>.tar.xz (unpack into benchmarks/results/h200/ what belongs there).
@@ -57,7 +60,7 @@ if ! python3 -c 'import truststore' 2>/dev/null; then
 fi
 stamp() { echo "[gpu_validate $(date +%T)] $*"; }
 
-part=${1:?part1, part2, part3, start, start4, e2e4, start5, prof5, e2e5, final5, full6, start6, pyprof6, final6, start7, wait or tp}
+part=${1:?part1, part2, part3, start, start4, e2e4, start5, prof5, e2e5, final5, full6, start6, pyprof6, final6, start7, start7b, wait or tp}
 
 WORKLOADS=b128_16k_prefix_64_own,8_prefixes_8k_x16_interleaved,n16_sampling_32_prompts_4k,no_sharing_256_random_2k
 
@@ -161,6 +164,20 @@ gpu0_pipeline7() {  # one GPU: the issue's table (e2e.json), engine tests, an in
   stamp "profile cascade interleaved rc=$?"; head -30 "$res/profile7/profile-cascade.txt"
 }
 
+gpu0_pipeline7b() {
+  CUDA_VISIBLE_DEVICES=0 CASCADE_RESULTS_DIR="$res/kernels" timeout 300 python3 -m pytest -q \
+    -p no:cacheprovider tests/gpu/test_kernels.py -k "fa3 or fp32_reference or graphed" \
+    > "$res/kernels.log" 2>&1
+  stamp "kernel tests rc=$?"; tail -3 "$res/kernels.log"
+  CUDA_VISIBLE_DEVICES=0 timeout 300 python3 benchmarks/e2e_bench.py --out "$res/e2e-interleaved7" \
+    --configs flashinfer,cascade --workloads 8_prefixes_8k_x16_interleaved \
+    > "$res/e2e-interleaved7.log" 2>&1
+  stamp "e2e rc=$?"; grep -h '"workload"' "$res/e2e-interleaved7.log" | cut -c1-130
+  CUDA_VISIBLE_DEVICES=0 CASCADE_RESULTS_DIR="$res/engine7b" timeout 400 python3 -m pytest -q \
+    -p no:cacheprovider tests/gpu/test_engine.py -k cascade_engine_matches > "$res/engine7b.log" 2>&1
+  stamp "engine tests rc=$?"; tail -3 "$res/engine7b.log"
+}
+
 wait_pipelines() {  # until both pipelines are done or $1 seconds have passed
   local deadline=$((SECONDS + ${1:-540}))
   while [ $SECONDS -lt $deadline ] && { [ ! -e "$res/gpu0.done" ] || [ ! -e "$res/gpu1.done" ]; }
@@ -245,11 +262,12 @@ start5)
 start6)
   start_pipelines gpu0_pipeline6 gpu1_pipeline6 "${2:-540}"
   ;;
-start7)  # one GPU: its pipeline detached; `wait` counts GPU 1's as done
-  export -f gpu0_pipeline7 stamp
+start7|start7b)  # one GPU: its pipeline detached; `wait` counts GPU 1's as done
+  fn=gpu0_pipeline7; [ "$part" = start7b ] && fn=gpu0_pipeline7b
+  export -f "$fn" stamp
   export res WORKLOADS
   touch "$res/gpu1.done"
-  setsid nohup bash -c "gpu0_pipeline7 > \"\$res/gpu0.log\" 2>&1; touch \"\$res/gpu0.done\"" \
+  setsid nohup bash -c "$fn > \"\$res/gpu0.log\" 2>&1; touch \"\$res/gpu0.done\"" \
     < /dev/null > /dev/null 2>&1 &
   stamp "pipeline started"
   wait_pipelines "${2:-540}"

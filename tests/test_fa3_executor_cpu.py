@@ -240,6 +240,34 @@ def steady_decode_steps(interleaved: bool, steps: int):
 
 
 @pytest.mark.skipif(not TRITON_ON_CPU, reason="needs Triton (its CPU interpreter)")
+@pytest.mark.parametrize("covered", [6, 5], ids=["every_row", "one_row_unshared"])
+def test_a_fused_step_whose_shared_level_reorders_every_row_merges_nothing(monkeypatch, covered):
+    """Interleaved groups that cover every row: the shared level attends in group order and
+    scatters back (no zeroed state to merge with); with a row outside every group the merge
+    path runs. Both equal per-request attention."""
+    heads, kv_heads, d = 4, 2, 64
+    table, seq_lens = next(steady_decode_steps(True, 1))
+    if covered < 6:
+        table[5] = [30, 31, 32, *table[5][3:]]  # its own first pages: in no group
+    batch = make_batch(table, seq_lens, [1] * 6, page_size=16)
+    plan = CascadePlanner().plan(batch.block_table, batch.seq_lens, batch.query_lens, 16)
+    assert plan.num_levels == 2 and not plan.levels[0].q_is_identity
+    assert int(plan.levels[0].qo_indptr[-1]) == covered
+    executor = planned(plan, (heads, kv_heads, d, torch.float32))
+    merges = []
+    monkeypatch.setattr(executor, "_merge", lambda *a, **k: merges.append(a) or
+                        fake_merge_attn_states(*a, **k))
+    k_cache, v_cache = kv_cache(48, 16, kv_heads, d, torch.float32, seed=3)
+    q = torch.randn(6, heads, d, generator=torch.Generator().manual_seed(4))
+    out = torch.full(q.shape, math.nan)
+    executor.run(q, k_cache, v_cache, out)
+    want, want_lse = dense_attention(batch, q, k_cache, v_cache, d**-0.5)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(executor.lse, want_lse, atol=1e-5, rtol=1e-5)
+    assert len(merges) == (0 if covered == 6 else 1)
+
+
+@pytest.mark.skipif(not TRITON_ON_CPU, reason="needs Triton (its CPU interpreter)")
 @pytest.mark.parametrize("interleaved", [False, True], ids=["one_prefix", "interleaved"])
 def test_graphed_decode_steps_replay_with_each_steps_metadata(interleaved):
     """Steady decode through the graph path: layers are captured on the CAPTURE_AFTER-th step

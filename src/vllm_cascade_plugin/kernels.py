@@ -793,6 +793,18 @@ class FlashAttnCascadeExecutor:
                     lse = self._attend(q, k_cache, v_cache, fl, out, causal=False)
                     state = out
                     continue
+                if fl.rows == q.shape[0]:
+                    # Every row, reordered (groups interleaved in the batch): attend in group
+                    # order and scatter back; no state to merge with yet.
+                    assert fl.index is not None
+                    torch.index_select(q, 0, fl.index, out=sh.gather_q)
+                    level_lse = self._attend(sh.gather_q, k_cache, v_cache, fl, sh.out,
+                                             causal=False)
+                    out.index_copy_(0, fl.index, sh.out)
+                    lse = torch.empty_like(level_lse)
+                    lse.index_copy_(1, fl.index, level_lse)
+                    state = out
+                    continue
                 # Rows outside this level have nothing yet: output 0, LSE -inf.
                 out.zero_()
                 state = out
