@@ -12,8 +12,8 @@ minimises the squared log error of both over all rows (Nelder-Mead in log-parame
 only, under the H200's physical ceilings). Per step, what a cascade step costs beyond its kernels
 (host planning, attention outside FULL CUDA graphs): ``step_fixed_us`` closes the gap between the
 model's kernel saving over 32 layers and what end-to-end runs measured between flat FlashInfer
-and cascade on every step (``cascade_always``): ``e2e.json`` and ``e2e_flashinfer_executor.json``
-rows of that executor, and for FlashInfer's also ``demo.txt`` (the demo's default workload). An
+and cascade on every step (``cascade_always``), both from one file of ``E2E_FILES`` (rows of
+that executor), and for FlashInfer's also ``demo.txt`` (the demo's default workload). An
 executor without such runs gets FlashInfer's step cost less the difference of their host
 planning measured in the grid (``plan_us_parts``). Writes ``cost_calibration.json`` with every
 row's estimates and the pick the fitted model makes there (``regret``: the measured time of what
@@ -184,13 +184,20 @@ def report(model: CostModel, points: Sequence[tuple[dict, CascadePlan]],
     return rows
 
 
+# End-to-end results with cascade-on-every-step runs, oldest first: FlashInfer's executor
+# (session 3), the FA3 executor with whole-step graphs (session 6; session 7's e2e.json has no
+# cascade_always rows), the current table.
+E2E_FILES = ("e2e_flashinfer_executor.json", "e2e_session6.json", "e2e.json")
+
+
 def e2e_rows(results: Path) -> list[dict]:
-    """Every end-to-end row; rows without ``kernel`` predate the FA3 executor (FlashInfer's)."""
+    """Every end-to-end row, with its ``file``; rows without ``kernel`` predate the FA3
+    executor (FlashInfer's)."""
     rows = []
-    for name in ("e2e_flashinfer_executor.json", "e2e.json"):
+    for name in E2E_FILES:
         if (results / name).exists():
             for row in json.loads((results / name).read_text()):
-                rows.append({**row, "kernel": row.get("kernel") or (
+                rows.append({**row, "file": name, "kernel": row.get("kernel") or (
                     ["flashinfer"] if row["config"].startswith("cascade") else [])})
     return rows
 
@@ -205,9 +212,11 @@ def e2e_points(results: Path, kernel: str = "flashinfer", max_requests: int = 25
     for workload, (sequences, plan) in E2E_WORKLOADS.items():
         if sequences > max_requests:
             continue  # beyond the kernel grid's batch sizes: its per-layer terms do not reach
-        flat = [r for r in rows if r["workload"] == workload and r["config"] == "flashinfer"]
         on = [r for r in rows if r["workload"] == workload and r["config"] == "cascade_always"
               and r["kernel"] == [kernel]]
+        # Flat FlashInfer of the same file (the same session's engine build and machine).
+        flat = [r for r in rows if r["workload"] == workload and r["config"] == "flashinfer"
+                and on and r["file"] == on[-1]["file"]]
         if not flat or not on:
             continue
         counters = on[-1].get("plugin_counters")
@@ -306,8 +315,7 @@ def main() -> int:
         fi = executors.get("flashinfer", {}).get("fitted", {})
         executors[kernel] = calibrate(kernel, grid, args.results, fi.get("step_fixed_us"))
     result = {"date": datetime.date.today().isoformat(),
-              "inputs": ["kernel_grid.json", "e2e.json", "e2e_flashinfer_executor.json",
-                         "demo.txt"],
+              "inputs": ["kernel_grid.json", *E2E_FILES, "demo.txt"],
               "command": " ".join(["python", *sys.argv]), "margin": CostModel().margin,
               "executors": executors}
     (args.results / "cost_calibration.json").write_text(json.dumps(result, indent=1) + "\n")
