@@ -12,8 +12,8 @@ executor (``CASCADE_KERNEL``). Both are fitted by ``benchmarks/calibrate_cost.py
 (bf16, 32 q / 8 kv heads, head_dim 128, page 16, vLLM 0.26.0, FlashInfer 0.6.14): the per-layer
 terms on the 22 rows of ``benchmarks/results/h200/kernel_grid.json`` (decode, B requests behind P
 shared tokens, 128 own each), the per-step term on end-to-end runs with cascade on every step
-(``e2e.json``, ``e2e_flashinfer_executor.json``, ``demo.txt``). Some rows, per layer without the
-per-step term (µs; measured / model):
+(``e2e_session6.json``, ``e2e_flashinfer_executor.json``, ``demo.txt``). Some rows, per layer
+without the per-step term (µs; measured / model):
 
 ======  =====  ======  ===========  ===================  ==============
 B       P      groups  flat         FlashInfer executor  FA3 executor
@@ -29,9 +29,11 @@ The 16-group row shows what FlashInfer's model misses: many small groups cost mo
 bytes say. The per-step term (FA3: 1.26 ms, FlashInfer: 3.08 ms over 32 layers) is what a
 cascade step costs beyond its kernels: attention runs outside vLLM's FULL CUDA graphs, so a
 cascade step's host work sets its pace. The FA3 executor's decode steps replay the plugin's own
-CUDA graph of the whole step (``CASCADE_FULL_GRAPHS``, session 6, ``e2e.json``): 1.26 ms; with
-a graph per layer inside vLLM's piecewise path instead (``CASCADE_FULL_GRAPHS=0``, or where
-whole-step graphs are not used: tensor parallelism, LoRA, weight offloading) 1.5 ms
+CUDA graph of the whole step (``CASCADE_FULL_GRAPHS``, session 6, ``e2e_session6.json``):
+1.26 ms, measured before session 7 removed a device-to-host wait from every cascade step (so
+now an overestimate, which only keeps borderline steps flat); with a graph per layer inside
+vLLM's piecewise path instead (``CASCADE_FULL_GRAPHS=0``, or where whole-step graphs are not
+used: tensor parallelism, LoRA, weight offloading) 1.5 ms
 (``FA3_LAYER_GRAPHS_STEP_FIXED_US``, session 5, ``e2e_session5_layer_graphs.json``); launched from
 Python (~120 µs of host time per layer against ~25 µs for flat decode, ``kernel_grid.json``
 ``host_us``) 7.57 ms (``FA3_EAGER_STEP_FIXED_US``, session 4's runs).
