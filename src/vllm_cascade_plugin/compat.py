@@ -15,7 +15,7 @@ import importlib.metadata
 import importlib.util
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -260,26 +260,29 @@ def weight_offloading() -> bool:
     return not isinstance(get_offloader(), NoopOffloader)
 
 
+@functools.cache
+def _init_fields(cls: type) -> tuple[tuple[str, bool], ...]:
+    """(name, required) of each constructor field of the dataclass ``cls``."""
+    return tuple((f.name, f.default is MISSING and f.default_factory is MISSING)
+                 for f in fields(cls) if f.init)
+
+
 def dataclass_values(cls: type, known: dict[str, Any],
                      lazy: dict[str, Callable[[], Any]] | None = None) -> dict[str, Any] | None:
     """Constructor arguments of the dataclass ``cls``: each field's value from ``known``, else
     from calling its ``lazy`` getter; None when a field without a default has neither (or its
     getter fails). For vLLM's ``FlashInferMetadata``, whose fields differ between releases
     (``kv_cache_layout`` from 0.31; ``use_cascade`` and ``cascade_wrapper`` only while vLLM had
-    cascade attention)."""
-    import dataclasses
-
+    cascade attention). Called every cascade step: the field list is read once per class."""
     values: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        if not f.init:
-            continue
-        if f.name in known:
-            values[f.name] = known[f.name]
-        elif lazy and f.name in lazy:
+    for name, required in _init_fields(cls):
+        if name in known:
+            values[name] = known[name]
+        elif lazy and name in lazy:
             try:
-                values[f.name] = lazy[f.name]()
+                values[name] = lazy[name]()
             except Exception:
                 return None
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+        elif required:
             return None
     return values
