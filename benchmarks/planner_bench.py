@@ -6,6 +6,11 @@ fresh block; rows have random own lengths, so each crosses a page every 16th ste
 crosses on every step. The block table is updated in place, as vLLM does. Pre-check: what the
 runner hooks do first every step, ``nothing_shared`` on the rows' first block ids; on a batch
 without sharing (the "no sharing" case: every request its own 2K-token prompt) it is all they do.
+Churn: online serving, where every step one request finishes and a new one arrives (with one of
+the case's prefixes, or a prefix of its own where no two requests share one) and prefills its own
+prompt tokens, while the others decode. The new request takes the freed slot on even steps; on odd
+steps the batch condenses as vLLM's V1 input batch does (the last row moves into the freed slot)
+and the new request is appended. Freed blocks go back to a pool, so their ids reappear.
 
     PYTHONPATH=src python benchmarks/planner_bench.py [--quick] [--out benchmarks/results/cpu]
 """
@@ -45,6 +50,8 @@ CASES = (
     Case("8 groups", requests=256, groups=8, shared_pages=2048, own_tokens=(64, 256)),
     Case("16 groups", requests=1024, groups=16, shared_pages=240, own_tokens=(64, 256)),
     Case("no sharing", requests=256, groups=256, shared_pages=128, own_tokens=(64, 256)),
+    Case("4x8K", requests=256, groups=4, shared_pages=512, own_tokens=(64, 256)),
+    Case("4x8K, 64 rows", requests=64, groups=4, shared_pages=512, own_tokens=(64, 256)),
 )
 
 
@@ -66,12 +73,20 @@ class DecodeBatch:
 
     def step(self) -> None:
         """One decode step: a row whose last page is full gets a fresh block for its new token."""
-        entering = np.flatnonzero(self.seq_lens % PAGE_SIZE == 0)
-        self.block_table[entering, self.seq_lens[entering] // PAGE_SIZE] = np.arange(
-            self._next_id, self._next_id + entering.size
-        )
-        self._next_id += entering.size
-        self.seq_lens += 1
+        self._decode(np.ones(len(self.seq_lens), bool))
+
+    def _decode(self, rows: np.ndarray) -> None:
+        """``rows`` (a mask) decode one token; a row whose last page is full gets a new block."""
+        entering = np.flatnonzero(rows & (self.seq_lens % PAGE_SIZE == 0))
+        self.block_table[entering, self.seq_lens[entering] // PAGE_SIZE] = self._take(entering.size)
+        self.seq_lens[rows] += 1
+        self.query_lens[rows] = 1
+
+    def _take(self, count: int) -> np.ndarray:
+        """``count`` fresh block ids."""
+        ids = np.arange(self._next_id, self._next_id + count, dtype=np.int32)
+        self._next_id += count
+        return ids
 
     def precheck(self) -> tuple[bool, int]:
         """The hooks' pre-check on this step: (nothing shared?, nanoseconds it took)."""
@@ -84,6 +99,50 @@ class DecodeBatch:
         start = time.perf_counter_ns()
         planner.plan(self.block_table, self.seq_lens, self.query_lens, PAGE_SIZE)
         return time.perf_counter_ns() - start
+
+
+class ChurnBatch(DecodeBatch):
+    """A :class:`DecodeBatch` where every step one request finishes and a new one arrives."""
+
+    def __init__(self, case: Case, rng: np.random.Generator) -> None:
+        super().__init__(case, rng)
+        self.case = case
+        self.rng = rng
+        # Rows 0..groups-1 hold the prefixes 0..groups-1 (the groups are interleaved).
+        self.prefixes = self.block_table[: case.groups, : case.shared_pages].copy()
+        self._free: list[int] = []  # ids of finished requests' blocks, handed out first
+        self._steps = 0
+
+    def _take(self, count: int) -> np.ndarray:
+        reused = [self._free.pop() for _ in range(min(count, len(self._free)))]
+        return np.concatenate((np.array(reused, np.int32), super()._take(count - len(reused))))
+
+    def step(self) -> None:
+        case, rows = self.case, len(self.seq_lens)
+        done = int(self.rng.integers(rows))
+        pages = -(-int(self.seq_lens[done]) // PAGE_SIZE)
+        self._free.extend(self.block_table[done, case.shared_pages : pages].tolist())
+        slot = done
+        if self._steps % 2:  # condense: the last row moves into the hole, the new one appends
+            slot, last = rows - 1, rows - 1
+            if done != last:
+                pages = -(-int(self.seq_lens[last]) // PAGE_SIZE)
+                self.block_table[done, :pages] = self.block_table[last, :pages]
+                self.seq_lens[done] = self.seq_lens[last]
+                self.query_lens[done] = self.query_lens[last]
+        self._steps += 1
+        others = np.ones(rows, bool)
+        others[slot] = False
+        self._decode(others)
+        own = int(self.rng.integers(*case.own_tokens))
+        if case.groups < case.requests:
+            prefix = self.prefixes[self.rng.integers(case.groups)]
+        else:  # no two requests share a prefix: the new one brings its own
+            prefix = super()._take(case.shared_pages)
+        ids = np.concatenate((prefix, self._take(-(-own // PAGE_SIZE))))
+        self.block_table[slot, : ids.size] = ids  # the rest of the row keeps stale ids
+        self.seq_lens[slot] = case.shared_pages * PAGE_SIZE + own
+        self.query_lens[slot] = own  # its prefix is cached: it prefills its own tokens
 
 
 def measure(case: Case, cold_runs: int, steady_steps: int) -> dict[str, object]:
@@ -102,12 +161,20 @@ def measure(case: Case, cold_runs: int, steady_steps: int) -> dict[str, object]:
         precheck.append(ns)
         skipped.add(skip)
         steady.append(batch.plan(planner))
+    churning = ChurnBatch(case, rng)
+    planner = CascadePlanner()
+    churning.plan(planner)
+    churn = []
+    for _ in tqdm(range(steady_steps), desc=f"{case.name}: churn", leave=False, disable=None):
+        churning.step()
+        churn.append(churning.plan(planner))
     return {
         "case": case.name,
         "requests": case.requests,
         "pages": int(-(-batch.seq_lens.max() // PAGE_SIZE)),  # the longest row's
         "steady_median_us": round(statistics.median(steady) / 1e3, 1),
         "cold_median_us": round(statistics.median(cold) / 1e3, 1),
+        "churn_median_us": round(statistics.median(churn) / 1e3, 1),
         "precheck_median_us": round(statistics.median(precheck) / 1e3, 1),
         # What the hooks skip the planner on: the pre-check must say so on every step, or never.
         "planner_skipped": skipped.pop() if len(skipped) == 1 else None,
@@ -121,13 +188,14 @@ def main() -> None:
     args = parser.parse_args()
     cold_runs, steady_steps = (2, 5) if args.quick else (30, 400)
     rows = [measure(case, cold_runs, steady_steps) for case in CASES]
-    print(f"{'case':<10} {'requests':>8} {'pages':>6} {'steady µs':>10} {'cold µs':>9} "
-          f"{'pre-check µs':>12} {'skips planner':>13}")
+    print(f"{'case':<14} {'requests':>8} {'pages':>6} {'steady µs':>10} {'churn µs':>9} "
+          f"{'cold µs':>9} {'pre-check µs':>12} {'skips planner':>13}")
     for row in rows:
         print(
-            f"{row['case']:<10} {row['requests']:>8} {row['pages']:>6} "
-            f"{row['steady_median_us']:>10} {row['cold_median_us']:>9} "
-            f"{row['precheck_median_us']:>12} {row['planner_skipped']!s:>13}"
+            f"{row['case']:<14} {row['requests']:>8} {row['pages']:>6} "
+            f"{row['steady_median_us']:>10} {row['churn_median_us']:>9} "
+            f"{row['cold_median_us']:>9} {row['precheck_median_us']:>12} "
+            f"{row['planner_skipped']!s:>13}"
         )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "planner.json").write_text(json.dumps(rows, indent=2) + "\n")
@@ -138,7 +206,7 @@ def main() -> None:
         "python": platform.python_version(),
         "command": " ".join(["python", *sys.argv]),
         "cold_runs": cold_runs,
-        "steady_steps": steady_steps,
+        "steady_steps": steady_steps,  # and as many churn steps
         "page_size": PAGE_SIZE,
     }
     (args.out / "planner.meta.json").write_text(json.dumps(meta, indent=2) + "\n")

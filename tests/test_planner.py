@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vllm_cascade_plugin import planner as planner_module
-from vllm_cascade_plugin.planner import CascadePlan, CascadePlanner, plan_cascade
+from vllm_cascade_plugin import trie as trie_module
+from vllm_cascade_plugin.planner import CascadePlan, CascadePlanner, plan_cascade, plan_violations
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -413,15 +414,416 @@ def test_steady_planner_follows_new_query_lens():
     assert plan.levels[0].qo_indptr.tolist() == [0, 4]
 
 
-def test_steady_planner_rebuilds_when_rows_change_places():
+def test_steady_planner_follows_rows_that_change_places(monkeypatch):
     batch = interleaved_decode_batch(groups=2, per_group=2, shared=2)
     planner = CascadePlanner()
     planner.plan(batch.block_table, batch.seq_lens, batch.query_lens, batch.page_size)
+    builds = count_builds(monkeypatch)
     order = [1, 0, 3, 2]
     swapped = Batch(batch.block_table[order], batch.seq_lens[order], batch.query_lens[order], 4)
-    plan = planner.plan(swapped.block_table, swapped.seq_lens, swapped.query_lens, 4)
-    assert_same_plan(plan, swapped.plan())
+    plan = plan_and_check(planner, swapped, builds)
     assert plan.levels[0].rows.tolist() == [0, 2, 1, 3]
+    assert builds.count == 0
+
+
+# ---- churn: requests finish, arrive and change places ---------------------------------------
+
+
+@dataclass
+class Builds:
+    """How many structures planners built from scratch (the fresh plans they are checked
+    against, which always build, are not counted)."""
+
+    count: int = 0
+    counting: bool = True
+
+
+def count_builds(monkeypatch) -> Builds:
+    builds = Builds()
+    real_build = planner_module._build
+
+    def build(*args):
+        builds.count += builds.counting
+        return real_build(*args)
+
+    monkeypatch.setattr(planner_module, "_build", build)
+    return builds
+
+
+def plan_and_check(planner: CascadePlanner, batch: Batch, builds: Builds | None = None,
+                   **limits: int) -> CascadePlan:
+    """Plan ``batch`` with ``planner``; it must be the fresh plan, and keep its contract."""
+    plan = planner.plan(batch.block_table, batch.seq_lens, batch.query_lens, batch.page_size)
+    builds = builds or Builds()
+    builds.counting = False
+    assert_same_plan(plan, batch.plan(**limits))
+    builds.counting = True
+    assert plan_violations(plan, batch.block_table, batch.seq_lens, batch.query_lens) == []
+    return plan
+
+
+def with_rows(batch: Batch, table: np.ndarray, seq_lens: np.ndarray,
+              query_lens: np.ndarray) -> Batch:
+    return Batch(table, seq_lens.astype(np.int32), query_lens.astype(np.int32), batch.page_size)
+
+
+@st.composite
+def churn_steps(draw: st.DrawFn) -> list[Batch]:
+    """A batch and what online serving does to it, step by step, as the planner sees it.
+
+    Requests arrive (with a known prefix, part of one, or none; appended, inserted or put in a
+    padding row's place), finish (their row removed, or the last row moved into its place as
+    vLLM condenses the batch), change places, decode (a new page when the last one is full),
+    get preempted (losing pages, then recomputing them), prefill chunks, and idle as padding.
+    Freed block ids come back in other rows, and ids change under rows.
+    """
+    first = draw(batches())
+    page = first.page_size
+    width = first.block_table.shape[1] + 24
+    steps = [replace(first, block_table=np.pad(first.block_table, ((0, 0), (0, 24))))]
+    fresh = itertools.count(first.num_blocks + 100)
+    freed: list[int] = []
+
+    def new_id() -> int:
+        if freed and draw(st.booleans()):
+            return freed.pop(draw(st.integers(0, len(freed) - 1)))
+        return next(fresh)
+
+    actions = st.sampled_from(
+        ["decode"] * 3 + ["arrive"] * 3 + ["finish"] * 2 + ["condense"] * 2
+        + ["swap", "permute", "preempt", "reuse", "idle", "chunk", "widen"]
+    )
+    for action in draw(st.lists(actions, max_size=16)):
+        batch = steps[-1]
+        table, seq, qry = batch.block_table.copy(), batch.seq_lens.copy(), batch.query_lens.copy()
+        rows = len(seq)
+        r = draw(st.integers(0, rows - 1))
+        if action == "decode":
+            for row in np.flatnonzero(qry > 0):
+                if seq[row] % page == 0:
+                    if seq[row] // page >= width:
+                        continue  # the row is as long as the table: it stays
+                    table[row, seq[row] // page] = new_id()
+                seq[row] += 1
+            qry = (qry > 0).astype(np.int32)
+        elif action == "arrive":
+            known = row_pages(batch, r)
+            ids = known[: draw(st.integers(0, len(known)))]
+            ids = (ids + [new_id() for _ in range(draw(st.integers(1, 3)))])[:width]
+            seq_len = (len(ids) - 1) * page + draw(st.integers(1, page))
+            query = draw(st.sampled_from([1, seq_len, draw(st.integers(1, seq_len))]))
+            row = np.full(width, draw(st.integers(0, 5)), np.int32)  # stale ids past its pages
+            row[: len(ids)] = ids
+            idle = np.flatnonzero(qry == 0)
+            where = draw(st.sampled_from(["append", "insert", "idle"]))
+            if where == "idle" and idle.size:  # it takes a padding row's place
+                at = int(idle[draw(st.integers(0, idle.size - 1))])
+                table[at], seq[at], qry[at] = row, seq_len, query
+            else:
+                at = rows if where == "append" else draw(st.integers(0, rows))
+                table = np.insert(table, at, row, axis=0)
+                seq, qry = np.insert(seq, at, seq_len), np.insert(qry, at, query)
+        elif action in ("finish", "condense") and rows > 1:
+            freed.extend(row_pages(batch, r))
+            last = rows - 1
+            if action == "condense" and r != last:  # vLLM moves the last row into the hole
+                pages = len(row_pages(batch, last))
+                table[r, :pages], seq[r], qry[r] = table[last, :pages], seq[last], qry[last]
+                r = last
+            table, seq, qry = np.delete(table, r, 0), np.delete(seq, r), np.delete(qry, r)
+        elif action == "swap":
+            other = draw(st.integers(0, rows - 1))
+            order = np.arange(rows)
+            order[[r, other]] = order[[other, r]]
+            table, seq, qry = table[order], seq[order], qry[order]
+        elif action == "permute":
+            order = np.array(draw(st.permutations(range(rows))))
+            table, seq, qry = table[order], seq[order], qry[order]
+        elif action == "preempt" and seq[r] > 0:  # loses pages, then recomputes a part
+            seq[r] = draw(st.integers(1, int(seq[r])))
+            qry[r] = draw(st.integers(1, int(seq[r])))
+            if draw(st.booleans()):  # its freed pages go back to the pool
+                kept = -(-int(seq[r]) // page)
+                freed.extend(table[r, kept:].tolist())
+                table[r, kept:] = 0
+        elif action == "reuse":  # an id (freed, the null block, or another row's) put elsewhere
+            c = draw(st.integers(0, width - 1))
+            table[r, c] = draw(st.sampled_from([new_id(), 0, *table.ravel()[:8].tolist()]))
+        elif action == "idle":
+            qry[r] = 0
+        elif action == "chunk":
+            qry[r] = draw(st.integers(min(1, int(seq[r])), int(seq[r])))
+        elif action == "widen":  # a wider block table (with stale ids past the rows' pages)
+            extra = draw(st.integers(1, 8))
+            table = np.pad(table, ((0, 0), (0, extra)), constant_values=draw(st.integers(0, 5)))
+            width += extra
+        if draw(st.booleans()):  # the table as a strided view of a wider one, not contiguous
+            table = np.pad(table, ((0, 0), (0, 1)))[:, :width]
+        steps.append(with_rows(batch, table, seq, qry))
+    return steps
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=churn_steps(), limits=limits)
+def test_planner_under_churn_always_equals_a_fresh_plan(steps, limits):
+    planner = CascadePlanner(**limits)
+    for batch in steps:
+        plan_and_check(planner, batch, **limits)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=churn_steps(), limits=limits)
+def test_rows_sort_alike_when_their_keys_do_not_fit_one_integer(steps, limits):
+    """Sorting by one key per level (for batches too large to pack every level's key into one
+    int64) orders the rows as the packed key does."""
+    expected = [batch.plan(**limits) for batch in steps]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(trie_module.PrefixTrie, "sort_weights", lambda self, num_rows: None)
+        planner = CascadePlanner(**limits)
+        for batch, plan in zip(steps, expected, strict=True):
+            assert_same_plan(plan, batch.plan(**limits))
+            assert_same_plan(plan, planner.plan(batch.block_table, batch.seq_lens,
+                                                batch.query_lens, batch.page_size))
+
+
+class Serving:
+    """Rows of ``groups`` prefixes of ``shared`` pages each, decoding, where requests come and go
+    as in online serving; ids come from a pool, so freed ones come back."""
+
+    def __init__(self, groups: int, rows: int, shared: int, page_size: int = 4, seed: int = 0):
+        self.rng = np.random.default_rng(seed)
+        self.page = page_size
+        self.pool = itertools.count(1)
+        self.freed: list[int] = []
+        self.prefixes = [self.take(shared) for _ in range(groups)]
+        self.width = shared + 64
+        self.table = np.zeros((0, self.width), np.int32)
+        self.seq_lens = np.zeros(0, np.int64)
+        self.query_lens = np.zeros(0, np.int64)
+        for r in range(rows):
+            self.arrive(r % groups, at=r)
+        self.query_lens[:] = 1
+
+    def take(self, count: int) -> list[int]:
+        return [self.freed.pop() if self.freed else next(self.pool) for _ in range(count)]
+
+    @property
+    def batch(self) -> Batch:
+        return Batch(self.table.copy(), self.seq_lens.copy(), self.query_lens.copy(), self.page)
+
+    def arrive(self, group: int, at: int) -> None:
+        """A request with prefix ``group`` (and a prompt of its own) takes row ``at``."""
+        own = int(self.rng.integers(1, 3 * self.page))
+        row = np.zeros(self.width, np.int32)
+        ids = self.prefixes[group] + self.take(-(-own // self.page))
+        row[: len(ids)] = ids
+        seq_len = len(self.prefixes[group]) * self.page + own
+        if at == len(self.seq_lens):
+            self.table = np.vstack((self.table, row[None]))
+            self.seq_lens = np.append(self.seq_lens, seq_len)
+            self.query_lens = np.append(self.query_lens, own)
+        else:
+            self.table[at], self.seq_lens[at], self.query_lens[at] = row, seq_len, own
+
+    def finish(self, row: int) -> None:
+        shared = len(self.prefixes[0])
+        self.freed += self.table[row, shared : -(-self.seq_lens[row] // self.page)].tolist()
+
+    def decode(self) -> None:
+        entering = np.flatnonzero(self.seq_lens % self.page == 0)
+        self.table[entering, self.seq_lens[entering] // self.page] = self.take(entering.size)
+        self.seq_lens += 1
+        self.query_lens[:] = 1
+
+    def replace(self, row: int, group: int) -> None:
+        """Request ``row`` finishes; a new one takes its row."""
+        self.decode()
+        self.finish(row)
+        self.arrive(group, at=row)
+
+    def condense(self, row: int, group: int) -> None:
+        """Request ``row`` finishes, the last row moves into its place, a new one is appended."""
+        self.decode()
+        self.finish(row)
+        last = len(self.seq_lens) - 1
+        for name in ("table", "seq_lens", "query_lens"):
+            values = getattr(self, name)
+            values[row] = values[last]
+            setattr(self, name, values[:last])
+        self.arrive(group, at=last)
+
+
+def test_planner_keeps_groups_when_one_request_is_replaced(monkeypatch):
+    serving = Serving(groups=4, rows=16, shared=6)
+    planner = CascadePlanner()
+    plan_and_check(planner, serving.batch)
+    builds = count_builds(monkeypatch)
+    serving.replace(row=5, group=2)  # row 5 was in group 1
+    plan = plan_and_check(planner, serving.batch, builds)
+    assert builds.count == 0
+    assert plan.stats.group_sizes == (4, 3, 5, 4) and plan.stats.shared_pages == (6,) * 4
+
+
+def test_planner_follows_the_batch_as_vllm_condenses_it(monkeypatch):
+    serving = Serving(groups=4, rows=16, shared=6)
+    planner = CascadePlanner()
+    plan_and_check(planner, serving.batch)
+    builds = count_builds(monkeypatch)
+    serving.condense(row=2, group=0)  # the last row (group 3) moves to row 2
+    plan = plan_and_check(planner, serving.batch, builds)
+    assert builds.count == 0
+    assert plan.levels[0].rows[: plan.stats.group_sizes[0]].tolist() == [0, 4, 8, 12, 15]
+
+
+def test_planner_under_churn_plans_from_scratch_only_once(monkeypatch):
+    """Requests finish and arrive every step, decoding in between: the trie stays, so after the
+    first step the planner never sorts the rows again (the churn speedup relies on it)."""
+    serving = Serving(groups=4, rows=32, shared=5, seed=1)
+    planner = CascadePlanner()
+    builds = count_builds(monkeypatch)
+    for step in range(60):
+        row, group = (int(x) for x in serving.rng.integers(0, (32, 4)))
+        (serving.replace if step % 2 else serving.condense)(row, group)
+        plan_and_check(planner, serving.batch, builds)
+    assert builds.count == 1
+
+
+def test_planner_takes_in_and_lets_go_requests_of_known_prefixes(monkeypatch):
+    serving = Serving(groups=2, rows=6, shared=3)
+    planner = CascadePlanner()
+    plan_and_check(planner, serving.batch)
+    builds = count_builds(monkeypatch)
+    serving.arrive(1, at=6)  # a new request of group 1, appended
+    assert plan_and_check(planner, serving.batch, builds).stats.group_sizes == (3, 4)
+    batch = serving.batch
+    gone = np.arange(7) != 0  # request 0 (group 0) finishes; vLLM removes its row
+    batch = with_rows(batch, batch.block_table[gone], batch.seq_lens[gone], batch.query_lens[gone])
+    assert plan_and_check(planner, batch, builds).stats.group_sizes == (4, 2)  # group 1 first
+    assert builds.count == 0
+
+
+def test_planner_plans_from_scratch_when_a_new_request_shares_part_of_a_prefix(monkeypatch):
+    serving = Serving(groups=2, rows=6, shared=4)
+    planner = CascadePlanner()
+    plan_and_check(planner, serving.batch)
+    builds = count_builds(monkeypatch)
+    batch = serving.batch
+    table = batch.block_table.copy()
+    table[3, 2:6] = [901, 902, 903, 904]  # row 3 now shares only 2 of group 1's 4 pages
+    plan = plan_and_check(planner, replace(batch, block_table=table), builds)
+    assert builds.count == 1
+    # Group 1 splits: rows 1, 3, 5 share 2 pages, rows 1 and 5 two more on the next level.
+    assert plan.stats.group_sizes == (3, 3, 2) and plan.stats.shared_pages == (4, 2, 2)
+
+
+def test_planner_plans_from_scratch_when_a_group_loses_its_last_partner(monkeypatch):
+    serving = Serving(groups=2, rows=4, shared=4)
+    planner = CascadePlanner()
+    plan_and_check(planner, serving.batch)
+    builds = count_builds(monkeypatch)
+    batch = serving.batch
+    query_lens = batch.query_lens.copy()
+    query_lens[1] = 0  # rows 1 and 3 were group 1: row 3 has no partner left
+    plan = plan_and_check(planner, replace(batch, query_lens=query_lens), builds)
+    assert builds.count == 1 and plan.stats.group_sizes == (2,)
+
+
+def test_planner_checks_every_id_of_a_moved_row_against_the_trie(monkeypatch):
+    # Rows 1 and 3 (group 1) change places, and a block of row 3's prefix was freed and its id
+    # reused for another block: its first id still says "group 1", its fourth does not.
+    serving = Serving(groups=2, rows=4, shared=4)
+    planner = CascadePlanner()
+    plan_and_check(planner, serving.batch)
+    builds = count_builds(monkeypatch)
+    batch = serving.batch
+    order = [0, 3, 2, 1]
+    table = batch.block_table[order]
+    table[1, 3] = 999
+    moved = with_rows(batch, table, batch.seq_lens[order], batch.query_lens[order])
+    plan = plan_and_check(planner, moved, builds)
+    assert builds.count == 1 and plan.stats.shared_pages == (4, 3)
+
+
+def test_planner_follows_a_preempted_request_that_recomputes_its_prompt(monkeypatch):
+    serving = Serving(groups=2, rows=6, shared=4)
+    planner = CascadePlanner()
+    plan_and_check(planner, serving.batch)
+    builds = count_builds(monkeypatch)
+    batch = serving.batch
+    seq_lens, query_lens = batch.seq_lens.copy(), batch.query_lens.copy()
+    seq_lens[2] = 3 * batch.page_size + 1  # row 2 (group 0) lost pages and recomputes from page 1
+    query_lens[2] = seq_lens[2] - batch.page_size
+    preempted = with_rows(batch, batch.block_table, seq_lens, query_lens)
+    plan = plan_and_check(planner, preempted, builds)
+    assert builds.count == 1  # its one shared page splits group 0
+    assert sorted(plan.stats.shared_pages) == [1, 3, 4]
+
+
+def test_planner_widens_its_snapshot_for_a_row_that_grows_long(monkeypatch):
+    # A wide block table, short rows: the planner copies only the leading columns it checks.
+    batch = make_batch([[1, 2, 10], [1, 2, 11], [3, 12]], [9, 9, 5], [1, 1, 1], 4, width=200)
+    planner = CascadePlanner()
+    plan_and_check(planner, batch)
+    builds = count_builds(monkeypatch)
+    table = batch.block_table.copy()
+    table[2, :46] = [3, *range(300, 345)]  # row 2 prefilled a long prompt of its own
+    seq_lens = np.array([10, 10, 4 * 45 + 1])
+    grown = with_rows(batch, table, seq_lens, np.ones(3))
+    plan_and_check(planner, grown, builds)
+    table = table.copy()
+    table[2, 30] = 777  # an id past the first snapshot's columns changes: it is checked
+    table[:2, 3] = [20, 21]
+    plan_and_check(planner, with_rows(batch, table, seq_lens + 1, np.ones(3)), builds)
+    assert builds.count == 0
+
+
+def test_planner_plans_from_scratch_when_most_rows_moved(monkeypatch):
+    serving = Serving(groups=4, rows=32, shared=5)
+    planner = CascadePlanner()
+    plan_and_check(planner, serving.batch)
+    builds = count_builds(monkeypatch)
+    batch = serving.batch
+    order = serving.rng.permutation(32)  # looking every row up anew would cost more
+    shuffled = with_rows(batch, batch.block_table[order], batch.seq_lens[order],
+                         batch.query_lens[order])
+    plan_and_check(planner, shuffled, builds)
+    assert builds.count == 1
+    swapped = order.copy()
+    swapped[[3, 17]] = swapped[[17, 3]]  # two rows trade places, as vLLM reorders them
+    plan_and_check(planner, with_rows(batch, batch.block_table[swapped],
+                                      batch.seq_lens[swapped], batch.query_lens[swapped]), builds)
+    assert builds.count == 1
+
+
+def test_planner_plans_from_scratch_for_another_page_size_or_a_narrower_table(monkeypatch):
+    serving = Serving(groups=2, rows=4, shared=3)
+    planner = CascadePlanner()
+    plan_and_check(planner, serving.batch)
+    builds = count_builds(monkeypatch)
+    batch = serving.batch
+    plan_and_check(planner, replace(batch, page_size=2 * batch.page_size,
+                                    seq_lens=batch.seq_lens * 2 - 1), builds)
+    plan_and_check(planner, replace(batch, block_table=batch.block_table[:, :20]), builds)
+    assert builds.count == 2
+
+
+def test_planner_without_anything_to_share_copies_no_columns():
+    planner = CascadePlanner()
+    for rows in (2, 3, 1):
+        batch = make_batch([[0]] * rows, [0] * rows, [0] * rows, 4)
+        batch = replace(batch, block_table=batch.block_table[:, :0])
+        assert plan_and_check(planner, batch).num_levels == 0
+
+
+def test_a_trie_gives_the_same_level_pages_after_its_cache_fills():
+    pages = [[g, 100 + g, 200 + r] for g in range(1, 7) for r in range(2)]
+    batch = make_batch(pages, [10] * len(pages), [1] * len(pages), 4)
+    trie, _, _ = trie_module.build_trie(batch.block_table, np.full(len(pages), 2), 3, 1)
+    sequences = list(itertools.permutations(range(6)))[: 3 * trie_module.MAX_CACHED]
+    for groups in [*sequences, *sequences]:
+        indptr, ids, sizes = trie.level_pages(list(groups))
+        assert sizes == (2,) * 6 and indptr.tolist() == list(range(0, 13, 2))
+        assert ids.tolist() == [i for g in groups for i in (g + 1, g + 101)]
 
 
 # ---- targeted rules -------------------------------------------------------------------------
@@ -561,7 +963,8 @@ def run_python(*args: str) -> str:
 
 
 def test_planner_imports_numpy_only():
-    code = "import sys, vllm_cascade_plugin.planner; print('torch' in sys.modules)"
+    code = ("import sys, vllm_cascade_plugin.planner; "
+            "print(any(m in sys.modules for m in ('torch', 'vllm', 'flashinfer')))")
     assert run_python("-c", code).strip() == "False"
 
 
@@ -569,13 +972,14 @@ def test_planner_bench_quick_writes_rows(tmp_path):
     run_python(str(REPO / "benchmarks" / "planner_bench.py"), "--quick", "--out", str(tmp_path))
     rows = json.loads((tmp_path / "planner.json").read_text())
     assert rows and all(
-        set(row) == {"case", "requests", "pages", "steady_median_us", "cold_median_us",
-                     "precheck_median_us", "planner_skipped"}
+        set(row) == {"case", "requests", "pages", "steady_median_us", "churn_median_us",
+                     "cold_median_us", "precheck_median_us", "planner_skipped"}
         for row in rows
     )
     # The pre-check lets the hooks skip the planner on the batch without sharing, and only there.
     assert {row["case"]: row["planner_skipped"] for row in rows} == {
-        "1x32K": False, "8 groups": False, "16 groups": False, "no sharing": True}
+        "1x32K": False, "8 groups": False, "16 groups": False, "no sharing": True,
+        "4x8K": False, "4x8K, 64 rows": False}
     assert json.loads((tmp_path / "planner.meta.json").read_text())["command"]
 
 
