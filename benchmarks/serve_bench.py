@@ -1,0 +1,419 @@
+"""Online serving: real ``vllm serve`` servers driven by ``vllm bench serve``, configs side by side.
+
+Usage (on the GPU machine; ``--dry-run`` anywhere prints the commands and writes nothing):
+    python benchmarks/serve_bench.py --model examples/models/llama3-8b \
+        [--configs flashinfer,cascade,flash_attn] [--workloads prefix_8k_x4,...] \
+        [--rates burst,50%,90%] [--out benchmarks/results/h200/serve.json] [--plot]
+
+One server per config serves every workload (``--load-format dummy``, prefix caching on, a
+word-level tokenizer written next to a copy of config.json). Per workload: a warm-up (not
+recorded), then a burst (``--request-rate inf``) and Poisson rates at 50% and 90% of what flat
+FlashInfer sustained in its burst (completed / duration); flashinfer's server runs first. The
+prefix cache is reset before every run (``POST /reset_prefix_cache``, ``VLLM_SERVER_DEV_MODE=1``)
+and every run draws prompts of its own (its own ``--seed``), the same ones in every config. The
+plugin's counters come from ``/metrics`` before and after each run (``PROMETHEUS_MULTIPROC_DIR``
+joins the engine processes' counters there). Rows go to ``--out`` after every run, merged with the
+file's rows of other workloads/configs; ``serve.meta.json`` beside it records the commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import traceback
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import serve_workloads as sw
+
+HOST = sw.HOST  # loopback only
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A server configuration: attention backend, extra environment and ``vllm serve`` args."""
+
+    backend: str
+    env: dict[str, str]
+    args: tuple[str, ...] = ()
+
+    @property
+    def plugin_on(self) -> bool:
+        return self.env.get("CASCADE_ATTENTION") == "1"
+
+
+CONFIGS = {
+    "flashinfer": Config("FLASHINFER", {"CASCADE_ATTENTION": "0"}),
+    "cascade": Config("FLASHINFER", {"CASCADE_ATTENTION": "1"}),
+    "flash_attn": Config("FLASH_ATTN", {"CASCADE_ATTENTION": "0"}),
+}
+BASELINE = "flashinfer"  # its burst sets every config's Poisson rates
+
+
+def server_command(config: Config, model_dir: Path, port: int, max_len: int,
+                   args: argparse.Namespace) -> list[str]:
+    return [*sw.VLLM, "serve", str(model_dir), "--host", HOST, "--port", str(port),
+            "--attention-backend", config.backend, "--load-format", "dummy",
+            "--enable-prefix-caching", "--no-enable-flashinfer-autotune",
+            "--max-model-len", str(max_len),
+            "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+            "--tensor-parallel-size", str(args.tensor_parallel_size), "--seed", str(args.seed),
+            "--tokenizer", str(model_dir), "--disable-uvicorn-access-log", *config.args]
+
+
+def server_env(config: Config, prometheus_dir: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CASCADE_")}
+    env.update(config.env, PROMETHEUS_MULTIPROC_DIR=str(prometheus_dir),
+               VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1")
+    return env
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` is left, zombies aside (a container's init may never
+    reap them). Reads Linux's /proc."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:  # after "pid (comm)": state, ppid, pgrp
+            fields = stat.read_text().rsplit(")", 1)[-1].split()
+        except OSError:  # exited meanwhile
+            continue
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
+            return True
+    return False
+
+
+def stop_group(proc: subprocess.Popen[bytes], grace_s: float) -> None:
+    """SIGTERM to ``proc``'s process group (``start_new_session``: its id is ``proc.pid``), SIGKILL
+    after ``grace_s``; returns once none of it is left (the GPU is free for the next server)."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 30.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and _group_alive(proc.pid):
+            proc.poll()  # reaps our child
+            time.sleep(0.5)
+        if not _group_alive(proc.pid):
+            break
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)
+
+
+class Server:
+    """``vllm serve`` in a process group of its own, its output in ``log``; stopped on exit."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], log: Path, port: int):
+        self.cmd, self.env, self.log, self.port = cmd, env, log, port
+        self.url = f"http://{HOST}:{port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> Server:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=out,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited ({self.proc.returncode}) before it was "
+                                   f"healthy; the end of {self.log}:\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except OSError:  # not listening yet, or 503 while the engine starts
+                pass
+            time.sleep(2)
+        raise TimeoutError(f"vllm serve not healthy after {timeout_s:.0f} s; the end of "
+                           f"{self.log}:\n{self.tail()}")
+
+    def get(self, path: str) -> str:
+        with urllib.request.urlopen(self.url + path, timeout=30) as r:
+            return r.read().decode()
+
+    def reset_prefix_cache(self) -> bool:
+        """False when it does not exist (no dev mode) or blocks stay held (retried ~10 s)."""
+        for _ in range(20):
+            request = urllib.request.Request(self.url + "/reset_prefix_cache", method="POST")
+            try:
+                with urllib.request.urlopen(request, timeout=30) as r:
+                    if json.loads(r.read()).get("success"):
+                        return True
+            except urllib.error.HTTPError:
+                return False
+            time.sleep(0.5)
+        return False
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_group(self.proc, 60.0)  # the API server and the engine processes
+            self.proc = None
+
+
+def run_client(cmd: list[str], log: Path, timeout_s: float) -> int:
+    """One ``vllm bench serve`` in a process group of its own; killed past ``timeout_s``."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("CASCADE_") and k != "PROMETHEUS_MULTIPROC_DIR"}
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            print(f"  client past {timeout_s:.0f} s: stopped", file=sys.stderr)
+            return -1
+        finally:
+            stop_group(proc, 5.0)
+
+
+@dataclasses.dataclass
+class Bench:
+    """What every run of one invocation shares."""
+
+    args: argparse.Namespace
+    rates: list[str]
+    known: dict[str, float]  # workload -> flat FlashInfer's sustainable req/s
+    work: Path
+    run_id: str
+    max_len: int
+    special: list[int]
+    vocab_size: int
+
+    @property
+    def model_dir(self) -> Path:
+        return self.work / "model"
+
+    def dataset(self, w: sw.Workload, label: str, n: int | str, seed: int,
+                write: bool) -> Path | None:
+        """The tree's JSONL for one run (shared by the configs); None for vLLM's datasets."""
+        if w.kind != "tree":
+            return None
+        path = self.work / "datasets" / f"{w.name}-{label.rstrip('%')}-{seed}.jsonl"
+        if write and not path.exists():
+            assert isinstance(n, int)
+            sw.write_tree_dataset(path, w, n, seed, self.vocab_size, self.special)
+        return path
+
+    def runs(self, w: sw.Workload, config: str, port: int,
+             write: bool) -> Iterator[tuple[str, float | str | None, list[str], Path]]:
+        """(rate item, rate, client command, result file) of each measured run; rate None (and
+        placeholders in the command) while the rate waits for flashinfer's burst."""
+        for item in self.rates:
+            rate = sw.resolve_rate(item, self.known.get(w.name))
+            seed = sw.run_seed(self.args.seed, w.name, item)
+            name = f"{config}-{w.name}-{item.rstrip('%')}.json"
+            if rate is None:
+                n: int | str = self.args.num_prompts or (
+                    f"<max({sw.MIN_POISSON_PROMPTS}, rate x {self.args.duration:g} s)>")
+                shown: float | str = f"<{item} of {BASELINE} burst req/s on {w.name}>"
+            else:
+                n = sw.num_prompts(w, rate, self.args.num_prompts, self.args.duration)
+                shown = rate
+            data = self.dataset(w, item, n, seed, write and rate is not None)
+            cmd = sw.client_command(w, self.model_dir, port, shown, n, seed, data,
+                                    (self.work / "results", name))
+            yield item, rate, cmd, self.work / "results" / name
+
+    def warmup(self, w: sw.Workload, port: int, write: bool) -> list[str]:
+        n = sw.round_prompts(w, self.args.warmup_prompts)
+        seed = sw.run_seed(self.args.seed, w.name, "warmup")
+        return sw.client_command(w, self.model_dir, port, sw.BURST, n, seed,
+                                 self.dataset(w, "warmup", n, seed, write), None)
+
+
+def measure(bench: Bench, server: Server, w: sw.Workload, config: str) -> Iterator[dict]:
+    """Warm-up, then each rate on ``server``: one row per finished run."""
+    logs, timeout = bench.work / "client-logs", bench.args.run_timeout
+    print(f"[{config}] {w.name}: warm-up", flush=True)
+    if run_client(bench.warmup(w, server.port, True), logs / f"{config}-{w.name}-warmup.log",
+                  timeout) != 0:
+        print(f"  warm-up failed, see {logs}/{config}-{w.name}-warmup.log", file=sys.stderr)
+    for item, rate, cmd, result_path in bench.runs(w, config, server.port, True):
+        if rate is None:
+            print(f"  {w.name} {item}: skipped, no {BASELINE} burst to derive it from",
+                  file=sys.stderr)
+            continue
+        if not server.reset_prefix_cache():
+            print("  the prefix cache was not reset: the run's own seed keeps it fresh",
+                  file=sys.stderr)
+        before = sw.parse_counters(server.get("/metrics"))
+        offset = server.log.stat().st_size
+        print(f"[{config}] {w.name} rate {rate}: {cmd[cmd.index('--num-prompts') + 1]} requests",
+              flush=True)
+        client_log = logs / result_path.with_suffix(".log").name
+        code = run_client(cmd, client_log, timeout)
+        after = sw.parse_counters(server.get("/metrics"))
+        with server.log.open("rb") as f:
+            f.seek(offset)
+            warnings = sw.count_capture_warnings(f.read().decode(errors="replace"))
+        if code != 0 or not result_path.is_file():
+            tail = client_log.read_text(errors="replace")[-3000:]
+            print(f"  run failed ({code}); the end of {client_log}:\n{tail}", file=sys.stderr)
+            continue
+        result = json.loads(result_path.read_text())
+        if config == BASELINE and rate == sw.BURST and result.get("completed"):
+            bench.known[w.name] = sw.sustainable_rate(result)
+        yield sw.make_row(
+            workload=w.name, config=config, request_rate=rate,
+            tensor_parallel_size=bench.args.tensor_parallel_size, result=result,
+            delta=sw.counter_deltas(before, after), plugin_on=CONFIGS[config].plugin_on,
+            capture_warnings=warnings,
+            extra={"rate_spec": item, "sustainable_rate": bench.known.get(w.name),
+                   "seed": int(cmd[cmd.index("--seed") + 1]), "run_id": bench.run_id,
+                   "max_model_len": bench.max_len, "prompt_len": w.input_len,
+                   "output_len": w.output_len})
+
+
+def print_dry_run(bench: Bench, configs: list[str], workloads: list[sw.Workload]) -> None:
+    for i, config in enumerate(configs):
+        port = bench.args.port + i
+        env = server_env(CONFIGS[config], bench.work / f"prometheus-{config}")
+        shown = [f"{k}={env[k]}" for k in (*CONFIGS[config].env, "PROMETHEUS_MULTIPROC_DIR",
+                                           "VLLM_SERVER_DEV_MODE")]
+        cmd = server_command(CONFIGS[config], bench.model_dir, port, bench.max_len, bench.args)
+        print(f"# server {config}: {' '.join(shown)} {shlex.join(cmd)}")
+        for w in workloads:
+            print(f"#   {w.name} warm-up: {shlex.join(bench.warmup(w, port, False))}")
+            for item, _, client, _ in bench.runs(w, config, port, False):
+                print(f"#   {w.name} {item}: {shlex.join(client)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.plot_only:
+        print(sw.plot(args.out, list(CONFIGS)))
+        return 0
+    configs = sorted(args.configs, key=lambda c: c != BASELINE)
+    workloads = [sw.WORKLOADS[w] for w in args.workloads]
+    rates = args.rates
+    old = [] if args.fresh else sw.load_rows(args.out)
+    known = sw.baseline_rates(old, BASELINE, args.tensor_parallel_size)
+    missing = [w.name for w in workloads if w.name not in known]
+    if BASELINE not in configs and any(r.endswith("%") for r in rates) and missing:
+        print(f"no {BASELINE} burst row in {args.out} for {', '.join(missing)}: their "
+              f"relative rates are skipped (add {BASELINE} to --configs, or give req/s)",
+              file=sys.stderr)
+    run_id = datetime.datetime.now().strftime("%Y%m%dT%H%M%S")
+    while (Path(args.work_dir) / run_id).exists():  # two invocations in one second
+        run_id += "x"
+    config_json = json.loads((Path(args.model) / "config.json").read_text())
+    bench = Bench(args, rates, known, Path(args.work_dir) / run_id, run_id,
+                  sw.max_model_len(workloads),
+                  [config_json["bos_token_id"], config_json["eos_token_id"]],
+                  config_json["vocab_size"])
+    if args.dry_run:
+        print_dry_run(bench, configs, workloads)
+        return 0
+    if sw.missing_modules(workloads):
+        sys.exit(f"missing {', '.join(sw.missing_modules(workloads))}: vllm bench serve's custom "
+                 "dataset (the tree workload) reads its JSONL with pandas")
+    sw.write_model_folder(Path(args.model), bench.model_dir)
+    meta = {"run_id": run_id, "date": datetime.date.today().isoformat(), **sw.provenance(),
+            "command": shlex.join([Path(sys.executable).name, os.path.relpath(__file__), *argv]),
+            "model": f"{args.model} config.json, --load-format dummy, word-level tokenizer",
+            "max_model_len": bench.max_len,
+            "configs": {c: dataclasses.asdict(CONFIGS[c]) for c in configs},
+            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+    log_dir = Path(args.log_dir) if args.log_dir else args.out.parent / "logs"
+    new: list[dict[str, Any]] = []
+    failed, port = [], args.port
+    for config in configs:
+        port = sw.free_port(port)
+        prometheus = bench.work / f"prometheus-{config}"
+        prometheus.mkdir(parents=True)  # empty: the run id is new
+        cmd = server_command(CONFIGS[config], bench.model_dir, port, bench.max_len, args)
+        log = log_dir / f"serve-{config}-{run_id}.log"
+        print(f"[{config}] vllm serve on port {port}, log {log}", flush=True)
+        try:
+            with Server(cmd, server_env(CONFIGS[config], prometheus), log, port) as server:
+                server.wait_healthy(args.server_timeout)
+                for w in workloads:
+                    for row in measure(bench, server, w, config):
+                        new.append(row)
+                        sw.write_results(args.out, sw.merge_rows(old, new), meta)
+                        print(json.dumps({k: row[k] for k in sw.ROW_KEYS}), flush=True)
+        except Exception:  # this config failed (its rows so far are written); the others run
+            traceback.print_exc()
+            failed.append(config)
+        port += 1
+    if args.plot and new:
+        print(sw.plot(args.out, list(CONFIGS)))
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _names(known: Any) -> Any:
+    def parse(text: str) -> list[str]:
+        names = text.split(",")
+        if bad := [n for n in names if n not in known]:
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(bad)}; known: "
+                                             f"{', '.join(known)}")
+        return names
+    return parse
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="examples/models/llama3-8b",
+                   help="folder with the model's config.json (no weights: --load-format dummy)")
+    p.add_argument("--configs", type=_names(CONFIGS), default=",".join(CONFIGS),
+                   help=f"any of {', '.join(CONFIGS)}; {BASELINE} always runs first")
+    p.add_argument("--workloads", type=_names(sw.WORKLOADS), default=",".join(sw.WORKLOADS),
+                   help="comma-separated")
+    p.add_argument("--rates", type=sw.parse_rates, default="burst,50%,90%",
+                   help="'burst' (all requests at once), N%% (of flat FlashInfer's burst req/s "
+                        "on that workload) or req/s")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="requests per run; default: the workload's burst count for bursts, "
+                        "rate x --duration for Poisson rates")
+    p.add_argument("--duration", type=float, default=60.0,
+                   help="seconds of Poisson arrivals per run (the default --num-prompts)")
+    p.add_argument("--warmup-prompts", type=int, default=16,
+                   help="requests of each workload's warm-up burst (not recorded)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0, help="server seed; base of the runs' seeds")
+    p.add_argument("--port", type=int, default=8100, help="first server's port (then +1 ...)")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/h200/serve.json"))
+    p.add_argument("--log-dir", default=None, help="server logs (default: logs/ beside --out)")
+    p.add_argument("--work-dir", default="/tmp/vllm-cascade-serve-bench",
+                   help="model folder, datasets, client results and logs (a folder per run)")
+    p.add_argument("--fresh", action="store_true", help="drop the rows already in --out")
+    p.add_argument("--server-timeout", type=float, default=900.0,
+                   help="seconds for a server to answer /health")
+    p.add_argument("--run-timeout", type=float, default=1800.0,
+                   help="seconds one vllm bench serve may take")
+    p.add_argument("--plot", action="store_true", help="write serve.png beside --out at the end")
+    p.add_argument("--plot-only", action="store_true", help="only plot --out, run nothing")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the server and client commands; run and write nothing")
+    return p.parse_args(argv)
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds: the servers are stopped
+    sys.exit(main())

@@ -1,0 +1,577 @@
+"""benchmarks/serve_bench.py without a GPU: commands, tokenizer, datasets, parsing, rows, the loop.
+
+The modules are loaded by path (benchmarks/ is no package). vLLM's own argument parsers, tokenizer
+loader and benchmark datasets check the commands and prompts where vLLM is installed; the whole
+loop runs against a stand-in for ``vllm serve`` / ``vllm bench serve`` (a small HTTP server and a
+client writing vLLM's result fields), so process handling, rates and files are exercised too.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).parents[1]
+TINY = ROOT / "examples" / "models" / "llama-tiny"  # vocab 32000, bos 1, eos 2
+LLAMA3 = ROOT / "examples" / "models" / "llama3-8b"  # vocab 128256, bos 128000, eos 128001
+
+ROW_KEYS = ["workload", "config", "request_rate", "tensor_parallel_size", "output_tok_per_s",
+            "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "cascade_step_fraction",
+            "graph_replay_fraction", "capture_warnings"]
+
+
+def _load():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    for name in ("serve_workloads", "serve_bench"):
+        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up while decorating
+        spec.loader.exec_module(module)
+    return sys.modules["serve_bench"], sys.modules["serve_workloads"]
+
+
+sb, sw = _load()
+
+
+def _flag(cmd: list[str], name: str) -> str:
+    return cmd[cmd.index(name) + 1]
+
+
+def _args(**kw):
+    return sb.parse_args([f"--{k.replace('_', '-')}={v}" for k, v in kw.items()])
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return sw.write_model_folder(TINY, tmp_path_factory.mktemp("m") / "model")
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(tiny_model):
+    pytest.importorskip("vllm")
+    from vllm.tokenizers import get_tokenizer  # what vllm serve and vllm bench serve load
+
+    return get_tokenizer(str(tiny_model))
+
+
+# --- commands ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("config", "backend", "plugin"), [
+    ("flashinfer", "FLASHINFER", "0"), ("cascade", "FLASHINFER", "1"),
+    ("flash_attn", "FLASH_ATTN", "0")])
+def test_server_command_and_environment_of_each_config(config, backend, plugin, tmp_path,
+                                                      monkeypatch):
+    args = _args(gpu_memory_utilization=0.8, tensor_parallel_size=2, seed=7)
+    cmd = sb.server_command(sb.CONFIGS[config], tmp_path, 8123, 8704, args)
+    assert cmd[:4] == [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve"]
+    assert cmd[4] == str(tmp_path) and _flag(cmd, "--tokenizer") == str(tmp_path)
+    assert _flag(cmd, "--attention-backend") == backend
+    assert _flag(cmd, "--host") == "127.0.0.1" and _flag(cmd, "--port") == "8123"
+    assert _flag(cmd, "--load-format") == "dummy" and _flag(cmd, "--max-model-len") == "8704"
+    assert _flag(cmd, "--gpu-memory-utilization") == "0.8"
+    assert _flag(cmd, "--tensor-parallel-size") == "2" and _flag(cmd, "--seed") == "7"
+    assert {"--enable-prefix-caching", "--no-enable-flashinfer-autotune"} <= set(cmd)
+    monkeypatch.setenv("CASCADE_POLICY", "always")  # a caller's plugin settings never leak in
+    env = sb.server_env(sb.CONFIGS[config], tmp_path / "prom")
+    assert env["CASCADE_ATTENTION"] == plugin and "CASCADE_POLICY" not in env
+    assert env["PROMETHEUS_MULTIPROC_DIR"] == str(tmp_path / "prom")
+    assert env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert sb.CONFIGS[config].plugin_on == (plugin == "1")
+
+
+def test_a_config_with_extra_arguments_passes_them_on(tmp_path):
+    config = sb.Config("FLASH_ATTN", {"CASCADE_ATTENTION": "1", "CASCADE_KERNEL": "fa3"},
+                       ("--max-num-seqs", "128"))
+    cmd = sb.server_command(config, tmp_path, 1, 2, _args())
+    assert cmd[-2:] == ["--max-num-seqs", "128"]
+    assert sb.server_env(config, tmp_path)["CASCADE_KERNEL"] == "fa3" and config.plugin_on
+
+
+def _client(workload: str, rate, n=64, data=None, result=("/r", "x.json")):
+    w = sw.WORKLOADS[workload]
+    return sw.client_command(w, Path("/m"), 9000, rate, n, 5, data, result)
+
+
+def test_client_commands_of_each_workload_kind():
+    cmd = _client("prefix_8k_x4", "burst")
+    assert cmd[:5] == [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve"]
+    assert _flag(cmd, "--dataset-name") == "prefix_repetition"
+    assert _flag(cmd, "--prefix-repetition-prefix-len") == "8192"
+    assert _flag(cmd, "--prefix-repetition-num-prefixes") == "4"
+    assert _flag(cmd, "--prefix-repetition-suffix-len") == "64"
+    assert _flag(cmd, "--prefix-repetition-output-len") == "256"
+    assert _flag(cmd, "--request-rate") == "inf" and _flag(cmd, "--num-prompts") == "64"
+    assert _flag(cmd, "--host") == "127.0.0.1" and _flag(cmd, "--port") == "9000"
+    assert _flag(cmd, "--percentile-metrics").split(",")[:3] == ["ttft", "tpot", "itl"]
+    assert _flag(cmd, "--metric-percentiles") == "50,99" and "--ignore-eos" in cmd
+    assert _flag(cmd, "--result-dir") == "/r" and _flag(cmd, "--result-filename") == "x.json"
+    assert "--save-result" in cmd and _flag(cmd, "--seed") == "5"
+    random = _client("random_32k", 2.5)
+    assert _flag(random, "--dataset-name") == "random"
+    assert _flag(random, "--random-input-len") == str(32768 + 64)
+    assert _flag(random, "--random-prefix-len") == "0" and _flag(random, "--request-rate") == "2.5"
+    tree = _client("tree_2k_4x8k", 1.0, data=Path("/d/t.jsonl"), result=None)
+    assert _flag(tree, "--dataset-name") == "custom"
+    assert _flag(tree, "--dataset-path") == "/d/t.jsonl"
+    assert {"--skip-chat-template", "--disable-shuffle", "--no-oversample"} <= set(tree)
+    assert _flag(tree, "--custom-output-len") == "256"
+    assert "--save-result" not in tree  # a warm-up's result is not kept
+
+
+def test_vllms_own_parsers_accept_the_commands(tmp_path):
+    """vLLM 0.26's ``serve`` and ``bench serve`` parsers read every flag as meant (a CPU platform
+    stands in for the GPU; in a subprocess, so no other test sees it)."""
+    pytest.importorskip("vllm")
+    server = sb.server_command(sb.CONFIGS["cascade"], tmp_path, 8100, 8704, _args())
+    clients = [_client("prefix_8k_x4", "burst"), _client("random_2k", 3.0),
+               _client("tree_2k_4x8k", 1.5, data=tmp_path / "t.jsonl")]
+    script = textwrap.dedent("""
+        import json, sys
+        import vllm.platforms
+        from vllm.platforms.cpu import CpuPlatform
+        vllm.platforms._current_platform = CpuPlatform()
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+        from vllm.entrypoints.openai.cli_args import make_arg_parser
+        from vllm.benchmarks.serve import add_cli_args
+        server, clients = json.loads(sys.argv[1])
+        a = make_arg_parser(FlexibleArgumentParser()).parse_args(server[4:])
+        out = {"server": [a.model_tag, str(a.attention_backend), a.enable_prefix_caching,
+                          a.enable_flashinfer_autotune, a.load_format, a.max_model_len,
+                          a.host, a.port, a.seed, a.tensor_parallel_size]}
+        parser = FlexibleArgumentParser(); add_cli_args(parser)
+        plain = (str, int, float, bool, type(None))
+        out["clients"] = [{k: v for k, v in vars(parser.parse_args(c[5:])).items()
+                           if isinstance(v, plain)} for c in clients]
+        print("PARSED" + json.dumps(out, default=str))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script, json.dumps([server, clients])],
+                          capture_output=True, text=True, timeout=300)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("PARSED")), None)
+    assert line is not None, proc.stderr[-3000:]
+    parsed = json.loads(line[6:])
+    assert parsed["server"] == [str(tmp_path), "FLASHINFER", True, False, "dummy", 8704,
+                                "127.0.0.1", 8100, 0, 1]
+    prefix, random, tree = parsed["clients"]
+    assert prefix["dataset_name"] == "prefix_repetition" and prefix["request_rate"] == float("inf")
+    assert prefix["prefix_repetition_prefix_len"] == 8192 and prefix["ignore_eos"]
+    assert prefix["save_result"] and prefix["metric_percentiles"] == "50,99"
+    assert prefix["temperature"] == 0 and prefix["backend"] == "openai"
+    assert random["random_input_len"] == 2112 and random["request_rate"] == 3.0
+    assert tree["dataset_name"] == "custom" and tree["skip_chat_template"]
+    assert tree["custom_output_len"] == 256 and tree["dataset_path"] == str(tmp_path / "t.jsonl")
+
+
+# --- tokenizer and prompts ----------------------------------------------------------------------
+
+
+def test_model_folder_holds_config_and_tokenizer(tiny_model):
+    assert json.loads((tiny_model / "config.json").read_text()) == json.loads(
+        (TINY / "config.json").read_text())
+    config = json.loads((tiny_model / "tokenizer_config.json").read_text())
+    assert (config["bos_token"], config["eos_token"]) == ("w1", "w2")
+
+
+@pytest.mark.parametrize("source", [TINY, LLAMA3])
+def test_random_ids_decode_and_reencode_exactly(source, tmp_path):
+    """Every id, the special ones too (prefix_repetition draws from the whole vocabulary)."""
+    pytest.importorskip("vllm")
+    from vllm.tokenizers import get_tokenizer
+
+    tok = get_tokenizer(str(sw.write_model_folder(source, tmp_path / "m")))
+    config = json.loads((source / "config.json").read_text())
+    assert (tok.bos_token_id, tok.eos_token_id) == (config["bos_token_id"],
+                                                    config["eos_token_id"])
+    assert tok.vocab_size == config["vocab_size"] and tok.num_special_tokens_to_add() == 0
+    ids = np.random.default_rng(0).integers(0, config["vocab_size"], 20000).tolist()
+    ids[:8] = [0, 1, 2, 10, 12, 21, config["bos_token_id"], config["eos_token_id"]]
+    ids += list(range(0, config["vocab_size"], 997))
+    text = tok.decode(ids)
+    assert text.split()[:3] == ["w0", "w1", "w2"]
+    assert tok.encode(text, add_special_tokens=False) == ids
+    assert tok(text).input_ids == ids  # what the server does with a completion's prompt
+
+
+def test_vllms_prefix_repetition_and_random_prompts_are_exact(hf_tokenizer):
+    from vllm.benchmarks.datasets.datasets import PrefixRepetitionRandomDataset, RandomDataset
+
+    requests = PrefixRepetitionRandomDataset(random_seed=3).sample(
+        hf_tokenizer, num_requests=16, prefix_len=256, suffix_len=64, num_prefixes=4,
+        output_len=8)
+    ids = [hf_tokenizer.encode(r.prompt, add_special_tokens=False) for r in requests]
+    assert all(len(x) == r.prompt_len == 320 for x, r in zip(ids, requests, strict=True))
+    assert len({tuple(x[:256]) for x in ids}) == 4  # four shared prefixes, four prompts each
+    requests = RandomDataset(random_seed=3).sample(
+        hf_tokenizer, num_requests=8, input_len=300, output_len=8)
+    lens = [len(hf_tokenizer.encode(r.prompt, add_special_tokens=False)) for r in requests]
+    assert lens == [r.prompt_len for r in requests] == [300] * 8
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_tree_dataset_shares_the_system_prompt_and_each_document(hf_tokenizer, tmp_path):
+    w = sw.WORKLOADS["tree_2k_4x8k"]
+    path = sw.write_tree_dataset(tmp_path / "t.jsonl", w, 24, 11, 32000, [1, 2])
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert len(lines) == 24 and {x["output_tokens"] for x in lines} == {256}
+    ids = [hf_tokenizer(x["prompt"]).input_ids for x in lines]  # as CustomDataset counts
+    assert {len(x) for x in ids} == {2048 + 8192 + 64}
+    assert len({tuple(x[:2048]) for x in ids}) == 1
+    docs = {tuple(x[2048:2048 + 8192]) for x in ids}
+    assert len(docs) == 4
+    assert sorted(sum(tuple(x[2048:10240]) == d for x in ids) for d in docs) == [6] * 4
+    for a in ids:
+        for b in ids:
+            if a is not b:  # diverge right after the system prompt or right after the document
+                assert _common(a, b) in range(2048, 2048 + 16) or _common(a, b) in range(
+                    10240, 10240 + 16)
+    assert not {1, 2} & {t for x in ids for t in x}
+    other = sw.tree_prompts(w, 4, 12, 32000)
+    assert other[0][:2048] != ids[0][:2048]  # another run's seed: another tree
+
+
+def test_vllms_custom_dataset_reads_the_tree_file(hf_tokenizer, tmp_path):
+    pytest.importorskip("pandas")
+    from vllm.benchmarks.datasets.datasets import CustomDataset
+
+    w = sw.Workload("t", "tree", prefix_len=40, groups=3, doc_len=50, suffix_len=10)
+    path = sw.write_tree_dataset(tmp_path / "t.jsonl", w, 9, 1, 32000)
+    requests = CustomDataset(dataset_path=str(path), disable_shuffle=True).sample(
+        hf_tokenizer, num_requests=9, output_len=256, skip_chat_template=True)
+    assert [r.prompt_len for r in requests] == [100] * 9
+    assert [r.prompt for r in requests] == [json.loads(x)["prompt"]
+                                            for x in path.read_text().splitlines()]
+
+
+def test_workload_lengths_and_max_model_len():
+    w = sw.WORKLOADS
+    assert {w[f"prefix_{k}k_x{g}"].groups for k in (2, 8, 32) for g in (1, 4, 16)} == {1, 4, 16}
+    assert w["prefix_32k_x16"].total_len == 32768 + 64 + 256
+    assert w["random_8k"].input_len == w["prefix_8k_x1"].input_len == 8192 + 64
+    assert sw.max_model_len([w["prefix_8k_x4"]]) == 8704  # 8512 -> next multiple of 256
+    assert sw.max_model_len([w["prefix_2k_x1"], w["prefix_32k_x1"]]) == 33280
+    assert sw.max_model_len([sw.Workload("a", "random", suffix_len=256, output_len=256)]) == 768
+
+
+# --- rates ------------------------------------------------------------------------------------
+
+
+BURST_RESULT = {  # the fields vllm bench serve --save-result writes (0.26), values made up
+    "date": "20261201-120000", "backend": "openai", "num_prompts": 256, "request_rate": "inf",
+    "duration": 32.0, "completed": 256, "failed": 0, "total_input_tokens": 2113536,
+    "total_output_tokens": 65536, "request_throughput": 8.0, "output_throughput": 2048.0,
+    "mean_ttft_ms": 900.0, "median_ttft_ms": 850.0, "p50_ttft_ms": 850.0, "p99_ttft_ms": 4000.0,
+    "mean_tpot_ms": 30.0, "median_tpot_ms": 29.0, "p50_tpot_ms": 29.0, "p99_tpot_ms": 45.0,
+    "p50_itl_ms": 28.0, "p99_itl_ms": 60.0, "p50_e2el_ms": 9000.0, "max_concurrent_requests": 256}
+
+
+def test_rates_derived_from_a_burst_result():
+    sustainable = sw.sustainable_rate(BURST_RESULT)
+    assert sustainable == 8.0
+    assert sw.resolve_rate("50%", sustainable) == 4.0
+    assert sw.resolve_rate("90%", sustainable) == 7.2
+    assert sw.resolve_rate("90%", 7.777) == 7.0  # 6.9993 with three significant digits
+    assert sw.resolve_rate("50%", None) is None and sw.resolve_rate("3", None) == 3.0
+    assert sw.resolve_rate("burst", None) == "burst"
+    w4, w16 = sw.WORKLOADS["prefix_8k_x4"], sw.WORKLOADS["prefix_8k_x16"]
+    assert sw.num_prompts(w4, 4.0, None, 60) == 240
+    assert sw.num_prompts(w16, 7.2, None, 60) == 432  # already 27 per prefix
+    assert sw.num_prompts(w16, 3.33, None, 60) == 208  # 200 -> whole prefixes
+    assert sw.num_prompts(w4, 0.01, None, 60) == 16  # never fewer than 16
+    assert sw.num_prompts(w4, "burst", None, 60) == 256
+    assert sw.num_prompts(sw.WORKLOADS["random_32k"], "burst", None, 60) == 32
+    assert sw.num_prompts(w16, 4.0, 100, 60) == 112
+    with pytest.raises(ValueError, match="completed no request"):
+        sw.sustainable_rate({**BURST_RESULT, "completed": 0})
+
+
+def test_rate_items_are_validated_and_the_burst_goes_first():
+    assert sw.parse_rates("90%,burst,2.5,90%") == ["burst", "90%", "2.5"]
+    for bad in ("fast", "-1", "0%", "inf"):
+        with pytest.raises(ValueError):
+            sw.parse_rates(bad)
+    with pytest.raises(SystemExit):
+        sb.parse_args(["--rates", "50%,often"])
+    with pytest.raises(SystemExit):
+        sb.parse_args(["--configs", "flashinfer,nope"])
+
+
+def test_seeds_differ_per_run_and_agree_across_configs():
+    seeds = {sw.run_seed(0, w, r) for w in sw.WORKLOADS for r in ("warmup", "burst", "50%")}
+    assert len(seeds) == 3 * len(sw.WORKLOADS)
+    assert _flag(_client("prefix_8k_x4", 4.0), "--seed") == _flag(_client("prefix_8k_x4", 4.0),
+                                                                  "--seed")
+
+
+# --- server-side measurements -----------------------------------------------------------------
+
+
+METRICS = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+# HELP vllm_cascade_decode_steps_planned_total Pure-decode engine steps the cascade planner saw.
+# TYPE vllm_cascade_decode_steps_planned_total counter
+vllm_cascade_decode_steps_planned_total{tp_rank="0"} 200.0
+vllm_cascade_decode_steps_planned_total{tp_rank="1"} 200.0
+# HELP vllm_cascade_decode_steps_cascade_total Pure-decode engine steps that ran cascade.
+# TYPE vllm_cascade_decode_steps_cascade_total counter
+vllm_cascade_decode_steps_cascade_total{tp_rank="0"} 150.0
+vllm_cascade_decode_steps_cascade_total{tp_rank="1"} 150.0
+# HELP vllm_cascade_decode_steps_graphed_total Cascade decode steps that replayed a graph.
+# TYPE vllm_cascade_decode_steps_graphed_total counter
+vllm_cascade_decode_steps_graphed_total{tp_rank="0"} 120.0
+# HELP vllm_cascade_graph_capture_failures_total Captures that failed.
+# TYPE vllm_cascade_graph_capture_failures_total counter
+vllm_cascade_graph_capture_failures_total{tp_rank="0"} 1.0
+vllm_cascade_graph_capture_failures_total{tp_rank="1"} 2.0
+# HELP vllm_cascade_fallbacks_total Fallbacks.
+# TYPE vllm_cascade_fallbacks_total counter
+vllm_cascade_fallbacks_total{reason="no shared prefix",tp_rank="0"} 50.0
+"""
+
+
+def test_counters_parsed_from_metrics_text():
+    counters = sw.parse_counters(METRICS)
+    assert counters == {"decode_steps_planned": 200.0, "decode_steps_cascade": 150.0,
+                        "decode_steps_graphed": 120.0, "graph_capture_failures": 3.0}
+    assert sw.parse_counters(METRICS.split("# HELP vllm_cascade")[0]) == dict.fromkeys(counters)
+
+
+def test_counters_as_prometheus_client_writes_them():
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+    registry = CollectorRegistry()
+    planned = Counter("vllm_cascade_decode_steps_planned", "d", ["tp_rank"], registry=registry)
+    planned.labels("0").inc(7)
+    planned.labels("1").inc(7)
+    counters = sw.parse_counters(generate_latest(registry).decode())  # with _created series
+    assert counters["decode_steps_planned"] == 7.0 and counters["decode_steps_cascade"] is None
+
+
+def test_fractions_from_counter_deltas():
+    before = {"decode_steps_planned": 100.0, "decode_steps_cascade": 50.0,
+              "decode_steps_graphed": 40.0, "graph_capture_failures": 0.0}
+    after = sw.parse_counters(METRICS)
+    delta = sw.counter_deltas(before, after)
+    assert delta == {"decode_steps_planned": 100.0, "decode_steps_cascade": 100.0,
+                     "decode_steps_graphed": 80.0, "graph_capture_failures": 3.0}
+    assert sw.fractions(delta, True) == (1.0, 0.8)
+    assert sw.fractions(delta, False) == (None, None)
+    idle = sw.counter_deltas(after, after)
+    assert sw.fractions(idle, True) == (None, None)  # no decode step at all
+    missing = sw.counter_deltas(dict.fromkeys(before), {**after, "decode_steps_graphed": None})
+    assert sw.fractions(missing, True) == (0.75, None)
+
+
+def test_capture_warnings_counted_in_log_text():
+    log = "\n".join([
+        "(EngineCore pid=1) WARNING [kernels.py:457] vllm-cascade-plugin: capturing a CUDA graph "
+        "of a cascade decode step failed (RuntimeError: x); cascade decode steps launch eagerly",
+        "(EngineCore pid=1) WARNING vllm-cascade-plugin: capturing a whole cascade decode step in a"
+        " CUDA graph failed (AssertionError: y)",
+        "(EngineCore pid=1) INFO vllm-cascade-plugin: capturing a CUDA graph of a decode step",
+        "RuntimeError: t.is_cuda() INTERNAL ASSERT FAILED at /pytorch/c10/cuda/CUDAGraph.cpp:1",
+        "(EngineCore pid=1) INFO 1 steps, 0.0% ran cascade; fallbacks: capture failed: 0",
+    ])
+    assert sw.count_capture_warnings(log) == 3
+    assert sw.count_capture_warnings("") == 0
+
+
+def test_row_schema_and_values():
+    delta = {"decode_steps_planned": 10.0, "decode_steps_cascade": 5.0,
+             "decode_steps_graphed": 5.0, "graph_capture_failures": 0.0}
+    row = sw.make_row(workload="prefix_8k_x4", config="cascade", request_rate="burst",
+                      tensor_parallel_size=1, result=BURST_RESULT, delta=delta, plugin_on=True,
+                      capture_warnings=2, extra={"run_id": "r"})
+    assert list(row)[:12] == ROW_KEYS == list(sw.ROW_KEYS)
+    assert [row[k] for k in ROW_KEYS] == ["prefix_8k_x4", "cascade", "burst", 1, 2048.0, 850.0,
+                                          4000.0, 29.0, 45.0, 0.5, 1.0, 2]
+    assert row["completed"] == 256 and row["duration_s"] == 32.0 and row["run_id"] == "r"
+    assert row["ttft_ms_mean"] == 900.0 and row["request_throughput"] == 8.0
+    json.dumps(row)
+
+
+def test_new_rows_replace_only_their_own_workload_and_config(tmp_path):
+    def row(w, c, rate, tp=1):
+        return {"workload": w, "config": c, "request_rate": rate, "tensor_parallel_size": tp}
+
+    old = [row("a", "flashinfer", "burst"), row("a", "cascade", "burst"),
+           row("a", "cascade", 4.0), row("b", "cascade", "burst"), row("a", "cascade", 3, 2)]
+    new = [row("a", "cascade", "burst")]
+    merged = sw.merge_rows(old, new)
+    assert merged == [old[0], old[3], old[4], new[0]]
+    out = tmp_path / "h200" / "serve.json"
+    sw.write_results(out, merged, {"run_id": "1", "command": "first"})
+    sw.write_results(out, merged, {"run_id": "2", "command": "second"})
+    meta = json.loads(out.with_suffix(".meta.json").read_text())
+    assert meta["command"] == "second" and [r["run_id"] for r in meta["runs"]] == ["1", "2"]
+    assert json.loads(out.read_text()) == merged
+    assert sw.baseline_rates([{**old[0], "request_throughput": 8.0}], "flashinfer", 1) == {
+        "a": 8.0}
+
+
+def test_plot_reads_only_the_json(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [{**dict.fromkeys(ROW_KEYS), "workload": w, "config": c, "request_rate": r,
+             "tensor_parallel_size": 1, "tpot_ms_p50": 10.0 + i, "ttft_ms_p99": 100.0 * (i + 1),
+             "request_throughput": 9.0}
+            for w in ("a", "b") for c in ("flashinfer", "cascade")
+            for i, r in enumerate(["burst", 4.0, 7.2])]
+    out = tmp_path / "serve.json"
+    out.write_text(json.dumps(rows))
+    png = sw.plot(out, list(sb.CONFIGS))
+    assert png == tmp_path / "serve.png" and png.read_bytes()[:4] == b"\x89PNG"
+
+
+# --- processes and the whole loop, against a stand-in for vLLM --------------------------------
+
+
+FAKE_VLLM = '''
+import http.server, json, os, subprocess, sys, time, urllib.request
+argv = sys.argv[1:]
+flag = lambda name, default=None: argv[argv.index(name) + 1] if name in argv else default
+if argv[0] == "serve":
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "fake-engine-core"])
+    plugin = os.environ.get("CASCADE_ATTENTION") == "1"
+    assert os.path.isdir(os.environ["PROMETHEUS_MULTIPROC_DIR"])
+    state = {"requests": 0}
+    class H(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *a): pass
+        def reply(self, body, code=200):
+            self.send_response(code); self.end_headers(); self.wfile.write(body.encode())
+        def do_GET(self):
+            if self.path == "/health":
+                return self.reply("")
+            n = state["requests"]
+            text = ("" if not plugin else
+                    f'vllm_cascade_decode_steps_planned_total{{tp_rank="0"}} {10 * n}\\n'
+                    f'vllm_cascade_decode_steps_cascade_total{{tp_rank="0"}} {8 * n}\\n'
+                    f'vllm_cascade_decode_steps_graphed_total{{tp_rank="0"}} {6 * n}\\n')
+            self.reply("vllm:num_requests_running 0.0\\n" + text)
+        def do_POST(self):
+            if self.path == "/reset_prefix_cache":
+                dev = os.environ["VLLM_SERVER_DEV_MODE"] == "1"
+                return self.reply(json.dumps({"success": dev}))
+            state["requests"] += 1
+            if plugin:
+                print("WARNING vllm-cascade-plugin: capturing a CUDA graph failed", flush=True)
+            self.reply("{}")
+    time.sleep(1)
+    http.server.ThreadingHTTPServer((flag("--host"), int(flag("--port"))), H).serve_forever()
+else:  # bench serve
+    n = int(flag("--num-prompts"))
+    path = flag("--dataset-path")
+    if path is not None:
+        assert len(open(path).read().splitlines()) == n, "the tree file has --num-prompts lines"
+    url = f"http://{flag('--host')}:{flag('--port')}/v1/completions"
+    urllib.request.urlopen(urllib.request.Request(url, data=b"{}", method="POST")).read()
+    print(" ".join(argv))
+    if "--save-result" in argv:
+        result = {"num_prompts": n, "completed": n, "duration": n / 8.0, "output_throughput": 100.0,
+                  "p50_ttft_ms": 1.0, "p99_ttft_ms": 2.0, "p50_tpot_ms": 3.0, "p99_tpot_ms": 4.0}
+        os.makedirs(flag("--result-dir"), exist_ok=True)  # as vLLM does
+        with open(os.path.join(flag("--result-dir"), flag("--result-filename")), "w") as f:
+            json.dump(result, f)
+'''
+
+
+def _fake_vllm(tmp_path, monkeypatch) -> None:
+    script = tmp_path / "fake_vllm.py"
+    script.write_text(FAKE_VLLM)
+    monkeypatch.setattr(sw, "VLLM", [sys.executable, str(script)])
+
+
+def _alive(marker: str) -> list[str]:
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmdline.read_bytes().replace(b"\0", b" ").decode()
+            state = (cmdline.parent / "stat").read_text().rsplit(")", 1)[-1].split()[0]
+        except OSError:
+            continue
+        if marker in text and state != "Z":
+            found.append(text)
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads Linux's /proc")
+def test_server_stops_with_its_child_processes_and_reports_an_early_exit(tmp_path, monkeypatch):
+    _fake_vllm(tmp_path, monkeypatch)
+    port = sw.free_port(18400)
+    cmd = sb.server_command(sb.CONFIGS["cascade"], tmp_path, port, 1024, _args())
+    env = sb.server_env(sb.CONFIGS["cascade"], tmp_path)
+    with sb.Server(cmd, env, tmp_path / "log" / "s.log", port) as server:
+        server.wait_healthy(30)
+        assert server.reset_prefix_cache()
+        assert _alive("fake-engine-core")
+    assert not _alive("fake-engine-core") and not _alive(str(tmp_path / "fake_vllm.py"))
+    crash = [sys.executable, "-c", "print('no GPU here'); raise SystemExit(3)"]
+    with (pytest.raises(RuntimeError, match=r"exited \(3\)[\s\S]*no GPU here"),
+          sb.Server(crash, dict(os.environ), tmp_path / "c.log", port) as server):
+        server.wait_healthy(30)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads Linux's /proc")
+def test_whole_loop_writes_rows_after_each_run_and_merges(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("prometheus_client")
+    _fake_vllm(tmp_path, monkeypatch)
+    monkeypatch.setattr(sw, "missing_modules", lambda workloads: [])  # the fake reads no pandas
+    out = tmp_path / "res" / "serve.json"
+    common = ["--model", str(TINY), "--out", str(out), "--work-dir", str(tmp_path / "work"),
+              "--workloads", "prefix_2k_x4,tree_2k_4x8k", "--duration", "10",
+              "--port", str(sw.free_port(18500)), "--server-timeout", "60", "--run-timeout", "60"]
+    assert sb.main([*common, "--configs", "cascade,flashinfer", "--plot"]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["config"], r["workload"], r["request_rate"]) for r in rows] == [
+        (c, w, r) for c in ("flashinfer", "cascade") for w in ("prefix_2k_x4", "tree_2k_4x8k")
+        for r in ("burst", 4.0, 7.2)]  # flashinfer first: 8 req/s -> 50% and 90%
+    assert [r["num_prompts"] for r in rows[:3]] == [256, 40, 72]
+    for r in rows:
+        assert list(r)[:12] == ROW_KEYS
+        plugin = r["config"] == "cascade"
+        assert r["cascade_step_fraction"] == (0.8 if plugin else None)
+        assert r["graph_replay_fraction"] == (0.75 if plugin else None)
+        assert r["capture_warnings"] == (1 if plugin else 0)  # the warm-up's are not counted
+    assert len({r["seed"] for r in rows}) == 6  # same prompts in both configs
+    assert (out.parent / "serve.png").is_file() and (out.parent / "logs").is_dir()
+    meta = json.loads(out.with_suffix(".meta.json").read_text())
+    assert meta["max_model_len"] == 10752 and meta["vllm"] and meta["gpu"]
+    assert meta["command"].endswith("--configs cascade,flashinfer --plot")
+    assert meta["command"].split()[1].endswith("serve_bench.py")
+    assert not _alive(str(tmp_path / "fake_vllm.py")) and not _alive("fake-engine-core")
+    # Later: cascade alone, its rates from the file's flashinfer bursts; flashinfer rows kept.
+    assert sb.main([*common, "--configs", "cascade", "--rates", "burst,50%"]) == 0
+    again = json.loads(out.read_text())
+    key = [(r["config"], r["workload"], r["request_rate"]) for r in again]
+    assert key == [(r["config"], r["workload"], r["request_rate"]) for r in rows[:6]] + [
+        ("cascade", w, r) for w in ("prefix_2k_x4", "tree_2k_4x8k") for r in ("burst", 4.0)]
+    assert len(json.loads(out.with_suffix(".meta.json").read_text())["runs"]) == 2
+    capsys.readouterr()
+
+
+def test_dry_run_prints_the_commands_and_writes_nothing(tmp_path, capsys):
+    out, work = tmp_path / "serve.json", tmp_path / "work"
+    assert sb.main(["--dry-run", "--model", str(TINY), "--out", str(out), "--work-dir", str(work),
+                    "--configs", "cascade,flashinfer", "--workloads", "prefix_8k_x4,tree_2k_4x8k",
+                    "--duration", "30"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    servers = [x for x in lines if x.startswith("# server")]
+    assert [x.split()[2] for x in servers] == ["flashinfer:", "cascade:"]
+    assert "CASCADE_ATTENTION=1" in servers[1] and "--port 8101" in servers[1]
+    assert sum(" bench serve " in x for x in lines) == 2 * 2 * 4  # warm-up, burst, two rates
+    assert any("'<50% of flashinfer burst req/s on prefix_8k_x4>'" in x for x in lines)
+    assert not out.exists() and not work.exists()
