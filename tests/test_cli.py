@@ -52,14 +52,35 @@ def test_check_with_the_plugin_off_says_why_and_exits_1(clean_env, capsys):
     assert "the plugin stays OFF" in out and "CASCADE_ATTENTION is off" in out
 
 
-def test_check_names_a_bad_knob_and_the_plugins_filter(clean_env, capsys):
+def test_check_names_the_plugins_filter(clean_env, capsys):
     clean_env.setenv("CASCADE_ATTENTION", "1")
-    clean_env.setenv("CASCADE_MAX_LEVELS", "1")
     clean_env.setenv("VLLM_PLUGINS", "other")
     assert cli.main(["check"]) == 1
     out = capsys.readouterr().out
+    assert "VLLM_PLUGINS does not list 'cascade'" in out and "the plugin stays OFF" in out
+
+
+def test_check_with_a_bad_knob_says_vllm_refuses_to_start_and_shows_the_other_knobs(clean_env,
+                                                                                    capsys):
+    """A bad knob makes register() raise in every vLLM process, so vLLM does not start (it does
+    not run without the plugin); the other knobs still show the values they would have."""
+    from vllm_cascade_plugin import register
+    from vllm_cascade_plugin.config import ConfigError
+
+    clean_env.setenv("CASCADE_ATTENTION", "1")
+    clean_env.setenv("CASCADE_MAX_LEVELS", "1")
+    clean_env.setenv("CASCADE_POLICY", "always")
+    assert cli.main(["check"]) == 1
+    out = capsys.readouterr().out
+    assert "vLLM refuses to start" in out and "the plugin stays OFF" not in out
     assert "CASCADE_MAX_LEVELS='1' is not valid" in out
-    assert "VLLM_PLUGINS does not list 'cascade'" in out
+    lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("  CASCADE_")}
+    assert lines["CASCADE_MAX_LEVELS"].endswith("-> INVALID (expected an integer >= 2)")
+    assert lines["CASCADE_POLICY"].endswith("-> always")
+    assert lines["CASCADE_MIN_SHARED_PAGES"].endswith("-> 1")  # unset: the default
+    assert all(len(line) <= 100 for line in out.splitlines())
+    with pytest.raises(ConfigError, match="CASCADE_MAX_LEVELS"):  # what vLLM's startup meets
+        register()
 
 
 def test_demo_on_a_cpu_prints_the_plan_the_check_and_the_gpu_run(clean_env, capsys):

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from . import BACKEND_PATH
 from .compat import GPU_VERIFIED_VLLM, SUPPORTED_FLASHINFER, SUPPORTED_VLLM, check_environment
-from .config import KNOBS, CascadeConfig, ConfigError, load_config
+from .config import KNOBS, CascadeConfig, ConfigError, Knob, load_config
 
 
 def _say(lines: Iterable[str], width: int = 100) -> None:
@@ -66,29 +66,46 @@ def _gpu_line() -> str:
             f"{torch.cuda.device_count()} device(s); GPU-verified on NVIDIA H200 (sm_90)")
 
 
+def _knob_value(knob: Knob, raw: str | None) -> str:
+    """The value the plugin reads from ``raw``, or why it cannot (each knob on its own, so one
+    bad value does not hide the others)."""
+    if raw is None or raw.strip() == "":
+        return str(knob.default)
+    try:
+        return str(knob.parse(raw))
+    except ValueError:
+        return f"INVALID (expected {knob.accepted})"
+
+
 def check() -> int:
     """Print the environment report; 0 when vLLM will start with the plugin on, else 1."""
     reasons: list[str] = []
     report = check_environment()
     python = importlib.metadata.metadata("vllm-cascade-plugin")["Requires-Python"]
-    print(f"Python      {platform.python_version()} (supported: {python}; {sys.executable})")
-    print(f"torch       {_torch_line()}")
-    print(f"GPU         {_gpu_line()}")
-    print(f"vLLM        {report.vllm or 'not installed'} (supported {SUPPORTED_VLLM}; "
-          f"GPU-verified {GPU_VERIFIED_VLLM})")
-    print(f"FlashInfer  {report.flashinfer or 'not installed'} (supported {SUPPORTED_FLASHINFER})")
+    _say([f"Python      {platform.python_version()} (supported: {python}; {sys.executable})",
+          f"torch       {_torch_line()}",
+          f"GPU         {_gpu_line()}",
+          f"vLLM        {report.vllm or 'not installed'} (supported {SUPPORTED_VLLM}; "
+          f"GPU-verified {GPU_VERIFIED_VLLM})",
+          f"FlashInfer  {report.flashinfer or 'not installed'} (supported "
+          f"{SUPPORTED_FLASHINFER})"])
     reasons += report.problems
 
     print("Settings (environment variable, raw value -> value used):")
     config: CascadeConfig | None = None
+    refused: str | None = None
     try:
         config = load_config()
     except ConfigError as exc:
-        reasons.append(str(exc))
+        refused = str(exc)
     for knob in KNOBS:
         raw = os.environ.get(knob.env)
-        value = getattr(config, knob.field) if config else "?"
-        print(f"  {knob.env:<26} {repr(raw) if raw is not None else 'unset':<10} -> {value}")
+        _say([f"  {knob.env:<26} {repr(raw) if raw is not None else 'unset':<10} -> "
+              f"{_knob_value(knob, raw)}"])
+    if refused is not None:  # register() raises the same error in every vLLM process
+        _say(["At startup: vLLM refuses to start (the plugin's entry point raises this error "
+              "before any model loads):", f"  - {refused}"])
+        return 1
 
     found = _entry_point_found()
     print(f"Entry point vllm.general_plugins:cascade {'found' if found else 'NOT found'}")
@@ -102,8 +119,7 @@ def check() -> int:
         reasons += _registration_problems()
     if reasons:
         print("At startup: the plugin stays OFF and vLLM runs unchanged, because:")
-        for reason in reasons:
-            print(f"  - {reason}")
+        _say(f"  - {reason}" for reason in reasons)
         return 1
 
     assert config is not None
