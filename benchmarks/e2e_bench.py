@@ -124,7 +124,7 @@ def _worker_counters(worker: object) -> dict:
     del worker
     counters = stats.snapshot()
     kernels = sys.modules.get("vllm_cascade_plugin.kernels")
-    executors = [] if kernels is None else list(kernels._EXECUTORS)
+    executors = [] if kernels is None else list(kernels.EXECUTORS)
     graphs = {} if kernels is None else kernels.graph_stats()
     fullgraph = sys.modules.get("vllm_cascade_plugin.fullgraph")
     graphs.update({} if fullgraph is None else fullgraph.graph_stats())

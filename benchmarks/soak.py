@@ -400,7 +400,7 @@ def _graphs() -> dict[str, int] | None:
 def _executors() -> list[str]:
     """Which cascade executor ran (CASCADE_KERNEL): FlashInfer's or FA3."""
     kernels = sys.modules.get("vllm_cascade_plugin.kernels")
-    return [] if kernels is None else sorted({e.kernel for e in list(kernels._EXECUTORS)})
+    return [] if kernels is None else sorted({e.kernel for e in list(kernels.EXECUTORS)})
 
 
 def _plugin_mib() -> float | None:

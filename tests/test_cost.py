@@ -191,40 +191,49 @@ def test_the_shipped_defaults_are_the_calibration_of_the_committed_measurements(
                           for name in fitted}, kernel
 
 
-def test_a_decode_shape_is_charged_the_graphed_step_cost_once_it_is_steady():
-    """The session decides with the eager per-step cost until the previous STEADY_AFTER planned
-    decode steps had this step's shape (the executor's graphs replay such steps), then with the
-    graphed one; a new shape or a prefill step starts over. Flat or cascade steps both count."""
+def test_a_decode_step_is_charged_the_graphed_cost_once_its_graph_layout_was_planned():
+    """The executor captures a graph layout's graphs the first time it runs one and replays
+    them after, however the batch changed. So the session charges the eager per-step cost to a
+    decode step whose layout (graph_layout.graph_shape at vLLM's padded size) no earlier step
+    had, flat or cascade, and the graphed cost afterwards; rows coming and going within one
+    capture size keep the layout; a prefill chunk is never graphed."""
     from vllm_cascade_plugin.config import CascadeConfig
     from vllm_cascade_plugin.cost import FA3_EAGER_STEP_FIXED_US, cost_model_for
-    from vllm_cascade_plugin.step import STEADY_AFTER, StepSession
+    from vllm_cascade_plugin.step import StepSession
 
     session = StepSession()
     session.configure(CascadeConfig(enabled=True), dataclasses.replace(H200_LAYER, num_layers=32),
                       16, None, cost_model=cost_model_for("fa3", decode_graphs=False),
-                      steady_cost_model=cost_model_for("fa3"))
+                      steady_cost_model=cost_model_for("fa3"), capture_sizes=(32, 64, 128))
     # 64 requests behind an 8K prefix: cascade only at the graphed per-step cost.
     plan = shared_prefix_decode(64, 8192, own=16 + 128)
     layer = dataclasses.replace(H200_LAYER, num_layers=32)
     assert decide(plan, layer, cost_model_for("fa3")).use_cascade
     assert not decide(plan, layer, cost_model_for("fa3", decode_graphs=False)).use_cascade
     assert session.cost_model.step_fixed_us == FA3_EAGER_STEP_FIXED_US
+    assert (session.padded(60), session.padded(64), session.padded(65), session.padded(200)) == (
+        64, 64, 128, 200)
     # The same batch as a block table: 512 shared pages, then 12 own pages per row (enough for
-    # the 144 own tokens and the 22 steps below).
+    # the 144 own tokens and the steps below).
     table = np.zeros((64, 512 + 12), np.int32)
     table[:, :512] = np.arange(1, 513)
     table[:, 512:] = 1000 + np.arange(64 * 12).reshape(64, 12)
     seq = np.full(64, 8192 + 144, np.int32)
 
-    def step(query_lens=1, grow=0):
-        q = np.full(64, query_lens, np.int32)
-        return session.plan_step(table, seq + grow, q)
+    def step(rows=64, query_lens=1, grow=0):
+        q = np.full(rows, query_lens, np.int32)
+        return session.plan_step(table[:rows], seq[:rows] + grow, q)
 
-    picks = [step(grow=i).decision.use_cascade for i in range(STEADY_AFTER + 3)]
-    assert picks == [False] * STEADY_AFTER + [True] * 3
-    step(query_lens=4, grow=10)  # a prefill chunk is no decode shape: the streak starts over
-    picks = [step(grow=20 + i).decision.use_cascade for i in range(STEADY_AFTER + 1)]
-    assert picks == [False] * STEADY_AFTER + [True]
+    assert [step(grow=i).decision.use_cascade for i in range(3)] == [False, True, True]
+    # Requests finish: 60 and 57 rows pad to 64 as well, the layout is known.
+    assert step(rows=60, grow=3).decision.use_cascade
+    assert step(rows=57, grow=4).decision.use_cascade
+    prefill = step(query_lens=4, grow=10)  # a prefill chunk: never graphed, the eager cost
+    eager = cost_model_for("fa3", decode_graphs=False)
+    assert prefill.decision.cascade_us == pytest.approx(
+        decide(prefill.plan, layer, eager).cascade_us)
+    session.graphs_lost()  # a capture failed: eager from now on
+    assert not step(grow=5).decision.use_cascade
 
 
 def test_flat_prefill_rows_pay_for_whole_query_tiles():

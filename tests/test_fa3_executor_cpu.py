@@ -28,7 +28,8 @@ from hypothesis import strategies as st
 
 from test_planner import batches, limits, make_batch
 from test_reference import TOLERANCE, dense_attention, kv_cache
-from vllm_cascade_plugin import compat, decode_level, kernels
+from vllm_cascade_plugin import compat, decode_level, fa3_levels, kernels
+from vllm_cascade_plugin.graphs import LayerGraphs
 from vllm_cascade_plugin.planner import CascadePlanner
 
 CALLS: list[dict] = []
@@ -157,8 +158,8 @@ def test_a_level_the_next_plan_keeps_is_not_uploaded_again(monkeypatch):
     executor = planned(plan, shape)
     first = executor._levels
     uploads = []
-    real = kernels._upload
-    monkeypatch.setattr(kernels, "_upload",
+    real = fa3_levels.upload
+    monkeypatch.setattr(fa3_levels, "upload",
                         lambda a, d, device: uploads.append(a.size) or real(a, d, device))
     plan2 = planner.plan(table, np.array([51, 51], np.int32), np.ones(2, np.int32), 16)
     assert plan2.levels[0] is plan.levels[0]
@@ -270,9 +271,10 @@ def test_a_fused_step_whose_shared_level_reorders_every_row_merges_nothing(monke
 @pytest.mark.skipif(not TRITON_ON_CPU, reason="needs Triton (its CPU interpreter)")
 @pytest.mark.parametrize("interleaved", [False, True], ids=["one_prefix", "interleaved"])
 def test_graphed_decode_steps_replay_with_each_steps_metadata(interleaved):
-    """Steady decode through the graph path: layers are captured on the CAPTURE_AFTER-th step
-    and replayed after, and every step still equals per-request attention with that step's
-    lengths (a replay that read a stale or fresh-per-step buffer would not)."""
+    """Steady decode through the graph path: after the cache's one eager run, each layer is
+    captured the first time its layout comes and replayed after, and every step still equals
+    per-request attention with that step's lengths (a replay that read a stale or
+    fresh-per-step buffer would not)."""
     steps, layers, heads, kv_heads, d = 7, 2, 4, 2, 64
     executor = kernels.FlashAttnCascadeExecutor("NHD", max_levels=4, cuda_graphs=True)
     executor.graphs.capture = replaying_capture
@@ -296,9 +298,10 @@ def test_graphed_decode_steps_replay_with_each_steps_metadata(interleaved):
             want, want_lse = dense_attention(batch, q, k_cache, v_cache, d**-0.5)
             torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(executor.lse, want_lse, atol=1e-5, rtol=1e-5)
-    # One step shape throughout (block tables padded to GRAPH_PAGE_BUCKET pages).
+    # One layout throughout (block tables padded to GRAPH_PAGE_BUCKET pages): one eager run,
+    # one capture per layer, every other layer call a replay.
     assert executor.graphs.captures == layers
-    assert executor.graphs.replays == layers * (steps - kernels.CAPTURE_AFTER)
+    assert executor.graphs.replays == layers * steps - layers - 1
 
 
 @pytest.mark.skipif(not TRITON_ON_CPU, reason="needs Triton (its CPU interpreter)")
@@ -327,8 +330,8 @@ def test_a_failed_capture_runs_eagerly_and_warns_once(caplog):
     assert executor._step.graph_key is None  # later steps plan eagerly
 
 
-def test_graph_cache_captures_on_the_nth_sighting_and_drops_all_when_full():
-    graphs = kernels._Graphs(capture=replaying_capture, capture_after=2, max_graphs=2)
+def test_graph_cache_captures_on_the_nth_sighting_and_evicts_the_least_recently_replayed():
+    graphs = LayerGraphs(capture=replaying_capture, capture_after=2, max_graphs=2)
     runs = []
 
     def layer(name):
@@ -341,12 +344,28 @@ def test_graph_cache_captures_on_the_nth_sighting_and_drops_all_when_full():
     assert (graphs.captures, graphs.replays, len(graphs)) == (1, 1, 1)
     for _ in range(2):
         graphs.run(("b",), layer("b"))
-    assert len(graphs) == 2
+    graphs.run(("a",), layer("a"))  # a replayed after b was captured: b is the older now
+    assert len(graphs) == 2 and graphs.replays == 2
     for _ in range(2):
-        graphs.run(("c",), layer("c"))  # full: every graph dropped, then c captured
-    assert len(graphs) == 1 and graphs.captures == 3
-    graphs.run(("a",), layer("a"))  # a was dropped: eager again
-    assert graphs.replays == 1 and runs.count("a") == 4
+        graphs.run(("c",), layer("c"))  # full: b (least recently replayed) goes, c captured
+    assert len(graphs) == 2 and graphs.captures == 3 and graphs.evictions == 1
+    graphs.run(("a",), layer("a"))  # a survived: replayed
+    assert graphs.replays == 3
+    graphs.run(("b",), layer("b"))  # b was evicted: eager again
+    assert runs.count("b") == 3 and graphs.replays == 3
+
+
+def test_the_first_graph_of_a_cache_waits_for_one_eager_run():
+    """capture_after=1 captures a key the first time it comes, except the cache's very first
+    run, which is eager (lazy initialisation outside any capture)."""
+    graphs = LayerGraphs(capture=replaying_capture, capture_after=1)
+    runs = []
+    for key in ("a", "b", "a"):
+        graphs.run((key,), lambda key=key: runs.append(key) or torch.zeros(1))
+    assert runs == ["a", "b", "a"]  # eager a, captured b (run once), captured a
+    assert (graphs.captures, graphs.replays) == (2, 0)
+    graphs.run(("a",), lambda: runs.append("x") or torch.zeros(1))
+    assert graphs.replays == 1
 
 
 def test_non_decode_steps_and_graphs_off_run_eagerly():
@@ -360,13 +379,13 @@ def test_non_decode_steps_and_graphs_off_run_eagerly():
     assert (planned(decode, shape, graphed)._step.graph_key is not None) is TRITON_ON_CPU
     assert planned(decode, shape, fused=True)._step.graph_key is None  # cuda_graphs=False
     # Without a stand-in, graphs need a CUDA device.
-    assert not kernels._Graphs().usable(torch.device("cpu"))
+    assert not LayerGraphs().usable(torch.device("cpu"))
 
 
 def test_inside_another_capture_the_layer_runs_its_kernels(monkeypatch):
     """While the stream is being captured by someone else (a whole-step graph), a layer neither
     replays nor captures a graph of its own: its kernels go into that capture."""
-    graphs = kernels._Graphs(capture_after=1)
+    graphs = LayerGraphs(capture_after=1)
     runs = []
     replays = []
     graphs._graphs[("k",)] = lambda: replays.append(1) or torch.zeros(1)
@@ -378,3 +397,75 @@ def test_inside_another_capture_the_layer_runs_its_kernels(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     graphs.run(("k",), lambda: runs.append("k") or torch.zeros(1))
     assert replays == [1] and graphs.replays == 1
+
+
+def churning_decode_steps(steps: int):
+    """(table, seq_lens) of decode steps on two interleaved prefixes while requests come and go:
+    5 to 7 rows, a row without any shared page in some steps, rows reordered."""
+    rng = np.random.default_rng(7)
+    prefixes = [[1, 2, 3], [4, 5, 6, 7]]
+    for s in range(steps):
+        rows = int(rng.integers(5, 8))
+        table, seq_lens = [], []
+        for r in range(rows):
+            if r == rows - 1 and s % 2:
+                table.append([40 + s, 41 + s, 42 + s, 43 + s])  # its own prompt: no sharing
+                seq_lens.append(60 + s)
+                continue
+            prefix = prefixes[int(rng.integers(0, 2))]
+            own = int(rng.integers(2, 20))
+            table.append([*prefix, 20 + 3 * r, 21 + 3 * r])
+            seq_lens.append(16 * len(prefix) + own)
+        yield table, seq_lens
+
+
+@pytest.mark.skipif(not TRITON_ON_CPU, reason="needs Triton (its CPU interpreter)")
+def test_graphed_steps_of_a_changing_batch_replay_one_layout_per_padded_size():
+    """Requests arrive, finish and change places every step: each step runs padded to 8 rows
+    (vLLM's capture size), its real rows equal per-request attention, and steps whose bucketed
+    layout is the same replay the same graphs: the number of captures is the number of
+    layouts, not of steps."""
+    from vllm_cascade_plugin import graph_layout
+
+    heads, kv_heads, d, padded, layers, steps = 4, 2, 64, 8, 2, 12
+    executor = kernels.FlashAttnCascadeExecutor("NHD", max_levels=4, cuda_graphs=True)
+    executor.graphs.capture = replaying_capture
+    planner = CascadePlanner()
+    gen = torch.Generator().manual_seed(5)
+    caches = [kv_cache(64, 16, kv_heads, d, torch.float32, seed=10 + i) for i in range(layers)]
+    qkvs = [torch.empty(padded, heads + 2, d) for _ in range(layers)]
+    outs = [torch.empty(padded, heads, d) for _ in range(layers)]
+    layouts = set()
+    for table, seq_lens in churning_decode_steps(steps):
+        rows = len(table)
+        batch = make_batch(table, seq_lens, [1] * rows, page_size=16)
+        plan = planner.plan(batch.block_table, batch.seq_lens, batch.query_lens, 16)
+        assert plan.num_levels == 2
+        layouts.add(graph_layout.graph_shape(plan, padded))
+        executor.plan(plan, num_qo_heads=heads, num_kv_heads=kv_heads, head_dim=d,
+                      page_size=16, sm_scale=d**-0.5, logits_soft_cap=None,
+                      q_dtype=torch.float32, kv_dtype=torch.float32,
+                      device=torch.device("cpu"), padded_rows=padded)
+        assert executor.rows == padded and executor._step.graph_key is not None
+        for qkv, out, (k_cache, v_cache) in zip(qkvs, outs, caches, strict=True):
+            qkv.copy_(torch.randn(qkv.shape, generator=gen))
+            q = qkv[:, :heads]
+            out.fill_(math.nan)
+            executor.run(q, k_cache, v_cache, out)
+            want, want_lse = dense_attention(batch, q[:rows], k_cache, v_cache, d**-0.5)
+            torch.testing.assert_close(out[:rows], want, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(executor.lse[:rows], want_lse, atol=1e-5, rtol=1e-5)
+            assert torch.isfinite(out).all()  # the padded rows too: nothing NaN leaks out
+    assert len(layouts) < steps  # the batches differ every step, their layouts do not
+    # Every layer call was the cache's one eager run, a layout's first (captured) or a replay.
+    assert executor.graphs.captures <= layers * len(layouts)
+    assert 1 + executor.graphs.captures + executor.graphs.replays == layers * steps
+
+
+def test_a_graphed_step_refuses_query_rows_it_was_not_planned_for():
+    table = [[1, 2, 3, 10], [1, 2, 3, 11]]
+    plan = make_batch(table, [60, 60], [1, 1], page_size=16).plan()
+    executor = planned(plan, (4, 2, 64, torch.float32))
+    with pytest.raises(ValueError, match="planned for 2 query rows"):
+        executor.run(torch.zeros(3, 4, 64), torch.zeros(16, 16, 2, 64),
+                     torch.zeros(16, 16, 2, 64), torch.zeros(3, 4, 64))

@@ -42,7 +42,8 @@ def capture_stand_in(forward):
 def step(monkeypatch):
     stats.reset()
     executor = SimpleNamespace(_step=SimpleNamespace(graph_key=("levels",)), runs=0)
-    md = SimpleNamespace(cascade=executor, cascade_max_page=5, num_actual_tokens=4)
+    md = SimpleNamespace(cascade=executor, cascade_max_page=5, num_actual_tokens=4,
+                         cascade_rows=4)
     layer = SimpleNamespace(kv_cache=torch.zeros(10, 16, 2, 8),
                             impl=SimpleNamespace(_cascade_kv_views=(None, torch.zeros(10, 16, 1, 8),
                                                                     None)))
@@ -53,6 +54,7 @@ def step(monkeypatch):
                           cudagraph_runtime_mode=CUDAGraphMode.PIECEWISE)
     monkeypatch.setattr(session, "current", SimpleNamespace(
         decision=SimpleNamespace(use_cascade=True), decode=True))
+    monkeypatch.setattr(session, "steady_cost_model", session.steady_cost_model)  # restored
     inputs = {"input_ids": torch.zeros(4, dtype=torch.long), "positions": torch.zeros(4)}
     return SimpleNamespace(ctx=ctx, md=md, executor=executor, inputs=inputs,
                            model=Model(ctx, executor))
@@ -62,18 +64,33 @@ def run(graphs, s, sizes=(1, 1, 1)):
     return graphs.run(s.model, s.ctx, s.inputs, sizes, "v2")
 
 
-def test_captured_on_the_third_step_then_replayed_without_running_the_model(step):
+def test_captured_on_the_second_step_then_replayed_without_running_the_model(step):
+    """The first eager step warms up what runs lazily; the next captures, later ones replay
+    (and count as graphed decode steps)."""
     graphs = fullgraph.StepGraphs(capture=capture_stand_in)
     outs = [run(graphs, step) for _ in range(5)]
-    assert step.model.calls == 3  # two eager steps, one capture; then replays
-    assert (graphs.captures, graphs.replays) == (1, 2)
-    assert step.model.modes == [CUDAGraphMode.PIECEWISE] * 2 + [CUDAGraphMode.NONE]
+    assert step.model.calls == 2  # one eager step, one capture; then replays
+    assert (graphs.captures, graphs.replays) == (1, 3)
+    assert stats.snapshot().decode_steps_graphed == 3
+    assert step.model.modes == [CUDAGraphMode.PIECEWISE, CUDAGraphMode.NONE]
     assert step.ctx.cudagraph_runtime_mode == CUDAGraphMode.PIECEWISE  # restored
-    assert outs[3] is outs[2] and outs[4] is outs[2]
+    assert outs[2] is outs[1] and outs[4] is outs[1]
+
+
+def test_a_step_with_other_rows_of_the_same_padded_size_replays_the_same_graph(step):
+    """The key holds the rows the executor runs (vLLM's padded count), not the step's tokens:
+    a request that finished leaves the graph usable."""
+    graphs = fullgraph.StepGraphs(capture=capture_stand_in)
+    run(graphs, step)
+    run(graphs, step)
+    step.md.num_actual_tokens = 3
+    run(graphs, step)
+    assert (graphs.captures, graphs.replays) == (1, 1)
 
 
 def test_another_input_address_or_executor_key_is_another_graph(step):
     graphs = fullgraph.StepGraphs(capture=capture_stand_in, capture_after=1)
+    run(graphs, step)  # the warm-up run
     run(graphs, step)
     step.inputs["input_ids"] = torch.zeros(4, dtype=torch.long)  # new buffer, same shape
     run(graphs, step)
@@ -108,6 +125,7 @@ def test_ineligible_steps_run_the_model(step, monkeypatch, change):
 
 def test_a_graph_in_which_a_layer_fell_back_is_discarded(step):
     graphs = fullgraph.StepGraphs(capture=capture_stand_in, capture_after=1)
+    run(graphs, step)  # the warm-up run
     step.model.layers_run = LAYERS - 1  # one layer ran flat attention while capturing
     out = run(graphs, step)
     assert out is not None and graphs.captures == 0 and len(graphs) == 0
@@ -120,9 +138,11 @@ def test_a_failed_capture_runs_the_model_once_and_turns_the_feature_off(step, ca
 
     graphs = fullgraph.StepGraphs(capture=broken, capture_after=1)
     with caplog.at_level(logging.WARNING, logger="vllm.cascade_plugin"):
+        run(graphs, step)  # the warm-up run
         out = run(graphs, step)
         run(graphs, step)
-    assert step.model.calls == 2 and graphs.failed and out is not None
+    assert step.model.calls == 3 and graphs.failed and out is not None
+    assert stats.snapshot().graph_capture_failures == 1
     assert sum("whole cascade decode step" in r.getMessage() for r in caplog.records) == 1
     assert step.ctx.cudagraph_runtime_mode == CUDAGraphMode.PIECEWISE
 

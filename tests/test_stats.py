@@ -48,8 +48,10 @@ def cascade_step(decode: bool = True) -> None:
 def test_no_line_before_the_interval_then_one_line_with_the_interval_numbers(clock, caplog):
     caplog.set_level(logging.INFO, logger="vllm.cascade_plugin")
     stats.set_page_bytes(PAGE_BYTES)
-    for _ in range(3):
+    for i in range(3):
         cascade_step()
+        if i:  # two of the three replayed a CUDA graph
+            stats.record_graphed_step()
         clock.now += 10
     stats.record_planned(decode=False)  # a mixed step that ran flat
     stats.record_fallback("kernel error", level=logging.DEBUG)
@@ -57,7 +59,8 @@ def test_no_line_before_the_interval_then_one_line_with_the_interval_numbers(clo
     clock.now += 31  # 61 s after the first planned step
     stats.record_planned(decode=True)
     [line] = lines(caplog)
-    assert "last 61 s: 4 steps, 75.0% ran cascade (decode steps: 100.0%)" in line
+    assert ("last 61 s: 4 steps, 75.0% ran cascade (decode steps: 100.0%, 66.7% of them from "
+            "CUDA graphs)") in line
     assert "fallbacks: kernel error 1" in line
     assert "300 instead of 3,000 flat" in line
     saved = 2700 * PAGE_BYTES / 1e9
@@ -127,6 +130,8 @@ def test_prometheus_counters_mirror_the_records():
     counters.planned(decode=False)
     counters.cascade(1000, 100, decode=True, page_bytes=10)
     counters.fallback("kernel error")
+    counters.graphed()
+    counters.capture_failure()
 
     def value(name: str, **labels: str) -> float | None:
         return registry.get_sample_value(f"vllm_cascade_{name}_total", {"tp_rank": "0", **labels})
@@ -136,6 +141,7 @@ def test_prometheus_counters_mirror_the_records():
     assert value("kv_pages_flat") == 1000 and value("kv_pages_cascade") == 100
     assert value("kv_bytes_saved") == 9000
     assert value("fallbacks", reason="kernel error") == 1
+    assert value("decode_steps_graphed") == 1 and value("graph_capture_failures") == 1
 
 
 WORKER = """

@@ -48,6 +48,11 @@ class PrometheusCounters:
             "decode_steps_planned", "Pure-decode engine steps the cascade planner saw.")
         self.decode_steps_cascade = counter(
             "decode_steps_cascade", "Pure-decode engine steps that ran cascade attention.")
+        self.decode_steps_graphed = counter(
+            "decode_steps_graphed",
+            "Cascade decode steps whose attention replayed a CUDA graph (whole step or layers).")
+        self.graph_capture_failures = counter(
+            "graph_capture_failures", "CUDA-graph captures of cascade steps that failed.")
         self._fallbacks = counter(
             "fallbacks", "Steps or layer calls that ran flat attention instead, by reason.",
             ("reason",))
@@ -72,6 +77,12 @@ class PrometheusCounters:
         self.kv_pages_cascade.inc(pages_cascade)
         if page_bytes and pages_flat > pages_cascade:
             self.kv_bytes_saved.inc((pages_flat - pages_cascade) * page_bytes)
+
+    def graphed(self) -> None:
+        self.decode_steps_graphed.inc()
+
+    def capture_failure(self) -> None:
+        self.graph_capture_failures.inc()
 
     def fallback(self, reason: str) -> None:
         self._fallbacks.labels(self._rank, reason).inc()

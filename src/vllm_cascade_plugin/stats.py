@@ -27,6 +27,8 @@ class Counters:
     steps_cascade: int = 0  # steps whose attention ran as cascade
     decode_steps_planned: int = 0  # of those planned: pure-decode steps (one token per row)
     decode_steps_cascade: int = 0  # of those run as cascade: pure-decode steps
+    decode_steps_graphed: int = 0  # of those: replayed from a CUDA graph (whole step or layers)
+    graph_capture_failures: int = 0  # CUDA-graph captures that failed (each turns graphs off)
     pages_flat: int = 0  # KV pages flat attention would have read, over cascade steps
     pages_cascade: int = 0  # KV pages the cascade read instead, over cascade steps
     fallbacks: Counter[str] = field(default_factory=Counter)  # steps run flat, by reason
@@ -81,6 +83,23 @@ def record_cascade(pages_flat: int, pages_cascade: int, decode: bool) -> None:
     sink = _sink()
     if sink is not None:
         sink.cascade(pages_flat, pages_cascade, decode, _page_bytes)
+
+
+def record_graphed_step() -> None:
+    """A cascade decode step whose attention replayed a CUDA graph (once per step)."""
+    with _lock:
+        _counters.decode_steps_graphed += 1
+    sink = _sink()
+    if sink is not None:
+        sink.graphed()
+
+
+def record_capture_failure() -> None:
+    with _lock:
+        _counters.graph_capture_failures += 1
+    sink = _sink()
+    if sink is not None:
+        sink.capture_failure()
 
 
 def record_fallback(reason: str, detail: str = "", *, level: int = logging.WARNING) -> None:
@@ -171,6 +190,8 @@ def _difference(now: Counters, before: Counters) -> Counters:
         steps_cascade=now.steps_cascade - before.steps_cascade,
         decode_steps_planned=now.decode_steps_planned - before.decode_steps_planned,
         decode_steps_cascade=now.decode_steps_cascade - before.decode_steps_cascade,
+        decode_steps_graphed=now.decode_steps_graphed - before.decode_steps_graphed,
+        graph_capture_failures=now.graph_capture_failures - before.graph_capture_failures,
         pages_flat=now.pages_flat - before.pages_flat,
         pages_cascade=now.pages_cascade - before.pages_cascade,
         fallbacks=now.fallbacks - before.fallbacks,
@@ -199,8 +220,10 @@ def format_line(since: Counters, total: Counters, elapsed_s: float,
         kv = f"{_bytes(saved * page_bytes)} saved ({_bytes(total_saved)} since start)"
     else:
         kv = "bytes unknown (page size not set)"
-    return ("vllm-cascade-plugin: last %.0f s: %d steps, %s ran cascade (decode steps: %s); "
-            "fallbacks: %s; KV pages read on cascade steps: %s instead of %s flat, %s.",
+    return ("vllm-cascade-plugin: last %.0f s: %d steps, %s ran cascade (decode steps: %s, "
+            "%s of them from CUDA graphs); fallbacks: %s; KV pages read on cascade steps: %s "
+            "instead of %s flat, %s.",
             elapsed_s, since.steps_planned, _percent(since.steps_cascade, since.steps_planned),
-            _percent(since.decode_steps_cascade, since.decode_steps_planned), fallbacks or "none",
+            _percent(since.decode_steps_cascade, since.decode_steps_planned),
+            _percent(since.decode_steps_graphed, since.decode_steps_cascade), fallbacks or "none",
             f"{since.pages_cascade:,}", f"{since.pages_flat:,}", kv)

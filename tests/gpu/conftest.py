@@ -8,6 +8,7 @@ import pytest
 import torch
 
 HERE = Path(__file__).parent
+TINY_CONFIG = HERE.parents[1] / "examples" / "models" / "llama-tiny" / "config.json"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -18,3 +19,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.gpu)
             if skip is not None:
                 item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny Llama config with transformers' normal random initialisation (std 0.02), saved
+    once: vLLM's dummy weights (~1e-3) make attention nearly uniform, so a wrong page would go
+    unnoticed."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("llama-tiny-std002")
+    torch.manual_seed(0)
+    config = LlamaConfig.from_pretrained(TINY_CONFIG.parent)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
+    return str(out)

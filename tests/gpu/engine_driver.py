@@ -118,7 +118,7 @@ def _worker_counters(worker) -> dict:
     try:  # which executor ran the cascade steps (CASCADE_KERNEL); none before a cascade step
         from vllm_cascade_plugin import fullgraph, kernels
 
-        alive = list(kernels._EXECUTORS)
+        alive = list(kernels.EXECUTORS)
         # The FA3 executor's per-layer CUDA graphs and the whole-step graphs of decode steps.
         graphs = {**kernels.graph_stats(), **fullgraph.graph_stats()}
     except ImportError:
@@ -126,7 +126,9 @@ def _worker_counters(worker) -> dict:
     return {**dataclasses.asdict(counters), "fallbacks": dict(counters.fallbacks),
             "executors": sorted({e.kernel for e in alive}),
             **{k: graphs.get(k, 0) for k in ("graph_captures", "graph_replays",
-                                              "full_graph_captures", "full_graph_replays")}}
+                                              "full_graph_captures", "full_graph_replays",
+                                              "full_graphs_held", "full_graph_pool_bytes",
+                                              "graph_pool_bytes")}}
 
 
 def _counters(llm) -> dict:

@@ -24,23 +24,10 @@ import torch
 from vllm_cascade_plugin import agreement
 
 HERE = Path(__file__).parent
-CONFIG = HERE.parents[1] / "examples" / "models" / "llama-tiny" / "config.json"
 CASCADE_WORKLOADS = ("a_", "b_", "c_", "d_")  # cascade must run on >= 90% of their decode steps
 GRAPH_KEYS = ("graph_captures", "graph_replays", "full_graph_captures", "full_graph_replays")
 RESULTS: list[dict] = []
 _RUNS: dict[tuple, dict] = {}  # one engine per configuration per session, shared by the tests
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    out = tmp_path_factory.mktemp("llama-tiny-std002")
-    torch.manual_seed(0)
-    config = LlamaConfig.from_pretrained(CONFIG.parent)
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
-    return str(out)
 
 
 def run_engine(model_dir: str, out: Path, *, plugin: bool, runner: str,

@@ -1,0 +1,100 @@
+"""vLLM's engine as ``vllm serve`` runs it, with requests arriving and finishing every step.
+
+Usage: python serving_driver.py MODEL_DIR OUT_JSON [--requests N] [--seed S]
+
+The engine core runs in its own process (vLLM's default multiprocessing) with async scheduling,
+as under ``vllm serve``; the caller's ``CASCADE_ATTENTION`` turns the plugin on or off. Requests
+share one of four 1K-token prefixes, ask for 8-48 tokens each (greedy, ``logprobs=2``) and are
+added a few per engine step, so the batch changes on every step: many batch shapes, the case
+the plugin's CUDA graphs must survive. Writes each request's :func:`agreement.record` and the
+plugin's counters (read from the worker with ``collective_rpc``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+import engine_driver
+from engine_driver import VOCAB, _counters
+
+from vllm_cascade_plugin import agreement
+
+PREFIX_TOKENS = 1024
+
+
+def arrivals(requests: int, seed: int) -> list[tuple[int, list[int], int]]:
+    """(engine step it arrives at, prompt token ids, max_tokens) per request."""
+    rng = np.random.default_rng(seed)
+    prefixes = [rng.integers(100, VOCAB - 100, PREFIX_TOKENS).tolist() for _ in range(4)]
+    step, out = 0, []
+    while len(out) < requests:
+        for _ in range(int(rng.poisson(2.0))):
+            prompt = prefixes[int(rng.integers(4))] + rng.integers(100, VOCAB - 100, 16).tolist()
+            out.append((step, prompt, int(rng.integers(8, 49))))
+        step += 1
+    return out[:requests]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("out")
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    import cloudpickle
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    # The counters are read by a function sent to the engine core's worker, a process that
+    # cannot import this folder: send the function's code along.
+    cloudpickle.register_pickle_by_value(engine_driver)
+
+    llm = LLM(model=args.model, skip_tokenizer_init=True, attention_backend="FLASHINFER",
+              enable_prefix_caching=True, max_model_len=2048, max_num_seqs=128,
+              gpu_memory_utilization=0.5, seed=0, enable_flashinfer_autotune=False,
+              async_scheduling=True)
+    engine = llm.llm_engine
+    before = _counters(llm)
+    pending = arrivals(args.requests, args.seed)
+    ids: dict[str, int] = {}
+    results: dict[int, dict] = {}
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][0] <= step:
+            _, prompt, max_tokens = pending.pop(0)
+            index = len(ids)
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=2,
+                                    ignore_eos=True)
+            ids[engine.add_request(f"r{index}", TokensPrompt(prompt_token_ids=prompt),
+                                   params)] = index
+        for output in engine.step():
+            if output.finished:
+                results[ids[output.request_id]] = agreement.record(output)
+        step += 1
+        if step % 200 == 0:  # progress, for a run that is cut short
+            print(f"[serving_driver] step {step}: {len(ids)} added, {len(results)} finished",
+                  flush=True)
+    after = _counters(llm)
+    delta = {k: after[k] - before[k] for k in (
+        "decode_steps_planned", "decode_steps_cascade", "decode_steps_graphed",
+        "graph_capture_failures", "full_graph_captures", "full_graph_replays",
+        "graph_captures", "graph_replays")}
+    with open(args.out, "w") as f:
+        json.dump({"plugin": os.environ.get("CASCADE_ATTENTION", ""), "engine_steps": step,
+                   "requests": [results[i] for i in range(len(ids))], **delta,
+                   "full_graphs_held": after.get("full_graphs_held", 0),
+                   "fallbacks": after["fallbacks"]}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""The bucketed layout of graphed decode steps: its key is what the step session charges and
+what the executor's graphs are keyed by, so both must agree; its arrays must keep every real
+row's attention exactly as planned while padded rows and changing batches fit one layout."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from test_planner import batches, limits, make_batch
+from vllm_cascade_plugin.graph_layout import GRAPH_PAGE_BUCKET, graph_shape, layout
+
+
+def decode_plan(batch, limits):
+    batch = dataclasses.replace(batch, query_lens=np.minimum(batch.query_lens, 1))
+    return batch.plan(**limits)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batch=batches(max_requests=8), limits=limits, extra=st.integers(0, 9))
+def test_the_cheap_key_is_the_built_layouts_key(batch, limits, extra):
+    plan = decode_plan(batch, limits)
+    if plan.num_levels < 2:
+        return
+    rows = plan.stats.num_tokens
+    built = layout(plan, rows + extra)
+    assert graph_shape(plan, rows + extra) == tuple(level.key for level in built)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batch=batches(max_requests=8), limits=limits, extra=st.integers(0, 9))
+def test_every_real_row_reads_exactly_its_planned_pages_and_padded_rows_read_none_of_their_own(
+        batch, limits, extra):
+    """Replaying the layout's groups row by row gives each real row the pages the plan gives it,
+    level by level; the first level lists every padded row once; groups past the plan's are
+    empty or read nothing."""
+    plan = decode_plan(batch, limits)
+    if plan.num_levels < 2:
+        return
+    rows = plan.stats.num_tokens
+    padded = rows + extra
+    built = layout(plan, padded)
+    *shared, own = built
+    first_index = shared[0].index if shared[0].index is not None else np.arange(padded)
+    assert sorted(first_index.tolist()) == list(range(padded))
+    for level, made in zip(plan.levels[:-1], shared, strict=True):
+        index = made.index if made.index is not None else np.arange(made.rows)
+        want: dict[int, list[int]] = {}
+        for g in range(level.num_groups):
+            pages = level.kv_page_indices[level.kv_page_indptr[g]:level.kv_page_indptr[g + 1]]
+            for q in level.q_index[level.qo_indptr[g]:level.qo_indptr[g + 1]].tolist():
+                want[q] = pages.tolist()
+        got: dict[int, list[int]] = {}
+        for g in range(len(made.kv_lens)):
+            n_pages = -(-int(made.kv_lens[g]) // plan.page_size)
+            for q in index[made.cu_q[g]:made.cu_q[g + 1]].tolist():
+                assert q not in got  # every row at most once per level
+                got[q] = made.table[g, :n_pages].tolist()
+        assert {q: p for q, p in got.items() if q < rows and p} == want
+        assert all(q >= rows or q in want or not p for q, p in got.items())
+        assert made.table.shape[1] % GRAPH_PAGE_BUCKET == 0
+        assert made.max_k >= int(made.kv_lens.max()) and made.max_q >= int(
+            np.diff(made.cu_q).max())
+    assert own.rows == padded and (own.kv_lens[rows:] == 0).all()
+    assert own.kv_lens[:rows].tolist() == plan.levels[-1].kv_lens(plan.page_size).tolist()
+
+
+def test_batches_that_differ_in_rows_and_order_share_one_layout():
+    """Four rows on two interleaved prefixes, then five with a new arrival and the rows
+    reordered: both padded to 8 rows, one key."""
+    a = make_batch([[1, 2, 9], [3, 4, 10], [1, 2, 11], [3, 4, 12]], [40, 41, 38, 45],
+                   [1] * 4, page_size=16).plan()
+    b = make_batch([[3, 4, 13], [1, 2, 11], [1, 2, 9], [3, 4, 12], [1, 2, 14]],
+                   [39, 38, 41, 46, 35], [1] * 5, page_size=16).plan()
+    assert graph_shape(a, 8) == graph_shape(b, 8)
+    assert graph_shape(a, 8) != graph_shape(a, 16)  # another capture size: another graph
+
+
+def test_a_row_outside_every_group_gets_a_group_that_reads_nothing():
+    plan = make_batch([[1, 2, 9], [1, 2, 10], [5, 6, 11]], [40, 41, 38], [1] * 3,
+                      page_size=16).plan()
+    first = layout(plan, 4)[0]
+    index = first.index.tolist()
+    # Rows 0 and 1 share pages 1-2 with the padded row 3 in their group; row 2 reads nothing.
+    assert index == [0, 1, 3, 2]
+    assert first.cu_q.tolist()[:3] == [0, 3, 4] and first.kv_lens.tolist()[:2] == [32, 0]
