@@ -80,12 +80,17 @@ def plot_e2e(folder: Path, plt: Any) -> Path:
 def plot_planner(folder: Path, plt: Any) -> Path:
     rows = json.loads((folder / "planner.json").read_text())
     meta = _meta(folder, "planner")
-    labels = [f"{r['case']}\n{r['requests']} requests, {r['pages']} pages" for r in rows]
+    labels = [f"{r['case']}\n{r['requests']} rows\n{r['pages']} pages" for r in rows]
     x = range(len(rows))
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for offset, key, label in ((-0.2, "steady_median_us", "steady decode step"),
-                               (0.2, "cold_median_us", "cold (new block table)")):
-        bars = ax.bar([i + offset for i in x], [r[key] for r in rows], width=0.4, label=label)
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    series = [("steady_median_us", "steady decode step"),
+              ("churn_median_us", "one request replaced per step"),
+              ("cold_median_us", "cold (new block table)")]
+    series = [(key, label) for key, label in series if all(key in r for r in rows)]
+    width = 0.8 / len(series)
+    for n, (key, label) in enumerate(series):
+        offset = (n - (len(series) - 1) / 2) * width
+        bars = ax.bar([i + offset for i in x], [r[key] for r in rows], width=width, label=label)
         ax.bar_label(bars, fmt="%.0f", fontsize=8)
     ax.set_xticks(list(x), labels, fontsize=8)
     ax.set_ylabel("planner time per step, µs (median)")
