@@ -15,24 +15,83 @@ from vllm_cascade_plugin.config import CascadeConfig
 from vllm_cascade_plugin.cost import AttentionShape
 from vllm_cascade_plugin.step import session
 
-# What each wrapper reads of the patched method's arguments, by (module tail, class, method).
-ARGUMENTS_READ = {
-    ("gpu_model_runner", "GPUModelRunner", "execute_model"): ["self", "scheduler_output"],
-    ("gpu_model_runner", "GPUModelRunner", "_determine_batch_execution_and_padding"): ["self"],
-    ("cudagraph_dispatcher", "CudagraphDispatcher", "dispatch"): [
-        "self", "num_tokens", "uniform_decode", "has_lora", "num_active_loras", "valid_modes",
-        "invalid_modes"],
-    ("block_table", "BlockTables", "append_block_ids"): [
-        "self", "req_index", "new_block_ids", "overwrite"],
-    ("model_runner", "GPUModelRunner", "execute_model"): [
-        "self", "scheduler_output", "intermediate_tensors", "dummy_run"],
-    ("cudagraph_utils", "CudaGraphManager", "dispatch"): [
-        "self", "num_reqs", "num_tokens", "uniform_token_count", "num_active_loras"],
-    ("gpu_model_runner", "GPUModelRunner", "_model_forward"): [
-        "self", "input_ids", "positions", "intermediate_tensors", "inputs_embeds",
-        "model_kwargs"],
-    ("cudagraph_utils", "CudaGraphManager", "run_pw_graph"): ["self", "model", "model_inputs"],
+# The full parameter list of every patched vLLM method, by (module tail, class, method), written
+# as Python writes a signature without defaults: a name, "*name"/"**name" for variadics, a bare
+# "*" before keyword-only and "/" after positional-only parameters. A parameter vLLM adds, drops,
+# renames, moves or makes keyword-only fails the guard: each wrapper reads and forwards these
+# (some by position), so a new release's must be looked at before it is recorded here.
+V1_RUNNER_EXECUTE = ["self", "scheduler_output", "intermediate_tensors"]
+V1_DETERMINE = ["self", "num_tokens", "num_reqs", "num_scheduled_tokens_np",
+                "max_num_scheduled_tokens", "use_cascade_attn", "allow_microbatching",
+                "force_eager", "force_uniform_decode", "force_has_lora",
+                "force_num_active_loras", "num_encoder_reqs"]
+V1_DISPATCH = ["self", "num_tokens", "uniform_decode", "has_lora", "num_active_loras",
+               "valid_modes", "invalid_modes"]
+V2_APPEND = ["self", "req_index", "new_block_ids", "overwrite"]
+V2_EXECUTE = ["self", "scheduler_output", "intermediate_tensors", "dummy_run",
+              "skip_attn_for_dummy_run", "is_profile"]
+V2_DISPATCH = ["self", "num_reqs", "num_tokens", "uniform_token_count", "num_active_loras"]
+V1_FORWARD = ["self", "input_ids", "positions", "intermediate_tensors", "inputs_embeds",
+              "**model_kwargs"]
+V2_RUN_PW_GRAPH = ["self", "model", "model_inputs"]
+SIGNATURES = {
+    (0, 26): {
+        ("gpu_model_runner", "GPUModelRunner", "execute_model"): V1_RUNNER_EXECUTE,
+        ("gpu_model_runner", "GPUModelRunner", "_determine_batch_execution_and_padding"):
+            V1_DETERMINE,
+        ("cudagraph_dispatcher", "CudagraphDispatcher", "dispatch"): V1_DISPATCH,
+        ("block_table", "BlockTables", "append_block_ids"): V2_APPEND,
+        ("model_runner", "GPUModelRunner", "execute_model"): V2_EXECUTE,
+        ("cudagraph_utils", "CudaGraphManager", "dispatch"): V2_DISPATCH,
+        ("gpu_model_runner", "GPUModelRunner", "_model_forward"): V1_FORWARD,
+        ("cudagraph_utils", "CudaGraphManager", "run_pw_graph"): V2_RUN_PW_GRAPH,
+    },
 }
+# 0.33: Model Runner V2's dummy runs take more (after every parameter the wrapper reads), and its
+# dispatch takes a query-length bound (0.28+, compat.V2_FULL_GRAPH_ARGUMENTS) and a microbatch
+# count.
+SIGNATURES[(0, 33)] = {
+    **SIGNATURES[(0, 26)],
+    ("model_runner", "GPUModelRunner", "execute_model"): [
+        *V2_EXECUTE, "context_len", "valid_dummy_state_slots", "randomize_inputs"],
+    ("cudagraph_utils", "CudaGraphManager", "dispatch"): [
+        *V2_DISPATCH, "max_query_len", "num_ubatches"],
+}
+
+
+def vllm_release() -> tuple[int, int]:
+    from packaging.version import Version
+
+    release = Version(compat.installed_version("vllm") or "0").release
+    return (*release, 0, 0)[:2]
+
+
+def expected_signatures() -> dict[tuple[str, str, str], list[str]]:
+    """The signatures recorded for the installed vLLM: the newest release's at or before it
+    (one between two recorded releases is checked against the older one, and fails where it
+    differs)."""
+    at = [release for release in SIGNATURES if release <= vllm_release()]
+    assert at, f"no signatures recorded for vLLM {vllm_release()}"
+    return SIGNATURES[max(at)]
+
+
+def written(fn) -> list[str]:
+    """``fn``'s parameters as SIGNATURES writes them: names, order and kinds, no defaults."""
+    kinds = inspect.Parameter
+    out: list[str] = []
+    params = list(inspect.signature(fn).parameters.values())
+    for i, p in enumerate(params):
+        if p.kind is kinds.KEYWORD_ONLY and (i == 0 or params[i - 1].kind not in (
+                kinds.KEYWORD_ONLY, kinds.VAR_POSITIONAL)):
+            out.append("*")
+        out.append({kinds.VAR_POSITIONAL: f"*{p.name}",
+                    kinds.VAR_KEYWORD: f"**{p.name}"}.get(p.kind, p.name))
+        if p.kind is kinds.POSITIONAL_ONLY and (
+                i + 1 == len(params) or params[i + 1].kind is not kinds.POSITIONAL_ONLY):
+            out.append("/")
+    return out
+
+
 # Every way a V2 batch can match a captured graph: a new one could let a cascade step into a
 # FULL graph, so it must be looked at (and added to compat.V2_FULL_GRAPH_ARGUMENTS if it does).
 V2_GRAPH_MATCH_ARGUMENTS = {"desc", "num_reqs", "num_tokens", "num_active_loras", "num_ubatches",
@@ -49,10 +108,45 @@ def parameters(fn):
 
 @pytest.mark.parametrize("target", hooks.patch_targets(),
                          ids=lambda t: f"{t[0].__module__}.{t[0].__name__}.{t[1]}")
-def test_patched_vllm_method_still_takes_the_arguments_we_read(target):
+def test_patched_vllm_method_has_exactly_the_recorded_parameters(target):
     owner, name, _ = target
-    read = ARGUMENTS_READ[(owner.__module__.rsplit(".", 1)[1], owner.__name__, name)]
-    assert parameters(getattr(owner, name))[: len(read)] == read
+    expected = expected_signatures()[(owner.__module__.rsplit(".", 1)[1], owner.__name__, name)]
+    assert written(original(getattr(owner, name))) == expected
+
+
+def test_every_patched_method_has_a_recorded_signature():
+    keys = {(owner.__module__.rsplit(".", 1)[1], owner.__name__, name)
+            for owner, name, _ in hooks.patch_targets()}
+    for release, signatures in SIGNATURES.items():
+        assert set(signatures) == keys, release
+
+
+def test_the_signature_guard_fails_on_a_parameter_added_anywhere_or_a_changed_kind():
+    """What the guard compares: a new trailing parameter (with a default, so every old call
+    still works), a new one in the middle, a keyword-only one, a reordering."""
+    def recorded(self, scheduler_output, intermediate_tensors=None):
+        pass
+
+    def trailing(self, scheduler_output, intermediate_tensors=None, new_flag=False):
+        pass
+
+    def middle(self, new, scheduler_output, intermediate_tensors=None):
+        pass
+
+    def keyword_only(self, scheduler_output, *, intermediate_tensors=None):
+        pass
+
+    def swapped(self, intermediate_tensors, scheduler_output):
+        pass
+
+    def variadic(self, /, *args, flag=False, **kwargs):
+        pass
+
+    assert written(recorded) == V1_RUNNER_EXECUTE
+    for changed in (trailing, middle, keyword_only, swapped):
+        assert written(changed) != V1_RUNNER_EXECUTE, changed.__name__
+    assert written(keyword_only) == ["self", "scheduler_output", "*", "intermediate_tensors"]
+    assert written(variadic) == ["self", "/", "*args", "flag", "**kwargs"]
 
 
 def test_install_wraps_every_target_once():
@@ -143,8 +237,11 @@ def test_v1_cascade_steps_exclude_full_graphs_and_others_keep_vllms_choice(activ
     runner, so = v1_runner(table, seq, q)
     seen = []
 
+    padded = []
+
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         decide(self, num_tokens=3)
+        padded.append(session.padded_tokens)
         return "output"
 
     def determine(self, num_tokens):
@@ -155,6 +252,7 @@ def test_v1_cascade_steps_exclude_full_graphs_and_others_keep_vllms_choice(activ
     def vllm_dispatch(self, num_tokens, uniform_decode=False, has_lora=False,
                       num_active_loras=0, valid_modes=None, invalid_modes=None):
         seen.append((valid_modes, invalid_modes))
+        return CUDAGraphMode.PIECEWISE, SimpleNamespace(num_tokens=8)  # padded to a graph size
 
     decide = hooks._v1_determine_batch_execution(determine)
     dispatch = hooks._v1_dispatch(vllm_dispatch)
@@ -162,6 +260,8 @@ def test_v1_cascade_steps_exclude_full_graphs_and_others_keep_vllms_choice(activ
     # Only the first dispatch is ours to change: the second re-dispatches to an agreed mode.
     first = {CUDAGraphMode.FULL} if shared else None
     assert seen == [(None, first), ({CUDAGraphMode.PIECEWISE}, None)]
+    # A cascade step learns the padded token count its tensors have; it ends with the step.
+    assert padded == [8 if shared else 0] and session.padded_tokens == 0
     assert hooks._pending is None and session.current is None
 
 
@@ -306,9 +406,11 @@ def test_v2_dispatch_avoids_full_graphs_only_on_cascade_steps():
         assert mode(1) == CUDAGraphMode.FULL
         step.cascade = True
         assert mode(1) == CUDAGraphMode.PIECEWISE and mode(None) == CUDAGraphMode.PIECEWISE
+        assert session.padded_tokens == 8
         assert mode(1, captured_graphs()[0]) == CUDAGraphMode.FULL  # another manager
     finally:
         hooks._pending = None
+        session.end_step()
 
 
 def test_v2_cascade_step_never_gets_a_full_graph_for_any_batch():

@@ -33,6 +33,10 @@ class ReferenceExecutor:
     def plan(self, plan, **kwargs) -> None:
         self.plan_args = (plan, kwargs)
 
+    @property
+    def rows(self) -> int:  # query rows run() takes: the step's tokens (no padding here)
+        return self.plan_args[0].stats.num_tokens
+
     def run(self, q, k_cache, v_cache, out) -> None:
         if self.fail:
             raise RuntimeError("injected kernel failure")
@@ -58,26 +62,47 @@ class CopyPageIndices:
         return run
 
 
-@pytest.fixture
-def engine(tmp_path_factory, monkeypatch):
+@pytest.fixture(autouse=True)
+def restored_session():
+    """Every builder made in a test registers with the process's session: forget them after."""
+    saved = dict(vars(session))
+    yield
+    vars(session).update(saved)
+
+
+def flat_path_on_cpu(monkeypatch):
+    """vLLM's flat FlashInfer build() runs on a CPU (its GPU-only pieces swapped)."""
     import vllm.v1.attention.backends.flashinfer as fi
 
-    monkeypatch.setenv("CASCADE_POLICY", "always")
     monkeypatch.setattr(fi, "_copy_page_indices_kernel", CopyPageIndices())
     monkeypatch.setattr(fi, "fast_plan_decode", lambda wrapper, *a, **k: None)
-    config = vllm_cpu.cpu_vllm_config(str(tmp_path_factory.mktemp("tiny")))
-    names = vllm_cpu.make_layers(config, [SCALE, SCALE])
-    stats.reset()
-    builder = vllm_cpu.make_builder(config, names)
+
+
+def fake_wrappers(builder, monkeypatch):
+    import vllm.v1.attention.backends.flashinfer as fi
+
     prefill = fake_wrapper(fi.BatchPrefillWithPagedKVCacheWrapper)
     decode = fake_wrapper(fi.BatchDecodeWithPagedKVCacheWrapper)
     monkeypatch.setattr(builder, "_get_prefill_wrapper", lambda *a, **k: prefill)
     monkeypatch.setattr(builder, "_get_decode_wrapper", lambda *a, **k: decode)
+
+
+@pytest.fixture
+def engine(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("CASCADE_POLICY", "always")
+    flat_path_on_cpu(monkeypatch)
+    config = vllm_cpu.cpu_vllm_config(str(tmp_path_factory.mktemp("tiny")))
+    names = vllm_cpu.make_layers(config, [SCALE, SCALE])
+    stats.reset()
+    saved = dict(vars(session))  # for modules that import this fixture
+    builder = vllm_cpu.make_builder(config, names)
+    fake_wrappers(builder, monkeypatch)
     layers = config.compilation_config.static_forward_context
     from vllm.config import set_current_vllm_config
 
     with set_current_vllm_config(config):  # as inside an engine step
         yield config, builder, [layers[n] for n in names]
+    vars(session).update(saved)
     session.end_step()
 
 
@@ -199,6 +224,90 @@ def test_plan_for_another_batch_is_not_used(engine):
     metadata = builder.build(0, common_metadata(table, seq - (q - q2), q2))
     assert getattr(metadata, "cascade", None) is None
     assert stats.snapshot().fallbacks["plan does not match the batch"] == 1
+
+
+def test_a_plan_for_other_sequence_lengths_runs_flat_and_is_counted(engine):
+    """Same rows and tokens, one row a token longer than planned (an off-by-one between the
+    hooks' view of the batch and vLLM's): the plan's pages would miss that token."""
+    _config, builder, _ = engine
+    table, seq, q = batch()
+    builder._cascade_executor = ReferenceExecutor()
+    session.plan_step(table, seq, q)
+    longer = seq.copy()
+    longer[2] += 1
+    metadata = builder.build(0, common_metadata(table, longer, q))
+    assert getattr(metadata, "cascade", None) is None
+    assert builder._cascade_executor.plan_args is None
+    assert stats.snapshot().fallbacks["plan does not match the batch"] == 1
+    assert stats.snapshot().steps_cascade == 0
+
+
+def test_the_builder_reads_sequence_lengths_from_host_memory_only(engine):
+    """As on Model Runner V2: device sequence lengths (here on the meta device, which nothing
+    can read) and no host copy but the CPU upper bound; the step still runs cascade."""
+    _config, builder, _ = engine
+    table, seq, q = batch()
+    builder._cascade_executor = ReferenceExecutor()
+    session.plan_step(table, seq, q)
+    cm = common_metadata(table, seq, q)
+    host_copy = {"_seq_lens_cpu": None} if hasattr(cm, "_seq_lens_cpu") else {}
+    cm = dataclasses.replace(cm, seq_lens=torch.empty(len(seq), dtype=torch.int32,
+                                                      device="meta"), **host_copy)
+    metadata = builder.build(0, cm)
+    assert metadata.cascade is builder._cascade_executor
+
+
+def test_without_host_sequence_lengths_a_step_runs_flat_and_is_counted(engine):
+    _config, builder, _ = engine
+    table, seq, q = batch()
+    builder._cascade_executor = ReferenceExecutor()
+    session.plan_step(table, seq, q)
+    cm = common_metadata(table, seq, q)
+    host_copy = {"_seq_lens_cpu": None} if hasattr(cm, "_seq_lens_cpu") else {}
+    metadata = builder.build(0, dataclasses.replace(cm, seq_lens_cpu_upper_bound=None,
+                                                    **host_copy))
+    assert getattr(metadata, "cascade", None) is None
+    assert stats.snapshot().fallbacks["batch sequence lengths unknown"] == 1
+
+
+@pytest.mark.parametrize("window_first", [False, True], ids=["full-first", "window-first"])
+def test_sliding_window_layers_run_flat_and_full_attention_layers_cascade_in_one_kv_group(
+        tmp_path, monkeypatch, window_first):
+    """vLLM builds layers of one KV-cache group that differ in their window as attention groups
+    of their own, each with a builder. Whichever builder comes first, steps are planned for the
+    full-attention layers, their builder runs the plan, and the sliding-window builder (which
+    cascade cannot serve) builds vLLM's flat metadata, with its window."""
+    from vllm.config import set_current_vllm_config
+
+    monkeypatch.setenv("CASCADE_ATTENTION", "1")
+    monkeypatch.setenv("CASCADE_POLICY", "always")
+    flat_path_on_cpu(monkeypatch)
+    config = vllm_cpu.cpu_vllm_config(str(tmp_path))
+    full_names = vllm_cpu.make_layers(config, [SCALE, SCALE])
+    window_names = vllm_cpu.make_layers(config, [SCALE, SCALE], sliding_window=64)
+    stats.reset()
+    made = {}
+    for kind in (["window", "full"] if window_first else ["full", "window"]):
+        made[kind] = (vllm_cpu.make_builder(config, window_names, sliding_window=64)
+                      if kind == "window" else vllm_cpu.make_builder(config, full_names))
+    full, window = made["full"], made["window"]
+    for builder in (full, window):
+        fake_wrappers(builder, monkeypatch)
+        builder._cascade_executor = ReferenceExecutor()
+    assert window.window_left == 63 and full.window_left == -1
+    table, seq, q = batch()
+    with set_current_vllm_config(config):
+        step = session.plan_step(table, seq, q)
+        assert step is not None and step.decision.use_cascade
+        cm = common_metadata(table, seq, q)
+        window_metadata = window.build(0, cm)
+        full_metadata = full.build(0, cm)
+    assert getattr(window_metadata, "cascade", None) is None
+    assert window_metadata.decode is not None and window_metadata.prefill is not None
+    assert window._cascade_executor.plan_args is None
+    assert full_metadata.cascade is full._cascade_executor
+    counters = stats.snapshot()
+    assert counters.steps_cascade == 1 and not counters.fallbacks
 
 
 def test_kernel_failure_runs_the_layer_flat_and_logs_once(engine, monkeypatch, caplog):

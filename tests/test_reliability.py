@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import logging
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -301,3 +303,351 @@ def test_device_bytes_counts_the_executors_scratch_and_forgets_dead_executors():
     del executor
     gc.collect()
     assert kernels.device_bytes() == baseline
+
+
+# ------------------------------------------------------------ the runner hooks never raise
+
+# Every wrapper in hooks.py runs vLLM's method exactly once and returns its result, whatever its
+# own code does; only vLLM's own exception comes out of it, as it was, and never after a retry.
+
+def vllm_method(module_tail, cls, name):
+    """The patched vLLM method itself (its signature is the installed release's)."""
+    for owner, method, _ in hooks.patch_targets():
+        if (owner.__module__.rsplit(".", 1)[1], owner.__name__, method) == (
+                module_tail, cls, name):
+            fn = getattr(owner, method)
+            return getattr(fn, hooks._PATCHED, fn)
+    raise LookupError(name)
+
+
+class VllmMethod:
+    """Stands in for a patched vLLM method, with its real signature: records each call's
+    arguments, then returns ``result`` or raises ``error``."""
+
+    def __init__(self, like, error=None):
+        self.__signature__ = inspect.signature(like)
+        self.calls, self.error = [], error
+        self.result = SimpleNamespace(what="vLLM's result")
+
+    def __call__(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+class Graphs:
+    """Whole-step graphs that run the step eagerly; their own code fails ``when`` ("before" or
+    "after" the step ran), or never."""
+
+    def __init__(self, when=None):
+        self.when = when
+
+    def run(self, forward, ctx, inputs, parallel_sizes, tag):
+        if self.when == "before":
+            raise RuntimeError("injected before the step")
+        out = forward()
+        if self.when == "after":
+            raise RuntimeError("injected after the step")
+        return out
+
+
+class Lines(logging.Handler):
+    """The plugin's log lines, caught at its own logger (vLLM's logger, its parent, keeps its
+    records from the root logger's handlers once vLLM is imported)."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append((record.levelno, record.getMessage()))
+
+
+@pytest.fixture
+def plugin_log():
+    handler, logger = Lines(), logging.getLogger("vllm.cascade_plugin")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    yield handler.lines
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+@pytest.fixture
+def planning(monkeypatch):
+    """An active session; no step pending before or after the test."""
+    from vllm_cascade_plugin.step import session
+
+    saved = dict(vars(session))
+    session.configure(CascadeConfig(enabled=True, policy="always"), AttentionShape(8, 2, 128, 2),
+                      16, None)
+    stats.reset()
+    yield session
+    hooks._pending = None
+    vars(session).update(saved)
+
+
+def runner():
+    parallel = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1,
+                               data_parallel_size=1)
+    return SimpleNamespace(cudagraph_dispatcher=object(), cudagraph_manager=object(),
+                           vllm_config=SimpleNamespace(parallel_config=parallel))
+
+
+def pending(owner, cascade):
+    """A real step in flight, planned: cascade or not."""
+    from vllm_cascade_plugin.step import session
+
+    hooks._pending = step = hooks._PendingStep(owner, SimpleNamespace(num_scheduled_tokens={}))
+    step.cascade = cascade
+    session.current = SimpleNamespace(decision=SimpleNamespace(use_cascade=cascade),
+                                      decode=True) if cascade is not None else None
+    return step
+
+
+def graphed(monkeypatch, graphs):
+    """Whole-step graphs for the runner and a forward context to run them in."""
+    import vllm.forward_context
+
+    monkeypatch.setattr(hooks, "_full_graphs", lambda r: graphs)
+    monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: SimpleNamespace())
+
+
+def execute_model_call(monkeypatch):
+    return (runner(), SimpleNamespace(num_scheduled_tokens={})), {}
+
+
+def determine_call(monkeypatch):
+    r = runner()
+    # A step without requests: planning it finds nothing to do (and nothing to count).
+    r.kv_cache_config = SimpleNamespace(kv_cache_groups=[0])
+    r.input_batch = SimpleNamespace(num_reqs=0)
+    pending(r, None)
+    return (r, 4, 2), {}
+
+
+def v1_dispatch_call(monkeypatch):
+    r = runner()
+    pending(r, True)
+    return (r.cudagraph_dispatcher, 8), {"uniform_decode": True}
+
+
+def append_call(monkeypatch):
+    tables = SimpleNamespace(num_blocks=SimpleNamespace(np=np.zeros((1, 4), np.int32)),
+                             block_tables=[SimpleNamespace(gpu=np.zeros((4, 8), np.int32))])
+    return (tables, 2, ([7, 8],), False), {}
+
+
+def v2_dispatch_call(monkeypatch):
+    r = runner()
+    pending(r, True)
+    return (r.cudagraph_manager, 4, 4, 1, 0), {}
+
+
+def v1_forward_call(monkeypatch):
+    r = runner()
+    pending(r, True)
+    graphed(monkeypatch, Graphs())
+    tokens = torch.zeros(4, dtype=torch.long)
+    return (r,), {"input_ids": tokens, "positions": tokens}
+
+
+def v2_pw_graph_call(monkeypatch):
+    r = runner()
+    pending(r, True)
+    graphed(monkeypatch, Graphs())
+    return (r.cudagraph_manager, object(), {"input_ids": torch.zeros(4, dtype=torch.long)}), {}
+
+
+HOOKS = {  # wrapper: (the vLLM method, the wrapper factory, a call that runs its code)
+    "V1 execute_model": (("gpu_model_runner", "GPUModelRunner", "execute_model"),
+                         hooks._execute_model, execute_model_call),
+    "V2 execute_model": (("model_runner", "GPUModelRunner", "execute_model"),
+                         hooks._execute_model, execute_model_call),
+    "V1 _determine_batch_execution_and_padding": (
+        ("gpu_model_runner", "GPUModelRunner", "_determine_batch_execution_and_padding"),
+        hooks._v1_determine_batch_execution, determine_call),
+    "V1 CudagraphDispatcher.dispatch": (("cudagraph_dispatcher", "CudagraphDispatcher",
+                                         "dispatch"), hooks._v1_dispatch, v1_dispatch_call),
+    "V2 BlockTables.append_block_ids": (("block_table", "BlockTables", "append_block_ids"),
+                                        hooks._v2_append_block_ids, append_call),
+    "V2 CudaGraphManager.dispatch": (("cudagraph_utils", "CudaGraphManager", "dispatch"),
+                                     hooks._v2_dispatch, v2_dispatch_call),
+    "V1 _model_forward": (("gpu_model_runner", "GPUModelRunner", "_model_forward"),
+                          hooks._v1_model_forward, v1_forward_call),
+    "V2 CudaGraphManager.run_pw_graph": (("cudagraph_utils", "CudaGraphManager",
+                                          "run_pw_graph"), hooks._v2_run_pw_graph,
+                                         v2_pw_graph_call),
+}
+
+
+def break_bind(monkeypatch, args):
+    monkeypatch.setattr(inspect.Signature, "bind", fail)
+
+
+def break_end_step(monkeypatch, args):
+    from vllm_cascade_plugin.step import session
+
+    monkeypatch.setattr(session, "end_step", fail)
+
+
+def break_plan_once(monkeypatch, args):
+    monkeypatch.setattr(hooks, "_plan_once", fail)
+
+
+def break_row_length(monkeypatch, args):
+    args[0].num_blocks = None  # the row's length before vLLM's write cannot be read
+
+
+def break_ids_written(monkeypatch, args):
+    from vllm_cascade_plugin import compat
+
+    monkeypatch.setattr(compat, "v2_block_ids_written", fail)
+
+
+def break_full_graphs(monkeypatch, args):
+    monkeypatch.setattr(hooks, "_full_graphs", fail)
+
+
+def break_forward_context(monkeypatch, args):
+    import vllm.forward_context
+
+    monkeypatch.setattr(vllm.forward_context, "get_forward_context", fail)
+
+
+def break_graphs(when):
+    def inject(monkeypatch, args):
+        monkeypatch.setattr(hooks, "_full_graphs", lambda r: Graphs(when))
+    return inject
+
+
+MIRROR, HOOK = "block id mirror error", "runner hook error"
+# (wrapper, its code that fails, how, the reason it is counted under, whether the step then runs
+# flat: a plan that no longer steers the step's CUDA-graph mode must not reach a builder).
+GLUE_FAILURES = [
+    ("V1 execute_model", "binding its arguments", break_bind, HOOK, False),
+    ("V1 execute_model", "ending the step", break_end_step, HOOK, False),
+    ("V2 execute_model", "binding its arguments", break_bind, HOOK, False),
+    ("V2 execute_model", "ending the step", break_end_step, HOOK, False),
+    ("V1 _determine_batch_execution_and_padding", "planning", break_plan_once, HOOK, True),
+    ("V1 CudagraphDispatcher.dispatch", "binding its arguments", break_bind, HOOK, True),
+    ("V2 BlockTables.append_block_ids", "reading the row length", break_row_length, MIRROR,
+     False),
+    ("V2 BlockTables.append_block_ids", "mirroring the ids", break_ids_written, MIRROR, False),
+    ("V2 CudaGraphManager.dispatch", "binding its arguments", break_bind, HOOK, True),
+    ("V1 _model_forward", "finding the graphs", break_full_graphs, HOOK, False),
+    ("V1 _model_forward", "binding its arguments", break_bind, HOOK, False),
+    ("V1 _model_forward", "the forward context", break_forward_context, HOOK, False),
+    ("V1 _model_forward", "the graphs, before the step", break_graphs("before"), HOOK, False),
+    ("V1 _model_forward", "the graphs, after the step", break_graphs("after"), HOOK, False),
+    ("V2 CudaGraphManager.run_pw_graph", "finding the graphs", break_full_graphs, HOOK, False),
+    ("V2 CudaGraphManager.run_pw_graph", "the forward context", break_forward_context, HOOK,
+     False),
+    ("V2 CudaGraphManager.run_pw_graph", "the graphs, before the step", break_graphs("before"),
+     HOOK, False),
+    ("V2 CudaGraphManager.run_pw_graph", "the graphs, after the step", break_graphs("after"),
+     HOOK, False),
+]
+
+
+@pytest.mark.parametrize(("hook", "glue", "inject", "reason", "flat"), GLUE_FAILURES,
+                         ids=[f"{hook}: {glue}" for hook, glue, *_ in GLUE_FAILURES])
+def test_a_hook_whose_own_code_fails_runs_vllms_call_once_and_returns_its_result(
+        planning, monkeypatch, plugin_log, hook, glue, inject, reason, flat):
+    target, make, call = HOOKS[hook]
+    original = VllmMethod(vllm_method(*target))
+    wrapped = make(original)
+    args, kwargs = call(monkeypatch)
+    step = hooks._pending
+    with monkeypatch.context() as m:
+        inject(m, args)
+        result = wrapped(*args, **kwargs)
+    assert result is original.result
+    assert original.calls == [(args, kwargs)]  # once, as vLLM called it
+    assert stats.snapshot().fallbacks == {reason: 1}
+    assert [level for level, line in plugin_log if reason in line] == [logging.WARNING]
+    if flat:
+        assert step.cascade is False and planning.current is None
+
+
+def test_a_hook_failing_again_is_counted_again_and_logged_once(planning, monkeypatch,
+                                                              plugin_log):
+    target, make, call = HOOKS["V1 execute_model"]
+    original = VllmMethod(vllm_method(*target))
+    wrapped = make(original)
+    monkeypatch.setattr(hooks, "_PendingStep", fail)
+    for _ in range(2):
+        args, kwargs = call(monkeypatch)
+        assert wrapped(*args, **kwargs) is original.result
+    assert len(original.calls) == 2
+    assert stats.snapshot().fallbacks["runner hook error"] == 2
+    assert sum("runner hook error" in line for _, line in plugin_log) == 1
+
+
+def test_v2_dispatch_whose_code_fails_after_vllms_choice_keeps_it_and_runs_the_step_flat(
+        planning, monkeypatch):
+    """vLLM chose a FULL graph for the step's batch; replacing it failed. vLLM already ran:
+    its choice stands, and the step runs flat, which is what that graph replays."""
+    from vllm.config import CUDAGraphMode
+
+    target, make, call = HOOKS["V2 CudaGraphManager.dispatch"]
+    original = VllmMethod(vllm_method(*target))
+    original.result = SimpleNamespace(cg_mode=CUDAGraphMode.FULL, num_tokens=8)
+    wrapped = make(original)
+    args, kwargs = call(monkeypatch)
+    step = hooks._pending
+    with monkeypatch.context() as m:
+        m.setattr(dataclasses, "replace", fail)
+        assert wrapped(*args, **kwargs) is original.result
+    assert len(original.calls) == 1
+    assert step.cascade is False and planning.current is None
+    assert stats.snapshot().fallbacks == {"runner hook error": 1}
+
+
+def test_a_failure_after_a_whole_step_capture_runs_the_step_eagerly(planning, monkeypatch):
+    """A run inside a CUDA-graph capture computes nothing until the graph replays: when the
+    graphs' code fails after it, the step's result is an eager run's."""
+    target, make, call = HOOKS["V1 _model_forward"]
+    original = VllmMethod(vllm_method(*target))
+    wrapped = make(original)
+    args, kwargs = call(monkeypatch)
+    capturing = iter([True, False])
+    monkeypatch.setattr(hooks, "_capturing", lambda: next(capturing))
+    monkeypatch.setattr(hooks, "_full_graphs", lambda r: Graphs("after"))
+    assert wrapped(*args, **kwargs) is original.result
+    assert original.calls == [(args, kwargs)] * 2  # the capture, then the step's one real run
+    assert stats.snapshot().fallbacks == {"runner hook error": 1}
+
+
+@pytest.mark.parametrize("hook", list(HOOKS))
+def test_vllms_own_exception_leaves_a_hook_unchanged_and_is_not_retried(planning, monkeypatch,
+                                                                        hook):
+    target, make, call = HOOKS[hook]
+    error = RuntimeError("vLLM's own failure")
+    original = VllmMethod(vllm_method(*target), error=error)
+    wrapped = make(original)
+    args, kwargs = call(monkeypatch)
+    with pytest.raises(RuntimeError) as raised:
+        wrapped(*args, **kwargs)
+    assert raised.value is error
+    assert len(original.calls) == 1
+    assert stats.snapshot().fallbacks == {}
+
+
+def test_vllms_own_exception_leaves_the_real_whole_step_graphs_unchanged(planning, monkeypatch):
+    """Through fullgraph.StepGraphs, whose eligibility check fails on this stand-in context
+    (counted as its own fallback): the model call's exception is still the one that comes out."""
+    from vllm_cascade_plugin import fullgraph
+
+    target, make, call = HOOKS["V1 _model_forward"]
+    error = RuntimeError("vLLM's own failure")
+    original = VllmMethod(vllm_method(*target), error=error)
+    wrapped = make(original)
+    args, kwargs = call(monkeypatch)
+    monkeypatch.setattr(hooks, "_full_graphs", lambda r: fullgraph.StepGraphs())
+    with pytest.raises(RuntimeError) as raised:
+        wrapped(*args, **kwargs)
+    assert raised.value is error and len(original.calls) == 1
+    assert "runner hook error" not in stats.snapshot().fallbacks

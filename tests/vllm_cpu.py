@@ -57,8 +57,11 @@ def resolve_kv_cache_layout(config: Any) -> None:
     utils.resolve_kv_cache_layout(config, [names])
 
 
-def make_layers(config: Any, scales: list[Any]) -> list[str]:
-    """Create one real ``Attention`` layer per scale (registered in ``config``); return names."""
+def make_layers(config: Any, scales: list[Any], sliding_window: int | None = None) -> list[str]:
+    """Create one real ``Attention`` layer per scale (registered in ``config``); return names.
+
+    ``sliding_window``: the layers attend to that many tokens back (Gemma-style local layers).
+    """
     import vllm.v1.attention.backends.flashinfer as fi_module
     import vllm.v1.utils
     from vllm.config import set_current_vllm_config
@@ -81,18 +84,22 @@ def make_layers(config: Any, scales: list[Any]) -> list[str]:
         for scale in scales:
             name = f"model.layers.{len(config.compilation_config.static_forward_context)}.attn"
             Attention(8, 128, scale, num_kv_heads=2, cache_config=config.cache_config,
-                      prefix=name, attn_backend=CascadeFlashInferBackend)
+                      prefix=name, attn_backend=CascadeFlashInferBackend,
+                      per_layer_sliding_window=sliding_window)
             names.append(name)
     return names
 
 
-def make_builder(config: Any, layer_names: list[str]) -> Any:
+def make_builder(config: Any, layer_names: list[str], sliding_window: int | None = None) -> Any:
+    """vLLM's builder (ours) for ``layer_names``, with the KV-cache spec vLLM gives them: one
+    group for all layers, each attention group's spec carrying its layers' window."""
     from vllm.config import set_current_vllm_config
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     from vllm_cascade_plugin.backend import CascadeFlashInferBackend
 
-    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=128, dtype=torch.bfloat16)
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=128, dtype=torch.bfloat16,
+                             sliding_window=sliding_window)
     with set_current_vllm_config(config):
         return CascadeFlashInferBackend.get_builder_cls()(
             spec, layer_names, config, torch.device("cpu"))

@@ -28,7 +28,7 @@ from . import compat, hooks, stats
 from .config import load_config
 from .cost import AttentionShape, cost_model_for
 from .fullgraph import unsupported_reason as full_graphs_reason
-from .step import session
+from .step import BuilderSettings, session
 
 logger = logging.getLogger("vllm.cascade_plugin")
 
@@ -81,6 +81,9 @@ class CascadeFlashInferMetadata(FlashInferMetadata):
 
     cascade: Any = None  # a kernels executor (FlashInfer or FA3), planned for this step
     cascade_max_page: int = -1  # largest block id the plan reads
+    # Query rows the executor runs: the step's tokens, or vLLM's padded token count for a
+    # graphed decode step (whose graphs then serve every batch of that padded size).
+    cascade_rows: int = 0
     # vLLM's build() of this step's flat metadata, called on first use; None: this object is it.
     flat_build: Callable[[], FlashInferMetadata] | None = field(default=None, repr=False)
     _flat: FlashInferMetadata | None = field(default=None, init=False, repr=False)
@@ -158,23 +161,31 @@ class CascadeFlashInferMetadataBuilder(FlashInferMetadataBuilder):
                 self._warm_up_decode_level(kv_cache_spec.dtype)
         shape = AttentionShape(self.num_qo_heads, self.num_kv_heads, self.head_dim,
                                kv_cache_spec.dtype.itemsize, num_layers=len(layer_names))
-        # FA3 with decode-step graphs: a decode step costs what the graphs make it once its shape
-        # is steady (they are captured on the 3rd step), the eager cost before that. Whole-step
-        # graphs where this engine can use them, else one graph per layer.
+        # FA3 with decode-step graphs: a decode step costs what the graphs make it once its graph
+        # layout has been seen (the graphs are captured the first time it runs), the eager cost
+        # before that. Whole-step graphs where this engine can use them, else one per layer.
         graphs = self._cuda_graphs and config.fused_decode
         full = config.full_graphs and full_graphs_reason(vllm_config) is None
-        session.configure(config, shape, self.page_size, reason,
-                          cost_model=cost_model_for(self._cascade_kernel, decode_graphs=False),
-                          steady_cost_model=cost_model_for(self._cascade_kernel, graphs, full))
-        # Bytes of one page over every layer a step's plan serves: the saving the log line reports.
-        stats.set_page_bytes(kv_cache_spec.page_size_bytes * len(layer_names))
+        # This builder's own: another attention group's builder (other layers of the same
+        # KV-cache group, e.g. sliding-window ones) may differ in any of them.
+        self._settings = BuilderSettings(
+            config, shape, self.page_size, reason,
+            cost_model=cost_model_for(self._cascade_kernel, decode_graphs=False),
+            steady_cost_model=cost_model_for(self._cascade_kernel, graphs, full),
+            capture_sizes=compat.cudagraph_capture_sizes(vllm_config),
+            page_bytes=kv_cache_spec.page_size_bytes * len(layer_names))
+        session.register(layer_names, self._settings)
 
     @override
     def build(self, common_prefix_len: int, common_attn_metadata: Any,
               fast_build: bool = False) -> FlashInferMetadata:
         cm = common_attn_metadata
-        step = None if fast_build else session.step_for(cm.query_start_loc_cpu.numpy(),
-                                                         cm.num_actual_tokens)
+        # Flat unless this builder's layers can run cascade and the step's plan is for them and
+        # for exactly this batch (StepSession.step_for says which, and counts a mismatch).
+        step = None
+        if not fast_build and self._settings.unsupported is None:
+            step = session.step_for(self._settings, cm.query_start_loc_cpu.numpy(),
+                                    cm.num_actual_tokens, compat.host_seq_lens(cm))
         if step is None:
             return super().build(common_prefix_len, cm, fast_build)
         try:
@@ -184,13 +195,14 @@ class CascadeFlashInferMetadataBuilder(FlashInferMetadataBuilder):
                           page_size=self.page_size, sm_scale=self.sm_scale,
                           logits_soft_cap=self.logits_soft_cap,
                           q_dtype=self.q_data_type_decode, kv_dtype=self.kv_cache_spec.dtype,
-                          device=self.device)
+                          device=self.device, padded_rows=session.padded_tokens)
         except Exception as exc:
             stats.record_fallback("kernel planning error", f"{type(exc).__name__}: {exc}")
             return super().build(common_prefix_len, cm, fast_build)
         stats.record_cascade(step.plan.stats.pages_flat, step.plan.stats.pages_cascade,
                              step.decode)
-        cascade = {"cascade": executor, "cascade_max_page": step.plan.stats.max_page}
+        cascade = {"cascade": executor, "cascade_max_page": step.plan.stats.max_page,
+                   "cascade_rows": executor.rows}
         # vLLM's flat metadata, the fallback of every layer, only if a layer needs it.
         flat_build = functools.partial(super().build, common_prefix_len, cm, fast_build)
         try:
@@ -249,12 +261,11 @@ class CascadeFlashInferMetadataBuilder(FlashInferMetadataBuilder):
         if self._cascade_executor is None:
             from .kernels import make_executor
 
+            config = self._settings.config
             self._cascade_executor = make_executor(
                 self._cascade_kernel, self._get_workspace_buffer(),
-                compat.flashinfer_kv_layout(self),
-                max_levels=session.config.max_levels if session.config else 3,
-                fused_decode=session.config.fused_decode if session.config else True,
-                cuda_graphs=self._cuda_graphs)
+                compat.flashinfer_kv_layout(self), max_levels=config.max_levels,
+                fused_decode=config.fused_decode, cuda_graphs=self._cuda_graphs)
         return self._cascade_executor
 
 
@@ -277,12 +288,15 @@ class CascadeFlashInferImpl(FlashInferImpl):
                 output_block_scale: Any = None) -> Any:
         executor = getattr(attn_metadata, "cascade", None)
         if executor is not None and output_scale is None and output_block_scale is None:
-            n = attn_metadata.num_actual_tokens
+            n = attn_metadata.cascade_rows
             try:
                 k_cache, v_cache = self._kv_views(kv_cache, attn_metadata)
                 if attn_metadata.cascade_max_page >= k_cache.shape[0]:  # before any kernel reads
                     stats.record_fallback("block id out of range", f"block "
                                           f"{attn_metadata.cascade_max_page} of {k_cache.shape[0]}")
+                elif n > query.shape[0] or n > output.shape[0]:
+                    stats.record_fallback("padded rows beyond the step's tensors",
+                                          f"{n} rows planned, {query.shape[0]} given")
                 else:
                     executor.run(query[:n], k_cache, v_cache, output[:n])
                     return output

@@ -213,6 +213,25 @@ def v2_batch_order(runner: Any, scheduler_output: Any) -> list[str]:
 V2_FULL_GRAPH_ARGUMENTS = ("uniform_token_count", "max_query_len")
 
 
+def host_seq_lens(common_attn_metadata: Any) -> Any:
+    """The batch's sequence lengths (numpy) as vLLM's builders get them, read from host memory
+    only, or None where the metadata has none.
+
+    ``seq_lens_cpu_upper_bound`` (0.26-0.33, both model runners): exact, except on the draft
+    rows of asynchronous speculative decoding, which the plugin refuses. Else ``_seq_lens_cpu``
+    (0.26-0.29, the V1 runner's host copy). Never ``seq_lens_cpu``: up to 0.29 a property that
+    copies ``seq_lens`` from the device when no host copy was given (Model Runner V2 gives none),
+    which waits for the GPU; gone from 0.30.
+    """
+    cm = common_attn_metadata
+    lens = getattr(cm, "seq_lens_cpu_upper_bound", None)
+    if lens is None:
+        lens = getattr(cm, "_seq_lens_cpu", None)
+    if lens is None:
+        return None
+    return lens.numpy() if hasattr(lens, "numpy") else lens
+
+
 def vllm_uses_cuda_graphs(vllm_config: Any) -> bool:
     """Whether this engine runs with CUDA graphs: not ``enforce_eager`` and
     ``compilation_config.cudagraph_mode`` not ``NONE`` (0.26-0.33)."""
@@ -220,6 +239,15 @@ def vllm_uses_cuda_graphs(vllm_config: Any) -> bool:
         return False
     mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
     return mode is None or getattr(mode, "name", str(mode)) != "NONE"
+
+
+def cudagraph_capture_sizes(vllm_config: Any) -> tuple[int, ...]:
+    """The token counts vLLM captures CUDA graphs for and pads a step to, ascending; empty
+    without CUDA graphs (``compilation_config.cudagraph_capture_sizes``, 0.26-0.33)."""
+    if not vllm_uses_cuda_graphs(vllm_config):
+        return ()
+    sizes = getattr(vllm_config.compilation_config, "cudagraph_capture_sizes", None) or ()
+    return tuple(sorted(int(size) for size in sizes))
 
 
 def fa3_kernels() -> tuple[Callable[..., Any], Callable[..., Any]]:

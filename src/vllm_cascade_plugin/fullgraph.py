@@ -9,11 +9,14 @@ costs ~100 µs of host time per layer even when the FA3 executor replays a CUDA 
 Here the runner's model call of a cascade decode step is captured whole — every layer, our
 attention included — the ``capture_after``-th time the same key comes, and replayed after:
 
-- key: the runner, vLLM's batch descriptor, the token count, the executor's ``graph_key``
-  (level sizes, static metadata buffers, scratch) and the addresses of the model inputs, the
-  slot mappings and the first layer's KV cache: everything the graph reads is named by the key or
-  lives in the graph's own pool, and the step's data behind those addresses (``prepare_inputs``,
-  ``executor.plan``) is written on the same stream before the replay;
+- key: the runner, vLLM's batch descriptor (its padded token count), the rows the executor
+  runs (the same padded count), the executor's ``graph_key`` (bucketed level sizes, static
+  metadata buffers, scratch: :mod:`~vllm_cascade_plugin.graph_layout`) and the addresses of the
+  model inputs, the slot mappings and the first layer's KV cache: everything the graph reads is
+  named by the key or lives in the graph's own pool, and the step's data behind those addresses
+  (``prepare_inputs``, ``executor.plan``) is written on the same stream before the replay. No
+  exact row, group or page count is in it, so one graph serves every step of a layout while
+  requests come and go;
 - eligible: a planned cascade decode step (``StepSession.current``), every layer's metadata the
   same planned FA3 executor with a graphed step, tensor/pipeline/data parallel size 1, plain
   token inputs, the plan's largest block id inside the cache; never with LoRA or vLLM's weight
@@ -40,19 +43,22 @@ from .step import session
 
 logger = logging.getLogger("vllm.cascade_plugin")
 
-CAPTURE_AFTER = 3
-MAX_GRAPHS = 32  # per runner; beyond it every graph is dropped (decode activations are small)
+CAPTURE_AFTER = 1  # the first time a key comes (after one eager cascade decode step)
+MAX_GRAPHS = 64  # per runner; beyond it the least recently replayed graph is destroyed
 MAX_SIGHTINGS = 1024
 
 _ALL: weakref.WeakSet[StepGraphs] = weakref.WeakSet()
 
 
 def graph_stats() -> dict[str, int]:
-    """Whole-step graphs in this process: captured and replayed so far, and held now."""
+    """Whole-step graphs in this process: captured, replayed and evicted so far, held now, and
+    the bytes of their memory pools."""
     graphs = list(_ALL)
     return {"full_graph_captures": sum(g.captures for g in graphs),
             "full_graph_replays": sum(g.replays for g in graphs),
-            "full_graphs_held": sum(len(g) for g in graphs)}
+            "full_graph_evictions": sum(g.evictions for g in graphs),
+            "full_graphs_held": sum(len(g) for g in graphs),
+            "full_graph_pool_bytes": sum(g.pool_bytes() for g in graphs)}
 
 
 def _ptr(value: Any) -> Any:
@@ -99,9 +105,9 @@ class StepGraphs(GraphCache):
             return forward()
         executor, layers, key_parts = found
         key = (tag, *key_parts)
-        replay = self._graphs.get(key)
+        replay = self._replay(key)
         if replay is not None:
-            self.replays += 1
+            stats.record_graphed_step()
             return replay()
         if not self._due(key):
             return forward()
@@ -112,6 +118,8 @@ class StepGraphs(GraphCache):
         except Exception as exc:
             self.failed = True
             self.clear()
+            stats.record_capture_failure()
+            session.graphs_lost()
             logger.warning("vllm-cascade-plugin: capturing a whole cascade decode step in a CUDA "
                            "graph failed (%s: %s); cascade steps run vLLM's piecewise path from "
                            "now on.", type(exc).__name__, exc)
@@ -123,8 +131,7 @@ class StepGraphs(GraphCache):
             stats.record_fallback("full graph discarded",
                                   f"{ran} of {layers} layers ran cascade, {fell_back} fallbacks")
             return output  # this step's result is right: the graph ran once, as captured
-        self._graphs[key] = replay
-        self.captures += 1
+        self._keep(key, replay)
         return output
 
     def _capture(self, forward: Callable[[], Any], ctx: Any) -> tuple[Callable[[], Any], Any]:
@@ -171,7 +178,7 @@ def eligible(ctx: Any, inputs: dict[str, Any],
     slots = ctx.slot_mapping
     slot_parts = tuple(sorted((k, _ptr(v)) for k, v in slots.items())) if isinstance(
         slots, dict) else _ptr(slots)
-    key = (ctx.batch_descriptor, first.num_actual_tokens, graph_key,
+    key = (ctx.batch_descriptor, first.cascade_rows, graph_key,
            tuple(sorted((k, _ptr(v)) for k, v in inputs.items())), slot_parts, _ptr(kv_cache),
            len(metadata))
     return executor, len(metadata), key

@@ -1,21 +1,30 @@
-"""What one worker process knows between the runner's step hook and the metadata builder.
+"""What one worker process knows between the runner's step hook and the metadata builders.
 
 The runner hook (see :mod:`vllm_cascade_plugin.hooks`) plans each real engine step *before* vLLM
 picks the step's CUDA-graph mode, because a step that runs cascade must not replay a FULL graph of
-flat attention. The builder's ``build()`` runs later in the same step and takes the plan only if
-it describes exactly the batch it is given. numpy only: no vLLM import here.
+flat attention. It plans once per step, from the one block table of the step's KV-cache group.
+That group can hold several attention groups, each with a metadata builder of its own (vLLM
+splits a group's layers by KV-cache spec and head count: sliding-window layers next to
+full-attention ones, say). Each builder registers its own :class:`BuilderSettings`; the session
+plans with the first builder's that can run cascade, and each builder's ``build()``, later in the
+same step, takes the plan only if its own layers can run cascade, the plan was made for their
+page size and shape, and it describes exactly the batch it is given (rows, tokens and sequence
+lengths). Any other builder builds vLLM's flat metadata. numpy only: no vLLM import here.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from . import stats
 from .config import CascadeConfig
 from .cost import AttentionShape, CostModel, Decision, decide
+from .graph_layout import graph_shape
 from .planner import CascadePlan, CascadePlanner, nothing_shared, plan_violations
 
 
@@ -25,38 +34,59 @@ class StepPlan:
     decision: Decision
     query_start_loc: np.ndarray  # int32 [num_reqs + 1], the batch this plan is for
     decode: bool  # every row has one query token
+    seq_lens: np.ndarray  # int32 [num_reqs], each row's tokens after this step, as planned
+    page_size: int  # of the block ids the plan reads
+    shape: AttentionShape  # of the layers whose cost decided cascade or flat
 
     @property
     def num_reqs(self) -> int:
         return len(self.query_start_loc) - 1
 
-    def matches(self, query_start_loc: np.ndarray, num_actual_tokens: int) -> bool:
-        """Same rows and tokens (rows past ours may only be padding with no tokens)."""
+    def matches(self, query_start_loc: np.ndarray, num_actual_tokens: int,
+                seq_lens: np.ndarray) -> bool:
+        """Same rows, tokens and sequence lengths (rows past ours may only be padding with no
+        tokens, whatever their length: they attend to nothing)."""
         n = self.num_reqs
         qsl = np.asarray(query_start_loc)
+        lens = np.asarray(seq_lens)
         total = int(self.query_start_loc[-1])
-        return (len(qsl) >= n + 1 and num_actual_tokens == total
+        return (len(qsl) >= n + 1 and len(lens) >= n and num_actual_tokens == total
                 and np.array_equal(qsl[: n + 1], self.query_start_loc)
-                and bool(np.all(qsl[n + 1:] == total)))
+                and bool(np.all(qsl[n + 1:] == total))
+                and np.array_equal(lens[:n], self.seq_lens))
+
+    def planned_for(self, settings: BuilderSettings) -> bool:
+        """Whether the plan was made for layers like ``settings``': its pages are numbered in
+        their page size and its cascade-or-flat decision was costed for their shape."""
+        return self.page_size == settings.page_size and self.shape == settings.shape
 
 
-# Consecutive decode steps of one shape after which the executor's per-layer CUDA graphs are
-# expected to run them (it captures a shape's layers on the 3rd cascade step of that shape).
-STEADY_AFTER = 2
+@dataclass(frozen=True)
+class BuilderSettings:
+    """What one metadata builder (one attention group's layers) brings to the session."""
+
+    config: CascadeConfig
+    shape: AttentionShape
+    page_size: int
+    unsupported: str | None  # why cascade cannot serve these layers; None: it can
+    # The calibrations of the executor the builder runs (see StepSession.configure).
+    cost_model: CostModel = field(default_factory=CostModel)
+    steady_cost_model: CostModel | None = None
+    capture_sizes: tuple[int, ...] = ()
+    page_bytes: int = 0  # one KV page over these layers, K and V (the log line's saving)
 
 
-def decode_shape(plan: CascadePlan) -> tuple[object, ...]:
-    """What a decode step's CUDA graphs depend on, from the plan: rows, and each shared level's
-    groups, rows, row order and pages (the per-request level's pages change every step)."""
-    return (int(plan.levels[-1].qo_indptr[-1]), *(
-        (level.num_groups, int(level.qo_indptr[-1]), level.q_is_identity,
-         int(level.kv_page_indptr[-1])) for level in plan.levels[:-1]))
+MAX_LAYOUTS = 4096  # graph layouts remembered (then forgotten all at once)
 
 
 class StepSession:
-    """Per-process planning state: limits, the attention shape, and the current step's plan."""
+    """Per-process planning state: every builder's settings, the settings steps are planned
+    with, and the current step's plan."""
 
     def __init__(self) -> None:
+        # Every live builder's settings by its layer names, in the order the builders came.
+        self._builders: dict[tuple[str, ...], BuilderSettings] = {}
+        # The settings steps are planned with (see register()).
         self.config: CascadeConfig | None = None
         self.shape: AttentionShape | None = None
         self.page_size = 0
@@ -64,31 +94,76 @@ class StepSession:
         self.cost_model = CostModel()
         self.steady_cost_model: CostModel | None = None
         self.current: StepPlan | None = None
+        # vLLM's padded token count of the current step (its CUDA-graph capture size), set by
+        # the runner hooks once vLLM has dispatched the step; 0: not known.
+        self.padded_tokens = 0
+        self._capture_sizes: tuple[int, ...] = ()
         self._planner: CascadePlanner | None = None
-        self._shape_seen: tuple[object, ...] | None = None
-        self._shape_streak = 0
+        self._layouts_seen: set[tuple[object, ...]] = set()
+
+    def register(self, layers: Sequence[str], settings: BuilderSettings) -> None:
+        """A new metadata builder for ``layers`` and its settings.
+
+        It replaces the builder of any of those layers (vLLM makes its builders again after
+        profiling). Steps are then planned with the settings of the first builder, in the order
+        they came, that can run cascade; with none, the session is off. Why a builder cannot is
+        logged once per reason: its layers run flat whatever the others do.
+        """
+        names = tuple(layers)
+        # A new dict, not one changed in place: tests restore the session from a shallow copy.
+        builders = {key: value for key, value in self._builders.items()
+                    if not set(key) & set(names)}
+        builders[names] = settings
+        self._builders = builders
+        if settings.unsupported is not None:
+            stats.log_once(f"disabled:{settings.unsupported}",
+                           "vllm-cascade-plugin: cascade attention is off for %d attention "
+                           "layer(s) (%s): %s; they run vLLM's flat FlashInfer attention.",
+                           len(names), ", ".join(names[:3]) + (", ..." if len(names) > 3 else ""),
+                           settings.unsupported)
+        planning = next((b for b in builders.values() if b.unsupported is None),
+                        next(iter(builders.values())))
+        self._apply(planning)
+        # The layers a cascade step serves: every builder the plan is for.
+        stats.set_page_bytes(sum(
+            b.page_bytes for b in builders.values()
+            if b.unsupported is None and (b.page_size, b.shape) == (planning.page_size,
+                                                                    planning.shape)))
 
     def configure(self, config: CascadeConfig, shape: AttentionShape, page_size: int,
                   disabled_reason: str | None, cost_model: CostModel | None = None,
-                  steady_cost_model: CostModel | None = None) -> None:
-        """Called by each new builder: what the model's attention looks like, or why it can't.
+                  steady_cost_model: CostModel | None = None,
+                  capture_sizes: Sequence[int] = ()) -> None:
+        """Plan steps for attention of this shape and page size, or not at all (a reason).
 
-        ``cost_model``: the calibration of the executor the builder will run (default:
-        FlashInfer's). ``steady_cost_model``: the same executor on a decode step whose shape the
-        previous :data:`STEADY_AFTER` planned decode steps had, which its CUDA graphs replay
-        (None: ``cost_model`` for every step).
+        What :meth:`register` does with a builder's settings; for a session without builders
+        (tests, benchmarks). ``cost_model``: the calibration of the executor the builder will
+        run (default: FlashInfer's). ``steady_cost_model``: the same executor on a decode step
+        its CUDA graphs replay, charged to a decode step whose graph layout
+        (:func:`~vllm_cascade_plugin.graph_layout.graph_shape`, the key of the executor's
+        graphs) an earlier planned step had: the executor captures a layout's graphs the first
+        time it runs one (None: ``cost_model`` for every step). ``capture_sizes``: vLLM's
+        CUDA-graph capture sizes, to which it pads a step's tokens.
         """
-        self.config, self.shape, self.page_size = config, shape, page_size
-        self.cost_model = cost_model or CostModel()
-        self.steady_cost_model = steady_cost_model
-        self._shape_seen, self._shape_streak = None, 0
-        self.disabled_reason = disabled_reason
-        self._planner = CascadePlanner(max_levels=config.max_levels,
-                                       min_shared_pages=config.min_shared_pages)
+        self._apply(BuilderSettings(config, shape, page_size, disabled_reason,
+                                    cost_model or CostModel(), steady_cost_model,
+                                    tuple(capture_sizes)))
         if disabled_reason is not None:
             stats.log_once(f"disabled:{disabled_reason}",
                            "vllm-cascade-plugin: cascade attention is off for this model: %s; "
                            "every step runs vLLM's flat FlashInfer attention.", disabled_reason)
+
+    def _apply(self, settings: BuilderSettings) -> None:
+        """Plan steps with ``settings`` from now on."""
+        config = settings.config
+        self.config, self.shape, self.page_size = config, settings.shape, settings.page_size
+        self.cost_model = settings.cost_model
+        self.steady_cost_model = settings.steady_cost_model
+        self._capture_sizes = tuple(sorted(settings.capture_sizes))
+        self._layouts_seen = set()
+        self.disabled_reason = settings.unsupported
+        self._planner = CascadePlanner(max_levels=config.max_levels,
+                                       min_shared_pages=config.min_shared_pages)
 
     @property
     def active(self) -> bool:
@@ -137,20 +212,21 @@ class StepSession:
                 if broken:
                     stats.record_fallback("plan invariant violated", "; ".join(broken[:3]))
                     return None
-            steady = self._steady(plan, decode)
+            graphed = self._graphed(plan, decode)
             if plan.num_levels < 2:
                 decision = Decision(False, 0.0, 0.0, "no shared pages")
             elif self.config.policy == "always":
                 decision = Decision(True, 0.0, 0.0, "CASCADE_POLICY=always")
             else:
-                model = self.steady_cost_model if steady and self.steady_cost_model else None
+                model = self.steady_cost_model if graphed and self.steady_cost_model else None
                 decision = decide(plan, self.shape, model or self.cost_model)
         except Exception as exc:  # the engine must never fail because of the planner
             stats.record_fallback("planner error", f"{type(exc).__name__}: {exc}")
             return None
         qsl = np.zeros(len(query_lens) + 1, dtype=np.int32)
         np.cumsum(query_lens, out=qsl[1:])
-        self.current = StepPlan(plan, decision, qsl, decode)
+        self.current = StepPlan(plan, decision, qsl, decode,
+                                np.array(seq_lens, dtype=np.int32), self.page_size, self.shape)
         if stats.logger.isEnabledFor(logging.DEBUG):
             stats.logger.debug(
                 "cascade step: %s (%s); %d levels, groups %s, pages %d flat -> %d; totals %s",
@@ -159,29 +235,56 @@ class StepSession:
                 stats.snapshot())
         return self.current
 
-    def _steady(self, plan: CascadePlan, decode: bool) -> bool:
-        """Count consecutive planned decode steps of one :func:`decode_shape`; True once the
-        previous :data:`STEADY_AFTER` had this step's shape (flat or cascade alike, so a run of
-        flat steps can reach it)."""
-        shape = decode_shape(plan) if decode and plan.num_levels > 1 else None
-        if shape is None or shape != self._shape_seen:
-            self._shape_seen, self._shape_streak = shape, 0
-            return False
-        self._shape_streak += 1
-        return self._shape_streak >= STEADY_AFTER
+    def padded(self, num_tokens: int) -> int:
+        """The token count vLLM pads a step of ``num_tokens`` to: the smallest capture size
+        that holds it (none beyond the largest, or without CUDA graphs)."""
+        at = bisect.bisect_left(self._capture_sizes, num_tokens)
+        return self._capture_sizes[at] if at < len(self._capture_sizes) else num_tokens
 
-    def step_for(self, query_start_loc: np.ndarray, num_actual_tokens: int) -> StepPlan | None:
-        """The current plan if it is for this batch and chose cascade, else None."""
+    def _graphed(self, plan: CascadePlan, decode: bool) -> bool:
+        """Whether a decode step will replay (or capture) its CUDA graphs: an earlier planned
+        step, flat or cascade, had its graph layout. Records this step's layout."""
+        if not decode or plan.num_levels < 2 or self.steady_cost_model is None:
+            return False
+        key = graph_shape(plan, self.padded(plan.stats.num_tokens))
+        if key in self._layouts_seen:
+            return True
+        if len(self._layouts_seen) >= MAX_LAYOUTS:
+            self._layouts_seen.clear()
+        self._layouts_seen.add(key)
+        return False
+
+    def graphs_lost(self) -> None:
+        """The executor's graphs are off from now on (a capture failed): charge every step
+        the eager cost."""
+        self.steady_cost_model = None
+
+    def step_for(self, settings: BuilderSettings, query_start_loc: np.ndarray,
+                 num_actual_tokens: int, seq_lens: np.ndarray | None) -> StepPlan | None:
+        """The current plan if it chose cascade and a builder with ``settings`` may run it on
+        this batch (``seq_lens``: the batch's sequence lengths from host memory, None where
+        vLLM gave none), else None: that builder builds vLLM's flat metadata."""
         step = self.current
-        if step is None or not step.decision.use_cascade:
+        if step is None or not step.decision.use_cascade or settings.unsupported is not None:
+            return None  # these layers' reason was logged when their builder came
+        if not step.planned_for(settings):
+            stats.log_once(f"not planned for:{settings.page_size}:{settings.shape}",
+                           "vllm-cascade-plugin: attention layers of shape %s (page size %d) "
+                           "run vLLM's flat FlashInfer attention: steps are planned for other "
+                           "layers (%s, page size %d).", settings.shape, settings.page_size,
+                           step.shape, step.page_size)
             return None
-        if not step.matches(query_start_loc, num_actual_tokens):
+        if seq_lens is None:  # nothing to check the plan's sequence lengths against
+            stats.record_fallback("batch sequence lengths unknown")
+            return None
+        if not step.matches(query_start_loc, num_actual_tokens, seq_lens):
             stats.record_fallback("plan does not match the batch", level=logging.DEBUG)
             return None
         return step
 
     def end_step(self) -> None:
         self.current = None
+        self.padded_tokens = 0
 
 
 session = StepSession()
