@@ -75,6 +75,20 @@ def _run_flat(step: _PendingStep | None) -> None:
     session.current = None
 
 
+def _cascade_call(where: str, step: _PendingStep | None,
+                  make: Callable[[], inspect.BoundArguments | None],
+                  ) -> inspect.BoundArguments | None:
+    """``make()``: a dispatch wrapper's changed call for a cascade step, or None for vLLM's call
+    as it came; also None, with the step flat and the failure counted, when ``make`` fails (vLLM
+    may then pick a FULL graph)."""
+    try:
+        return make()
+    except Exception as exc:
+        _run_flat(step)
+        _failed(where, exc)
+        return None
+
+
 def _plan_rows(first_pages: np.ndarray, block_table: Callable[[], np.ndarray],
                num_blocks: np.ndarray, seq_lens: np.ndarray, query_lens: np.ndarray) -> bool:
     """Plan a step from CPU rows; True when it will run cascade.
@@ -196,12 +210,8 @@ def _v1_dispatch(original: Callable[..., Any]) -> Callable[..., Any]:
 
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         step = _pending
-        try:
-            call = cascade_call(step, self, args, kwargs)
-        except Exception as exc:  # vLLM may pick a FULL graph now: the step must run flat
-            _run_flat(step)
-            _failed("CudagraphDispatcher.dispatch", exc)
-            call = None
+        call = _cascade_call("CudagraphDispatcher.dispatch", step,
+                             lambda: cascade_call(step, self, args, kwargs))
         if call is None:
             return original(self, *args, **kwargs)
         result = original(*call.args, **call.kwargs)
@@ -310,12 +320,8 @@ def _v2_dispatch(original: Callable[..., Any]) -> Callable[..., Any]:
 
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         step = _pending
-        try:
-            call = cascade_call(step, self, args, kwargs)
-        except Exception as exc:  # vLLM may pick a FULL graph now: the step must run flat
-            _run_flat(step)
-            _failed("CudaGraphManager.dispatch", exc)
-            call = None
+        call = _cascade_call("CudaGraphManager.dispatch", step,
+                             lambda: cascade_call(step, self, args, kwargs))
         if call is None:
             return original(self, *args, **kwargs)
         desc = original(*call.args, **call.kwargs)
