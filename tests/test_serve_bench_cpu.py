@@ -128,7 +128,7 @@ def test_client_commands_of_each_workload_kind():
 
 
 def test_vllms_own_parsers_accept_the_commands(tmp_path):
-    """vLLM 0.26's ``serve`` and ``bench serve`` parsers read every flag as meant (a CPU platform
+    """vLLM's own ``serve`` and ``bench serve`` parsers read every flag as meant (a CPU platform
     stands in for the GPU; in a subprocess, so no other test sees it)."""
     pytest.importorskip("vllm")
     server = sb.server_command(sb.CONFIGS["cascade"], tmp_path, 8100, 8704, _args())
@@ -140,7 +140,10 @@ def test_vllms_own_parsers_accept_the_commands(tmp_path):
         from vllm.platforms.cpu import CpuPlatform
         vllm.platforms._current_platform = CpuPlatform()
         from vllm.utils.argparse_utils import FlexibleArgumentParser
-        from vllm.entrypoints.openai.cli_args import make_arg_parser
+        try:  # where `vllm serve`'s parser lives in 0.26; 0.33 has it in vllm.entrypoints.common
+            from vllm.entrypoints.openai.cli_args import make_arg_parser
+        except ImportError:
+            from vllm.entrypoints.common.cli_args import make_arg_parser
         from vllm.benchmarks.serve import add_cli_args
         server, clients = json.loads(sys.argv[1])
         a = make_arg_parser(FlexibleArgumentParser()).parse_args(server[4:])
