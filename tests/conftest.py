@@ -10,7 +10,21 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True)
+def fresh_builder_registry():
+    """Every metadata builder a test makes registers with the process's planning session; each
+    test starts without the builders of tests before it (whatever order they run in) and leaves
+    the session as it found it."""
+    from vllm_cascade_plugin.step import session
+
+    saved = dict(vars(session))
+    session._builders = {}
+    yield
+    vars(session).update(saved)
