@@ -13,6 +13,7 @@
 #   e2e      benchmarks/e2e_bench.py: the offline end-to-end table (e2e.json)
 #   serve    benchmarks/serve_bench.py, 8K x 4 prefixes, flashinfer vs cascade (serve.json)
 #   soak     benchmarks/soak.py
+#   demo     `vllm-cascade demo` and the three examples as a user runs them (demo.txt, examples.txt)
 #   tp       tensor_parallel_size=2 engine tests (needs the two-GPU machine)
 # Logs and JSON go to /tmp/gv/<part>/; each command ends by packing them into $OUT/gv.tar.xz
 # (unpack into benchmarks/results/h200/ what belongs there).
@@ -56,6 +57,18 @@ part_serve() {  # a server start takes ~3.5 min: run it detached (`start serve`)
   stamp "serve rc=$?"; tail -20 "$res/serve/serve.log"
 }
 
+part_demo() {
+  mkdir -p "$res/demo"
+  (CASCADE_ATTENTION=1 timeout 400 python3 -m vllm_cascade_plugin.cli demo > "$res/demo/demo.txt" 2>&1; stamp "demo rc=$?"
+   for ex in examples/offline_shared_prompt.py examples/grpo_rollouts.py; do
+     echo "## python3 $ex"; CASCADE_ATTENTION=1 timeout 300 python3 "$ex" 2>&1 | grep -v ' INFO \| WARNING '
+   done
+   echo "## bash examples/serve/serve.sh"
+   VLLM="python3 -m vllm.entrypoints.cli.main" timeout 400 bash examples/serve/serve.sh 2>&1
+  ) > "$res/demo/examples.txt" 2>&1
+  stamp "examples rc=$?"; tail -5 "$res/demo/demo.txt"
+}
+
 part_soak() {
   mkdir -p "$res/soak"
   timeout 1500 python3 benchmarks/soak.py --out "$res/soak" > "$res/soak/soak.log" 2>&1
@@ -73,7 +86,7 @@ wait_parts() {  # until the detached list is done or $1 seconds have passed
   tail -40 "$res/parts.log" 2>/dev/null
 }
 
-case ${1:?"a part (kernels, engine, serving, e2e, serve, soak, tp), start PARTS..., or wait"} in
+case ${1:?"a part (kernels, engine, serving, e2e, serve, soak, demo, tp), start PARTS..., or wait"} in
 start)
   shift
   rm -f "$res/done"
@@ -87,7 +100,7 @@ start)
 wait)
   wait_parts "${2:-540}"
   ;;
-kernels|engine|serving|e2e|serve|soak|tp)
+kernels|engine|serving|e2e|serve|soak|demo|tp)
   "part_$1"
   ;;
 *)
