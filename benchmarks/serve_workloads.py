@@ -248,8 +248,13 @@ COUNTERS = {  # row key -> Prometheus sample name
     "decode_steps_cascade": "vllm_cascade_decode_steps_cascade_total",
     "decode_steps_graphed": "vllm_cascade_decode_steps_graphed_total",
     "graph_capture_failures": "vllm_cascade_graph_capture_failures_total",
+    "graph_captures": "vllm_cascade_graph_captures_total",
+    "graph_capture_s": "vllm_cascade_graph_capture_seconds_total",
+    "planning_s": "vllm_cascade_planning_seconds_total",
 }
-STEP_COUNTERS = ("decode_steps_planned", "decode_steps_cascade", "decode_steps_graphed")
+# Counted on tp_rank="0" only: every tensor-parallel rank plans (and captures) the same steps.
+STEP_COUNTERS = ("decode_steps_planned", "decode_steps_cascade", "decode_steps_graphed",
+                 "graph_captures", "graph_capture_s", "planning_s")
 
 
 def parse_counters(text: str) -> dict[str, float | None]:

@@ -15,6 +15,7 @@ destroyed, and when full it destroys only the graph replayed longest ago.
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -123,12 +124,19 @@ class GraphCache:
         self.captures += 1
 
     def _capture_with(self, fn: Callable[[], Any]) -> tuple[Callable[[], Any], Any]:
+        """``fn`` captured (and replayed once); its host time is counted (``stats``)."""
+        from . import stats
+
+        start = time.perf_counter()
         if self.capture is not None:
-            return self.capture(fn)
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-            self._pool, self._anchor = new_pool(self._stream)
-        return capture_cuda(fn, self._pool, self._stream)
+            captured = self.capture(fn)
+        else:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream()
+                self._pool, self._anchor = new_pool(self._stream)
+            captured = capture_cuda(fn, self._pool, self._stream)
+        stats.record_capture(time.perf_counter() - start)
+        return captured
 
     def pool_bytes(self) -> int:
         """GPU memory the cache's pool holds (0 before its first capture or where this torch

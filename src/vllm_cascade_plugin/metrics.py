@@ -53,6 +53,12 @@ class PrometheusCounters:
             "Cascade decode steps whose attention replayed a CUDA graph (whole step or layers).")
         self.graph_capture_failures = counter(
             "graph_capture_failures", "CUDA-graph captures of cascade steps that failed.")
+        self.graph_captures = counter(
+            "graph_captures", "CUDA graphs of cascade steps captured (whole steps or layers).")
+        self.graph_capture_seconds = counter(
+            "graph_capture_seconds", "Host seconds spent capturing those CUDA graphs.")
+        self.planning_seconds = counter(
+            "planning_seconds", "Host seconds the cascade planner and cost model took.")
         self._fallbacks = counter(
             "fallbacks", "Steps or layer calls that ran flat attention instead, by reason.",
             ("reason",))
@@ -80,6 +86,13 @@ class PrometheusCounters:
 
     def graphed(self) -> None:
         self.decode_steps_graphed.inc()
+
+    def captured(self, seconds: float) -> None:
+        self.graph_captures.inc()
+        self.graph_capture_seconds.inc(seconds)
+
+    def planning(self, seconds: float) -> None:
+        self.planning_seconds.inc(seconds)
 
     def capture_failure(self) -> None:
         self.graph_capture_failures.inc()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -199,6 +200,7 @@ class StepSession:
         if not self.active:
             return None
         assert self._planner is not None and self.config is not None and self.shape is not None
+        start = time.perf_counter()
         decode = bool(np.all(query_lens == 1))
         stats.record_planned(decode)
         try:
@@ -223,6 +225,8 @@ class StepSession:
         except Exception as exc:  # the engine must never fail because of the planner
             stats.record_fallback("planner error", f"{type(exc).__name__}: {exc}")
             return None
+        finally:
+            stats.record_planning(time.perf_counter() - start)
         qsl = np.zeros(len(query_lens) + 1, dtype=np.int32)
         np.cumsum(query_lens, out=qsl[1:])
         self.current = StepPlan(plan, decision, qsl, decode,
