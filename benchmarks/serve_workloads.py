@@ -251,7 +251,9 @@ COUNTERS = {  # row key -> Prometheus sample name
     "graph_captures": "vllm_cascade_graph_captures_total",
     "graph_capture_s": "vllm_cascade_graph_capture_seconds_total",
     "planning_s": "vllm_cascade_planning_seconds_total",
+    "graph_pool_bytes": "vllm_cascade_graph_pool_bytes",  # a level (gauge): its value after
 }
+LEVELS = ("graph_pool_bytes",)
 # Counted on tp_rank="0" only: every tensor-parallel rank plans (and captures) the same steps.
 STEP_COUNTERS = ("decode_steps_planned", "decode_steps_cascade", "decode_steps_graphed",
                  "graph_captures", "graph_capture_s", "planning_s")
@@ -277,7 +279,8 @@ def parse_counters(text: str) -> dict[str, float | None]:
 
 def counter_deltas(before: dict[str, float | None],
                    after: dict[str, float | None]) -> dict[str, float | None]:
-    return {k: None if after.get(k) is None else after[k] - (before.get(k) or 0.0)
+    return {k: None if after.get(k) is None
+            else after[k] if k in LEVELS else after[k] - (before.get(k) or 0.0)
             for k in COUNTERS}
 
 

@@ -352,6 +352,10 @@ vllm_cascade_graph_capture_seconds_total{tp_rank="1"} 0.5
 # HELP vllm_cascade_planning_seconds_total Seconds planning.
 # TYPE vllm_cascade_planning_seconds_total counter
 vllm_cascade_planning_seconds_total{tp_rank="0"} 2.5
+# HELP vllm_cascade_graph_pool_bytes Pool bytes.
+# TYPE vllm_cascade_graph_pool_bytes gauge
+vllm_cascade_graph_pool_bytes{tp_rank="0"} 1000.0
+vllm_cascade_graph_pool_bytes{tp_rank="1"} 900.0
 # HELP vllm_cascade_fallbacks_total Fallbacks.
 # TYPE vllm_cascade_fallbacks_total counter
 vllm_cascade_fallbacks_total{reason="no shared prefix",tp_rank="0"} 50.0
@@ -362,7 +366,8 @@ def test_counters_parsed_from_metrics_text():
     counters = sw.parse_counters(METRICS)
     assert counters == {"decode_steps_planned": 200.0, "decode_steps_cascade": 150.0,
                         "decode_steps_graphed": 120.0, "graph_capture_failures": 3.0,
-                        "graph_captures": 12.0, "graph_capture_s": 0.75, "planning_s": 2.5}
+                        "graph_captures": 12.0, "graph_capture_s": 0.75, "planning_s": 2.5,
+                        "graph_pool_bytes": 1900.0}
     assert sw.parse_counters(METRICS.split("# HELP vllm_cascade")[0]) == dict.fromkeys(counters)
 
 
@@ -380,12 +385,14 @@ def test_counters_as_prometheus_client_writes_them():
 def test_fractions_from_counter_deltas():
     before = {"decode_steps_planned": 100.0, "decode_steps_cascade": 50.0,
               "decode_steps_graphed": 40.0, "graph_capture_failures": 0.0,
-              "graph_captures": 2.0, "graph_capture_s": 0.25, "planning_s": 0.5}
+              "graph_captures": 2.0, "graph_capture_s": 0.25, "planning_s": 0.5,
+              "graph_pool_bytes": 400.0}
     after = sw.parse_counters(METRICS)
     delta = sw.counter_deltas(before, after)
     assert delta == {"decode_steps_planned": 100.0, "decode_steps_cascade": 100.0,
                      "decode_steps_graphed": 80.0, "graph_capture_failures": 3.0,
-                     "graph_captures": 10.0, "graph_capture_s": 0.5, "planning_s": 2.0}
+                     "graph_captures": 10.0, "graph_capture_s": 0.5, "planning_s": 2.0,
+                     "graph_pool_bytes": 1900.0}
     assert sw.fractions(delta, True) == (1.0, 0.8)
     assert sw.fractions(delta, False) == (None, None)
     idle = sw.counter_deltas(after, after)

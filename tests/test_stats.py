@@ -138,6 +138,8 @@ def test_prometheus_counters_mirror_the_records():
     counters.captured(0.25)
     counters.captured(0.5)
     counters.planning(0.125)
+    counters.pool_bytes(4096)
+    counters.pool_bytes(8192)
 
     def value(name: str, **labels: str) -> float | None:
         return registry.get_sample_value(f"vllm_cascade_{name}_total", {"tp_rank": "0", **labels})
@@ -150,6 +152,7 @@ def test_prometheus_counters_mirror_the_records():
     assert value("decode_steps_graphed") == 1 and value("graph_capture_failures") == 1
     assert value("graph_captures") == 2 and value("graph_capture_seconds") == 0.75
     assert value("planning_seconds") == 0.125
+    assert registry.get_sample_value("vllm_cascade_graph_pool_bytes", {"tp_rank": "0"}) == 8192
 
 
 WORKER = """

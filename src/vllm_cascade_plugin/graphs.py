@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +26,7 @@ import torch
 __all__ = ["GraphCache", "LayerGraphs", "capture_cuda", "new_pool"]
 
 _log = logging.getLogger("vllm.cascade_plugin")
+_CACHES: weakref.WeakSet[GraphCache] = weakref.WeakSet()  # every cache of this process
 
 
 def new_pool(stream: torch.cuda.Stream) -> tuple[Any, Any]:
@@ -85,6 +87,7 @@ class GraphCache:
         self._pool: Any = None
         self._anchor: Any = None  # keeps the pool alive (module docstring)
         self._stream: torch.cuda.Stream | None = None
+        _CACHES.add(self)
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -136,6 +139,7 @@ class GraphCache:
                 self._pool, self._anchor = new_pool(self._stream)
             captured = capture_cuda(fn, self._pool, self._stream)
         stats.record_capture(time.perf_counter() - start)
+        stats.set_graph_pool_bytes(sum(cache.pool_bytes() for cache in list(_CACHES)))
         return captured
 
     def pool_bytes(self) -> int:

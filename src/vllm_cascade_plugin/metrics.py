@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
 PREFIX = "vllm_cascade_"
 
@@ -59,6 +59,10 @@ class PrometheusCounters:
             "graph_capture_seconds", "Host seconds spent capturing those CUDA graphs.")
         self.planning_seconds = counter(
             "planning_seconds", "Host seconds the cascade planner and cost model took.")
+        # A level per process; /metrics adds up the live processes (each GPU's worker).
+        self.graph_pool_bytes = Gauge(
+            PREFIX + "graph_pool_bytes", "GPU memory the plugin's CUDA-graph pools hold.",
+            ["tp_rank"], registry=registry, multiprocess_mode="livesum").labels(rank)
         self._fallbacks = counter(
             "fallbacks", "Steps or layer calls that ran flat attention instead, by reason.",
             ("reason",))
@@ -90,6 +94,9 @@ class PrometheusCounters:
     def captured(self, seconds: float) -> None:
         self.graph_captures.inc()
         self.graph_capture_seconds.inc(seconds)
+
+    def pool_bytes(self, total: int) -> None:
+        self.graph_pool_bytes.set(total)
 
     def planning(self, seconds: float) -> None:
         self.planning_seconds.inc(seconds)

@@ -32,6 +32,7 @@ class Counters:
     graph_captures: int = 0  # CUDA graphs the plugin captured (whole steps or single layers)
     graph_capture_s: float = 0.0  # host time those captures took: the steps they delayed
     planning_s: float = 0.0  # host time the planner took on the planned steps
+    graph_pool_bytes: int = 0  # GPU memory the plugin's CUDA-graph pools hold now (a level)
     pages_flat: int = 0  # KV pages flat attention would have read, over cascade steps
     pages_cascade: int = 0  # KV pages the cascade read instead, over cascade steps
     fallbacks: Counter[str] = field(default_factory=Counter)  # steps run flat, by reason
@@ -105,6 +106,15 @@ def record_capture(seconds: float) -> None:
     sink = _sink()
     if sink is not None:
         sink.captured(seconds)
+
+
+def set_graph_pool_bytes(total: int) -> None:
+    """GPU memory all of the plugin's CUDA-graph pools in this process hold now."""
+    with _lock:
+        _counters.graph_pool_bytes = int(total)
+    sink = _sink()
+    if sink is not None:
+        sink.pool_bytes(total)
 
 
 def record_planning(seconds: float) -> None:
@@ -217,6 +227,7 @@ def _difference(now: Counters, before: Counters) -> Counters:
         graph_captures=now.graph_captures - before.graph_captures,
         graph_capture_s=now.graph_capture_s - before.graph_capture_s,
         planning_s=now.planning_s - before.planning_s,
+        graph_pool_bytes=now.graph_pool_bytes,  # a level, not a count
         pages_flat=now.pages_flat - before.pages_flat,
         pages_cascade=now.pages_cascade - before.pages_cascade,
         fallbacks=now.fallbacks - before.fallbacks,
