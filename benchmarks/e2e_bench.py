@@ -7,7 +7,7 @@ Usage (on the GPU machine):
 Dummy weights (``load_format="dummy"``: timing only), prefix caching on, vLLM's default compilation
 and CUDA-graph settings, and vLLM's default engine process (the engine core in a process of its
 own; ``--in-process`` runs it in the benchmark's process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
-as session 3's results did). Each workload is run once untimed (warms the prefix cache and
+as ``history/e2e_in_process.json`` did). A workload is run once untimed (warms the prefix cache and
 kernels), then timed; the planner's CPU time is inside the timed region, since it runs in the
 engine step. The plugin's counters come from the worker through ``LLM.collective_rpc`` (a
 function sent to the worker: ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` in the child's environment).

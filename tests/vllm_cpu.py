@@ -1,4 +1,4 @@
-"""Real vLLM objects on a machine without a GPU (see DESIGN.md, "Real vLLM classes on a CPU").
+"""Real vLLM objects on a machine without a GPU.
 
 Used by tests that construct vLLM's real FlashInfer builder and impl from a real VllmConfig.
 What cannot run here (FlashInfer kernels and wrappers, the Triton page-copy kernel) is swapped at
