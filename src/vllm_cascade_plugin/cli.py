@@ -172,6 +172,7 @@ def demo(args: argparse.Namespace) -> int:
     import torch
 
     from . import demo as d
+    from . import demo_engine
 
     config = load_config()  # ConfigError: reported by main()
     policy = args.policy or config.policy
@@ -185,8 +186,9 @@ def demo(args: argparse.Namespace) -> int:
         _say(d.describe_gpu_run(workload, args.model, policy))
         return 0 if plan.check.passed else 1
     print()
-    _say([f"vLLM on {torch.cuda.get_device_name()}, {args.model} with dummy weights "
-          "(load_format='dummy': no download), FLASHINFER, prefix caching on:"])
+    _say([f"vLLM on {torch.cuda.get_device_name()}, {args.model} with random weights "
+          "(load_format='dummy', then transformers' init: no download), FLASHINFER, prefix "
+          "caching on:"])
     logs = Path(tempfile.mkdtemp(prefix="vllm-cascade-demo-"))
     runs = []
     for i, plugin in enumerate((False, True), start=1):
@@ -195,12 +197,12 @@ def demo(args: argparse.Namespace) -> int:
         print(f"  [{i}/2] {label}: starting vLLM, a minute or two (log: {logs / name}.log)",
               flush=True)
         try:
-            runs.append(d.run_engine(args.model, workload, plugin=plugin, policy=policy,
-                                     log=logs / f"{name}.log"))
+            runs.append(demo_engine.run_engine(args.model, workload, plugin=plugin,
+                                               policy=policy, log=logs / f"{name}.log"))
         except RuntimeError as exc:
             print(f"  {exc}")
             return 1
-    lines, ok = d.describe_runs(runs[1], runs[0])
+    lines, ok = demo_engine.describe_runs(runs[1], runs[0])
     _say(lines)
     return 0 if ok and plan.check.passed else 1
 
