@@ -2,7 +2,7 @@
 
 Usage (on the GPU machine; ``--dry-run`` anywhere prints the commands and writes nothing):
     python benchmarks/serve_bench.py --model examples/models/llama3-8b \
-        [--configs flashinfer,cascade,flash_attn] [--workloads prefix_8k_x4,...] \
+        [--configs flashinfer,cascade,flash_attn,cascade_flash_attn] [--workloads ...] \
         [--rates burst,50%,90%] [--out benchmarks/results/h200/serve.json] [--plot]
 
 One server per config serves every workload (``--load-format dummy``, prefix caching on, a
@@ -56,6 +56,8 @@ CONFIGS = {
     "flashinfer": Config("FLASHINFER", {"CASCADE_ATTENTION": "0"}),
     "cascade": Config("FLASHINFER", {"CASCADE_ATTENTION": "1"}),
     "flash_attn": Config("FLASH_ATTN", {"CASCADE_ATTENTION": "0"}),
+    # The plugin in vLLM's default backend (FA3 kernels), against plain flash_attn.
+    "cascade_flash_attn": Config("FLASH_ATTN", {"CASCADE_ATTENTION": "1"}),
 }
 BASELINE = "flashinfer"  # its burst sets every config's Poisson rates
 

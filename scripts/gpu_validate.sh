@@ -9,8 +9,11 @@
 # or one short part in the foreground: `bash scripts/gpu_validate.sh kernels`. Parts:
 #   kernels  tests/gpu/test_kernels.py (FA3 executor, graphed decode steps) and test_graphs.py
 #   engine   tests/gpu/test_engine.py: plugin on vs off, both runners, both graph modes
+#   engine_fa  tests/gpu/test_flash_attn_engine.py: the same through vLLM's default FLASH_ATTN
+#            backend, a no-sharing workload, a corrupted plan, ngram speculative decoding
 #   serving  tests/gpu/test_serving.py: the engine as `vllm serve` runs it, a changing batch
 #   e2e      benchmarks/e2e_bench.py: the offline end-to-end table (e2e.json)
+#   e2e_fa   the same workloads, flash_attn vs cascade_flash_attn (the plugin in FLASH_ATTN)
 #   serve    benchmarks/serve_bench.py, 8K x 4 prefixes, flashinfer vs cascade (serve.json)
 #   soak     benchmarks/soak.py
 #   demo     `vllm-cascade demo` and the three examples as a user runs them (demo.txt, examples.txt)
@@ -39,6 +42,7 @@ part_kernels() {
 }
 
 part_engine() { pytest_part engine 560 tests/gpu/test_engine.py -k "not tensor_parallel"; }
+part_engine_fa() { pytest_part engine_fa 560 tests/gpu/test_flash_attn_engine.py; }
 part_serving() { pytest_part serving 560 tests/gpu/test_serving.py; }
 part_tp() { pytest_part tp 560 tests/gpu/test_engine.py -k tensor_parallel; }
 
@@ -47,6 +51,13 @@ part_e2e() {
   timeout 560 python3 benchmarks/e2e_bench.py --out "$res/e2e" --configs \
     flash_attn,flashinfer,cascade --workloads $E2E_WORKLOADS > "$res/e2e/e2e.log" 2>&1
   stamp "e2e rc=$?"; grep -h '"workload"' "$res/e2e/e2e.log" | cut -c1-140
+}
+
+part_e2e_fa() {
+  mkdir -p "$res/e2e_fa"
+  timeout 560 python3 benchmarks/e2e_bench.py --out "$res/e2e_fa" --configs \
+    flash_attn,cascade_flash_attn --workloads $E2E_WORKLOADS > "$res/e2e_fa/e2e.log" 2>&1
+  stamp "e2e_fa rc=$?"; grep -h '"workload"' "$res/e2e_fa/e2e.log" | cut -c1-140
 }
 
 part_serve() {  # a server start takes ~3.5 min: run it detached (`start serve`)
@@ -86,7 +97,7 @@ wait_parts() {  # until the detached list is done or $1 seconds have passed
   tail -40 "$res/parts.log" 2>/dev/null
 }
 
-case ${1:?"a part (kernels, engine, serving, e2e, serve, soak, demo, tp), start PARTS..., or wait"} in
+case ${1:?"a part (kernels, engine, engine_fa, serving, e2e, e2e_fa, serve, soak, demo, tp), start PARTS..., or wait"} in
 start)
   shift
   rm -f "$res/done"
@@ -100,7 +111,7 @@ start)
 wait)
   wait_parts "${2:-540}"
   ;;
-kernels|engine|serving|e2e|serve|soak|demo|tp)
+kernels|engine|engine_fa|serving|e2e|e2e_fa|serve|soak|demo|tp)
   "part_$1"
   ;;
 *)

@@ -27,7 +27,7 @@ from test_integration_cpu import (  # noqa: F401  (engine is a fixture)
     engine,
     packed_cache,
 )
-from vllm_cascade_plugin import hooks, hooks_dispatch, hooks_graphs, hooks_step, stats
+from vllm_cascade_plugin import hooks, hooks_dispatch, hooks_graphs, hooks_step, stats, support
 from vllm_cascade_plugin.config import CascadeConfig
 from vllm_cascade_plugin.cost import AttentionShape
 from vllm_cascade_plugin.planner import CascadePlanner, plan_cascade, plan_violations
@@ -234,7 +234,7 @@ def engine_with(config, path, value):
 
 
 @pytest.mark.parametrize(("change", "reason"), [
-    ({"kv_cache_dtype": "fp8"}, "quantised KV cache"),
+    ({"kv_cache_dtype": "fp8"}, support.kv_cache_dtype_reason("fp8")),
     ({"sliding_window": 128}, "sliding-window attention"),
     ({"alibi_slopes": [0.5] * 8}, "ALiBi"),
 ])
@@ -247,7 +247,9 @@ def test_unsupported_layer_is_detected(engine, change, reason):  # noqa: F811
 
 
 @pytest.mark.parametrize(("path", "value", "reason"), [
-    ("speculative_config", object(), "speculative decoding"),
+    ("speculative_config", SimpleNamespace(method="eagle"),
+     support.speculative_reason("eagle", False)),
+    ("cache_config.enable_prefix_caching", False, support.PREFIX_CACHING_OFF),
     ("parallel_config.decode_context_parallel_size", 2, "decode context parallelism"),
     ("parallel_config.pipeline_parallel_size", 2, "pipeline parallelism"),
     ("model_config.is_encoder_decoder", True, "encoder-decoder model"),

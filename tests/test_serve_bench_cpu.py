@@ -68,7 +68,7 @@ def hf_tokenizer(tiny_model):
 
 @pytest.mark.parametrize(("config", "backend", "plugin"), [
     ("flashinfer", "FLASHINFER", "0"), ("cascade", "FLASHINFER", "1"),
-    ("flash_attn", "FLASH_ATTN", "0")])
+    ("flash_attn", "FLASH_ATTN", "0"), ("cascade_flash_attn", "FLASH_ATTN", "1")])
 def test_server_command_and_environment_of_each_config(config, backend, plugin, tmp_path,
                                                       monkeypatch):
     args = _args(gpu_memory_utilization=0.8, tensor_parallel_size=2, seed=7)
@@ -599,4 +599,16 @@ def test_dry_run_prints_the_commands_and_writes_nothing(tmp_path, capsys):
     assert "CASCADE_ATTENTION=1" in servers[1] and "--port 8101" in servers[1]
     assert sum(" bench serve " in x for x in lines) == 2 * 2 * 4  # warm-up, burst, two rates
     assert any("'<50% of flashinfer burst req/s on prefix_8k_x4>'" in x for x in lines)
+    assert not out.exists() and not work.exists()
+
+
+def test_dry_run_of_the_plugin_in_vllms_default_backend_beside_plain_flash_attn(tmp_path, capsys):
+    out, work = tmp_path / "serve.json", tmp_path / "work"
+    assert sb.main(["--dry-run", "--model", str(TINY), "--out", str(out), "--work-dir", str(work),
+                    "--configs", "flash_attn,cascade_flash_attn", "--workloads",
+                    "prefix_8k_x4", "--rates", "burst"]) == 0
+    servers = [x for x in capsys.readouterr().out.splitlines() if x.startswith("# server")]
+    assert [x.split()[2] for x in servers] == ["flash_attn:", "cascade_flash_attn:"]
+    assert all("--attention-backend FLASH_ATTN" in x for x in servers)
+    assert "CASCADE_ATTENTION=0" in servers[0] and "CASCADE_ATTENTION=1" in servers[1]
     assert not out.exists() and not work.exists()

@@ -86,7 +86,7 @@ def test_with_no_builder_that_can_run_cascade_nothing_is_planned(plugin_log):
     assert not session.active and session.disabled_reason == "sliding-window attention"
     assert [line for line in plugin_log if "sliding-window attention" in line] == [
         "vllm-cascade-plugin: cascade attention is off for 1 attention layer(s) (w0): "
-        "sliding-window attention; they run vLLM's flat FlashInfer attention."]
+        "sliding-window attention; they run vLLM's flat FLASHINFER attention."]
     assert session.plan_step(*batch()) is None
 
 

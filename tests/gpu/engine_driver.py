@@ -1,6 +1,7 @@
 """One vLLM engine, the correctness workloads, per-token logprobs out (run as a subprocess).
 
 Usage: python engine_driver.py MODEL_DIR OUT_JSON [--workloads a,b,...] [--corrupt] [--tp N]
+    [--backend FLASHINFER|FLASH_ATTN] [--ngram K]
 
 The plugin is on or off by the caller's ``CASCADE_ATTENTION``; the runner by
 ``VLLM_USE_V2_MODEL_RUNNER``. ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps the engine core and
@@ -8,7 +9,10 @@ The plugin is on or off by the caller's ``CASCADE_ATTENTION``; the runner by
 (the comparison must then fail) and every call of the plugin's per-step code (planner, executor
 plan and run) runs under ``torch.cuda.set_sync_debug_mode("error")``: a GPU->CPU synchronisation
 there is recorded in ``sync_violations``. The plugin's counters are read from the workers with
-``collective_rpc`` (they live in the worker processes when ``--tp`` > 1).
+``collective_rpc`` (they live in the worker processes when ``--tp`` > 1). ``--ngram K``: vLLM's
+``ngram`` speculative decoding with K draft tokens; the steps whose rows have 1 to 1 + K query
+tokens, some more than one (verification steps), are counted, and how many ran cascade.
+Workloads named ``g_...`` run only when asked for (``--workloads g_``).
 """
 
 from __future__ import annotations
@@ -58,6 +62,13 @@ def workloads(seed: int = 0) -> dict[str, tuple[list[list[int]], dict]]:
     w["f_preemption_small_kv_cache"] = (
         [system + _tokens(rng, int(rng.integers(800, 1600))) for _ in range(48)],
         {**greedy, "max_tokens": 96})
+    # Not run by default. No two prompts share a page: every step must stay flat.
+    w["g_no_sharing_32_random"] = ([_tokens(rng, 1024) for _ in range(32)], greedy)
+    # A 2K prefix made of one 64-token phrase repeated, then 64 generated tokens: n-gram
+    # lookup finds drafts in it (and in the repetitive text a random model generates).
+    phrase = _tokens(rng, 64)
+    w["g_ngram_repetitive_2k_prefix_x32"] = (
+        [phrase * 32 + _tokens(rng, 16) for _ in range(32)], {**greedy, "max_tokens": 64})
     return w
 
 
@@ -110,6 +121,27 @@ def _forbid_syncs() -> None:
         setattr(owner, name, guard(getattr(owner, name)))
 
 
+VERIFICATION = {"steps": 0, "cascade": 0}
+
+
+def _count_verification_steps(drafts: int) -> None:
+    """Count the planned steps of speculative decoding's verification (every row 1 to
+    1 + ``drafts`` query tokens, some more than one) and those that ran cascade."""
+    from vllm_cascade_plugin import step
+
+    real = step.StepSession.plan_step
+
+    @functools.wraps(real)
+    def counted(self, block_table, seq_lens, query_lens):
+        planned = real(self, block_table, seq_lens, query_lens)
+        if int(query_lens.max()) > 1 and int(query_lens.max()) <= 1 + drafts:
+            VERIFICATION["steps"] += 1
+            VERIFICATION["cascade"] += bool(planned is not None and planned.decision.use_cascade)
+        return planned
+
+    step.StepSession.plan_step = counted
+
+
 def _worker_counters(worker) -> dict:
     """Runs in each worker (collective_rpc): the plugin's counters there, as plain data."""
     from vllm_cascade_plugin import stats
@@ -145,9 +177,14 @@ def main() -> int:
     parser.add_argument("--workloads", default="")
     parser.add_argument("--corrupt", action="store_true")
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--backend", default="FLASHINFER", choices=("FLASHINFER", "FLASH_ATTN"))
+    parser.add_argument("--ngram", type=int, default=0, metavar="K",
+                        help="ngram speculative decoding with K draft tokens")
     args = parser.parse_args()
     if args.corrupt:
         _corrupt_planner()
+    if args.ngram:
+        _count_verification_steps(args.ngram)
     if args.tp == 1 and os.environ.get("CASCADE_ATTENTION"):
         _forbid_syncs()
 
@@ -162,7 +199,10 @@ def main() -> int:
         os.environ.setdefault("VLLM_FLASHINFER_ALLREDUCE_BACKEND", "trtllm")
         tp_args = {"disable_custom_all_reduce": True,
                    "compilation_config": {"pass_config": {"fuse_allreduce_rms": False}}}
-    llm = LLM(model=args.model, skip_tokenizer_init=True, attention_backend="FLASHINFER",
+    if args.ngram:
+        tp_args["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.ngram,
+                                         "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    llm = LLM(model=args.model, skip_tokenizer_init=True, attention_backend=args.backend,
               enable_prefix_caching=True, max_model_len=9216, max_num_batched_tokens=2048,
               max_num_seqs=128, num_gpu_blocks_override=NUM_BLOCKS, gpu_memory_utilization=0.5,
               seed=0, enable_flashinfer_autotune=False,
@@ -170,7 +210,7 @@ def main() -> int:
     chosen = [w for w in args.workloads.split(",") if w]
     results = {}
     for name, (prompts, params) in workloads().items():
-        if chosen and not any(name.startswith(c) for c in chosen):
+        if not any(name.startswith(c) for c in chosen) and (chosen or name.startswith("g_")):
             continue
         before = _counters(llm)
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
@@ -189,6 +229,8 @@ def main() -> int:
         json.dump({"plugin": os.environ.get("CASCADE_ATTENTION", ""),
                    "runner": "v1" if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "0" else "v2",
                    "tensor_parallel_size": args.tp, "sync_violations": SYNC_VIOLATIONS,
+                   "backend": args.backend, "verification_steps": VERIFICATION["steps"],
+                   "verification_steps_cascade": VERIFICATION["cascade"],
                    **{k: final[k] for k in ("executors", "graph_captures", "graph_replays",
                                              "full_graph_captures", "full_graph_replays")},
                    "workloads": results}, f)
