@@ -8,7 +8,9 @@
 #
 # or one short part in the foreground: `bash scripts/gpu_validate.sh kernels`. Parts:
 #   kernels  tests/gpu/test_kernels.py (FA3 executor, graphed decode steps) and test_graphs.py
-#   engine   tests/gpu/test_engine.py: plugin on vs off, both runners, both graph modes
+#   engine   tests/gpu/test_engine.py: plugin on vs off (and FlashAttention off, the reference),
+#            both runners, whole-step graphs; the corrupted plans (~8 engines)
+#   engine_graphs  the same with CASCADE_FULL_GRAPHS=0 (per-layer graphs; ~6 engines)
 #   serving  tests/gpu/test_serving.py: the engine as `vllm serve` runs it, a changing batch
 #   e2e      benchmarks/e2e_bench.py: the offline end-to-end table (e2e.json)
 #   serve    benchmarks/serve_bench.py, 8K x 4 prefixes, flashinfer vs cascade (serve.json)
@@ -38,9 +40,13 @@ part_kernels() {
     -k "graphs or fa3 or fp32_reference or graphed or corrupted"
 }
 
-part_engine() { pytest_part engine 560 tests/gpu/test_engine.py -k "not tensor_parallel"; }
+# Each engine run takes ~45 s: detached parts (`start engine engine_graphs`) get 15 minutes.
+part_engine() {
+  pytest_part engine 900 tests/gpu/test_engine.py -k "cascade_engine_matches or corrupted or one_page"
+}
+part_engine_graphs() { pytest_part engine_graphs 900 tests/gpu/test_engine.py -k layer_graphs; }
 part_serving() { pytest_part serving 560 tests/gpu/test_serving.py; }
-part_tp() { pytest_part tp 560 tests/gpu/test_engine.py -k tensor_parallel; }
+part_tp() { pytest_part tp 900 tests/gpu/test_engine.py -k tensor_parallel; }
 
 part_e2e() {
   mkdir -p "$res/e2e"
@@ -86,7 +92,7 @@ wait_parts() {  # until the detached list is done or $1 seconds have passed
   tail -40 "$res/parts.log" 2>/dev/null
 }
 
-case ${1:?"a part (kernels, engine, serving, e2e, serve, soak, demo, tp), start PARTS..., or wait"} in
+case ${1:?"a part (kernels, engine, engine_graphs, serving, e2e, serve, soak, demo, tp), start PARTS..., or wait"} in
 start)
   shift
   rm -f "$res/done"
@@ -100,7 +106,7 @@ start)
 wait)
   wait_parts "${2:-540}"
   ;;
-kernels|engine|serving|e2e|serve|soak|demo|tp)
+kernels|engine|engine_graphs|serving|e2e|serve|soak|demo|tp)
   "part_$1"
   ;;
 *)
