@@ -8,7 +8,9 @@
 #
 # or one short part in the foreground: `bash scripts/gpu_validate.sh kernels`. Parts:
 #   kernels  tests/gpu/test_kernels.py (FA3 executor, graphed decode steps) and test_graphs.py
-#   engine   tests/gpu/test_engine.py: plugin on vs off, both runners, both graph modes
+#   engine   tests/gpu/test_engine.py: plugin on vs off (and FlashAttention off, the reference),
+#            both runners, whole-step graphs; the corrupted plans (~8 engines)
+#   engine_graphs  the same with CASCADE_FULL_GRAPHS=0 (per-layer graphs; ~6 engines)
 #   engine_fa  tests/gpu/test_flash_attn_engine.py: the same through vLLM's default FLASH_ATTN
 #            backend, a no-sharing workload, a corrupted plan, ngram speculative decoding
 #   serving  tests/gpu/test_serving.py: the engine as `vllm serve` runs it, a changing batch
@@ -41,10 +43,14 @@ part_kernels() {
     -k "graphs or fa3 or fp32_reference or graphed or corrupted"
 }
 
-part_engine() { pytest_part engine 560 tests/gpu/test_engine.py -k "not tensor_parallel"; }
-part_engine_fa() { pytest_part engine_fa 560 tests/gpu/test_flash_attn_engine.py; }
+# Each engine run takes ~45 s: detached parts (`start engine engine_graphs`) get 15 minutes.
+part_engine() {
+  pytest_part engine 900 tests/gpu/test_engine.py -k "cascade_engine_matches or corrupted or one_page"
+}
+part_engine_graphs() { pytest_part engine_graphs 900 tests/gpu/test_engine.py -k layer_graphs; }
+part_engine_fa() { pytest_part engine_fa 900 tests/gpu/test_flash_attn_engine.py; }
 part_serving() { pytest_part serving 560 tests/gpu/test_serving.py; }
-part_tp() { pytest_part tp 560 tests/gpu/test_engine.py -k tensor_parallel; }
+part_tp() { pytest_part tp 900 tests/gpu/test_engine.py -k tensor_parallel; }
 
 part_e2e() {
   mkdir -p "$res/e2e"
@@ -97,7 +103,7 @@ wait_parts() {  # until the detached list is done or $1 seconds have passed
   tail -40 "$res/parts.log" 2>/dev/null
 }
 
-case ${1:?"a part (kernels, engine, engine_fa, serving, e2e, e2e_fa, serve, soak, demo, tp), start PARTS..., or wait"} in
+case ${1:?"a part (kernels, engine, engine_graphs, engine_fa, serving, e2e, e2e_fa, serve, soak, demo, tp), start PARTS..., or wait"} in
 start)
   shift
   rm -f "$res/done"
@@ -111,7 +117,7 @@ start)
 wait)
   wait_parts "${2:-540}"
   ;;
-kernels|engine|engine_fa|serving|e2e|e2e_fa|serve|soak|demo|tp)
+kernels|engine|engine_graphs|engine_fa|serving|e2e|e2e_fa|serve|soak|demo|tp)
   "part_$1"
   ;;
 *)

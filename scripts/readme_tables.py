@@ -258,7 +258,9 @@ def block_correctness() -> list[str]:
                       "steps run as cascade", "outcome"], body)]
     for r in corrupted:
         verdict = "and does" if r["outcome"] == "fail" else "but DID NOT"
-        lines += ["", f"A deliberately corrupted plan (every page id shifted by one) must fail "
+        what = ("one page of the shared prefix read as its neighbour"
+                if r.get("corrupted") == "one page" else "every page id shifted by one")
+        lines += ["", f"A deliberately corrupted plan ({what}) must fail "
                       f"the same comparison, {verdict}: mean \\|Δ\\| "
                       f"{r['mean_abs_dlogprob']:.3f}, max {r['max_abs_dlogprob']:.3f}."]
     return lines
