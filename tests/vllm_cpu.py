@@ -31,12 +31,7 @@ def cpu_vllm_config(model_dir: str) -> Any:
 def engine_config(model_dir: str, backend: str = "FLASHINFER", **engine_args: Any) -> Any:
     """A real VllmConfig of the tiny Llama for ``backend``; ``engine_args``: more EngineArgs
     (``speculative_config``, ``kv_cache_dtype``, ``enable_prefix_caching``, ...)."""
-    import vllm.platforms
-    from vllm.platforms.cpu import CpuPlatform
-
-    # Without a GPU the platform is "unspecified" and configs fail with an empty device type.
-    # Set it before vllm.engine.arg_utils is imported: that module binds current_platform.
-    vllm.platforms._current_platform = CpuPlatform()
+    use_cpu_platform()
     from vllm.engine.arg_utils import EngineArgs
 
     Path(model_dir).mkdir(parents=True, exist_ok=True)
@@ -46,6 +41,30 @@ def engine_config(model_dir: str, backend: str = "FLASHINFER", **engine_args: An
                         max_model_len=4096, **engine_args).create_engine_config()
     resolve_kv_cache_layout(config)
     return config
+
+
+def use_cpu_platform() -> None:
+    """Make vLLM's current platform the CPU platform, also in modules that already bound it.
+
+    Without a GPU the platform is "unspecified" and configs fail with an empty device type.
+    Modules such as ``vllm.engine.arg_utils`` bind ``current_platform`` when imported, and an
+    earlier test (``vllm-cascade check``, the CLI) may have imported them already.
+    """
+    import sys
+
+    import vllm.platforms
+    from vllm.platforms.cpu import CpuPlatform
+
+    old = vllm.platforms._current_platform
+    if isinstance(old, CpuPlatform):
+        return
+    platform = CpuPlatform()
+    vllm.platforms._current_platform = platform
+    if old is None:
+        return
+    for module in list(sys.modules.values()):
+        if getattr(module, "__dict__", {}).get("current_platform") is old:
+            module.current_platform = platform  # type: ignore[attr-defined]
 
 
 def resolve_kv_cache_layout(config: Any) -> None:
