@@ -1,4 +1,8 @@
-"""The entry point as vLLM runs it: each case in a fresh interpreter, like a vLLM process."""
+"""The entry point as vLLM runs it: each case in a process of its own, like a vLLM process.
+
+Each case runs in a child of the fork server (``tests/fresh_python.py``: an interpreter that has
+imported vLLM, forked per case); one also in a new interpreter, which must see the same.
+"""
 
 import json
 import os
@@ -8,6 +12,7 @@ import textwrap
 
 import pytest
 
+from fresh_python import vllm_process
 from vllm_cascade_plugin import BACKEND_PATH
 from vllm_cascade_plugin.compat import flashinfer_api_problems
 
@@ -17,14 +22,15 @@ PROBE = """
 import json, sys
 from vllm.plugins import load_general_plugins
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
+heavy = ("flashinfer", "vllm.v1.attention.backends.flashinfer", "vllm_cascade_plugin.backend",
+         "vllm_cascade_plugin.kernels")
 before = set(sys.modules)
 load_general_plugins()
-new = sorted(m for m in set(sys.modules) - before
-             if m.startswith(("flashinfer", "vllm.v1.attention.backends.flashinfer",
-                              "vllm_cascade_plugin.backend", "vllm_cascade_plugin.kernels")))
+new = sorted(m for m in set(sys.modules) - before if m.startswith(heavy))
 fi = AttentionBackendEnum.FLASHINFER
 print("RESULT" + json.dumps({"path": fi.get_path(), "overridden": fi.is_overridden(),
-                             "heavy_imports": new}))
+                             "heavy_imports": new,
+                             "preloaded": sorted(m for m in before if m.startswith(heavy))}))
 """
 
 
@@ -38,19 +44,34 @@ if hasattr(vllm.logger, "configure_logging"):
 """
 
 
-def run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+def run_python(code: str, new_interpreter: bool = False,
+               **env: str) -> subprocess.CompletedProcess[str]:
     environ = {k: v for k, v in os.environ.items()
                if not k.startswith("CASCADE_") and k != "VLLM_PLUGINS"}
     environ.update(env)
-    return subprocess.run([sys.executable, "-c", VLLM_LOGGING + textwrap.dedent(code)],
-                          env=environ, capture_output=True, text=True, timeout=300)
+    code = VLLM_LOGGING + textwrap.dedent(code)
+    if new_interpreter:
+        return subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True,
+                              text=True, timeout=300)
+    return vllm_process(environ).run(code, environ)
 
 
-def probe(prelude: str = "", **env: str) -> tuple[dict, str]:
-    proc = run_python(prelude + PROBE, **env)
+def probe(prelude: str = "", new_interpreter: bool = False, **env: str) -> tuple[dict, str]:
+    proc = run_python(prelude + PROBE, new_interpreter, **env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
-    return json.loads(line[len("RESULT"):]), proc.stdout + proc.stderr
+    result = json.loads(line[len("RESULT"):])
+    assert result["preloaded"] == [], "the heavy-import check would see nothing"
+    return result, proc.stdout + proc.stderr
+
+
+def test_a_forked_case_sees_what_a_new_interpreter_sees():
+    """The fork server's premise (tests/fresh_python.py), checked on this vLLM."""
+    new, new_log = probe(new_interpreter=True)
+    forked, forked_log = probe()
+    assert new == forked == {"path": VLLM_DEFAULT, "overridden": False, "heavy_imports": [],
+                             "preloaded": []}
+    assert "cascade" not in new_log.lower() and "cascade" not in forked_log.lower()
 
 
 def test_enabled_plugin_overrides_flashinfer_without_importing_it():
