@@ -40,6 +40,7 @@ def clean_env(monkeypatch):
     return monkeypatch
 
 
+@pytest.mark.flashinfer
 def test_check_with_the_plugin_on_registers_for_real_and_exits_0():
     proc = run_cli("check", forked=True, CASCADE_ATTENTION="1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -51,12 +52,14 @@ def test_check_with_the_plugin_on_registers_for_real_and_exits_0():
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.flashinfer
 def test_check_with_the_plugin_off_says_why_and_exits_1(clean_env, capsys):
     assert cli.main(["check"]) == 1
     out = capsys.readouterr().out
     assert "the plugin stays OFF" in out and "CASCADE_ATTENTION is off" in out
 
 
+@pytest.mark.flashinfer
 def test_check_names_the_plugins_filter(clean_env, capsys):
     clean_env.setenv("CASCADE_ATTENTION", "1")
     clean_env.setenv("VLLM_PLUGINS", "other")
@@ -65,6 +68,7 @@ def test_check_names_the_plugins_filter(clean_env, capsys):
     assert "VLLM_PLUGINS does not list 'cascade'" in out and "the plugin stays OFF" in out
 
 
+@pytest.mark.flashinfer
 def test_check_with_a_bad_knob_says_vllm_refuses_to_start_and_shows_the_other_knobs(clean_env,
                                                                                     capsys):
     """A bad knob makes register() raise in every vLLM process, so vLLM does not start (it does

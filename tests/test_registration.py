@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -74,6 +75,7 @@ def test_a_forked_case_sees_what_a_new_interpreter_sees():
     assert "cascade" not in new_log.lower() and "cascade" not in forked_log.lower()
 
 
+@pytest.mark.flashinfer
 def test_enabled_plugin_overrides_flashinfer_without_importing_it():
     result, log = probe(CASCADE_ATTENTION="1")
     assert result["path"] == BACKEND_PATH and result["overridden"]
@@ -81,6 +83,7 @@ def test_enabled_plugin_overrides_flashinfer_without_importing_it():
     assert log.count("cascade attention on") == 1
 
 
+@pytest.mark.flashinfer
 def test_registered_path_imports_our_subclasses():
     code = """
     from vllm.plugins import load_general_plugins
@@ -120,6 +123,7 @@ def test_bad_toggle_aborts_startup_with_an_actionable_message():
     assert "1/true/on or 0/false/off" in proc.stderr
 
 
+@pytest.mark.flashinfer
 @pytest.mark.parametrize(("distribution", "name", "version"), [
     ("flashinfer-python", "FlashInfer", "0.5.3"), ("flashinfer-python", "FlashInfer", "0.8.0"),
     ("vllm", "vLLM", "0.25.1"), ("vllm", "vLLM", "0.34.0")])
@@ -135,6 +139,7 @@ def test_unsupported_version_warns_once_and_stays_off(distribution, name, versio
     assert f"{name} {version} is outside the supported range" in log
 
 
+@pytest.mark.flashinfer
 def test_register_is_idempotent_within_a_process():
     code = """
     from vllm_cascade_plugin import BACKEND_PATH, register
@@ -148,6 +153,18 @@ def test_register_is_idempotent_within_a_process():
     assert (proc.stdout + proc.stderr).count("cascade attention on") == 1
 
 
+@pytest.mark.flashinfer
+def test_the_imported_flashinfer_is_the_installed_distribution():
+    """The matrix's cells check the distribution they find; this, that it is what imports."""
+    import flashinfer
+
+    from vllm_cascade_plugin.compat import _flashinfer_dir, installed_version
+
+    assert flashinfer.__version__ == installed_version("flashinfer-python")
+    assert Path(flashinfer.__file__).parent == _flashinfer_dir()
+
+
+@pytest.mark.flashinfer
 def test_installed_flashinfer_has_the_api_we_call():
     assert flashinfer_api_problems() == []
 

@@ -529,6 +529,7 @@ def test_server_stops_with_its_child_processes_and_reports_an_early_exit(tmp_pat
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads Linux's /proc")
+@pytest.mark.flashinfer
 def test_whole_loop_writes_rows_after_each_run_and_merges(tmp_path, monkeypatch, capsys):
     pytest.importorskip("prometheus_client")
     _fake_vllm(tmp_path, monkeypatch)
