@@ -13,7 +13,7 @@ only, under the H200's physical ceilings). Per step, what a cascade step costs b
 (host planning, attention outside FULL CUDA graphs): ``step_fixed_us`` closes the gap between the
 model's kernel saving over 32 layers and what end-to-end runs measured between flat FlashInfer
 and cascade on every step (``cascade_always``), both from one file of ``E2E_FILES`` (rows of
-that executor), and for FlashInfer's also ``demo.txt`` (the demo's default workload). An
+that executor), and for FlashInfer's also ``DEMO_FILE`` (the demo's default workload). An
 executor without such runs gets FlashInfer's step cost less the difference of their host
 planning measured in the grid (``plan_us_parts``). Writes ``cost_calibration.json`` with every
 row's estimates and the pick the fitted model makes there (``regret``: the measured time of what
@@ -48,7 +48,7 @@ LLAMA3_8B_LAYER = AttentionShape(num_qo_heads=32, num_kv_heads=8, head_dim=128, 
 # and a level's groups together stream no faster than HBM. (The grid is all decode, so nothing
 # in it pins the compute rate down; without the ceiling the fit drifts above the hardware.)
 CEILINGS = {"flops": 790e12, "shared_bandwidth": 4.8e12}
-# Where the fit starts: the first model's values (fitted by hand to DESIGN.md's seven points).
+# Where the fit starts: the first model's values (fitted by hand to seven early measurements).
 # The problem has flat directions (a ceiling or a max() that never binds), so the start is fixed
 # to make the result reproducible.
 START = CostModel(flat_fixed_us=40.0, flat_bandwidth=9e12, level_fixed_us=50.0, request_us=1.3,
@@ -184,10 +184,12 @@ def report(model: CostModel, points: Sequence[tuple[dict, CascadePlan]],
     return rows
 
 
-# End-to-end results with cascade-on-every-step runs, oldest first: FlashInfer's executor
-# (session 3), the FA3 executor with whole-step graphs (session 6; session 7's e2e.json has no
-# cascade_always rows), the current table.
-E2E_FILES = ("e2e_flashinfer_executor.json", "e2e_session6.json", "e2e.json")
+# End-to-end results with cascade-on-every-step runs (``cascade_always``), oldest first:
+# FlashInfer's executor, the FA3 executor with whole-step graphs, the current table (which has
+# such rows only when it was run with that configuration). benchmarks/README.md says what each is.
+E2E_FILES = ("e2e_step_cost_flashinfer.json", "e2e_step_cost_fa3.json", "e2e.json")
+# `vllm-cascade demo`'s output with FlashInfer's executor: a per-step point of FlashInfer's model.
+DEMO_FILE = "demo_flashinfer_executor.txt"
 
 
 def e2e_rows(results: Path) -> list[dict]:
@@ -214,7 +216,7 @@ def e2e_points(results: Path, kernel: str = "flashinfer", max_requests: int = 25
             continue  # beyond the kernel grid's batch sizes: its per-layer terms do not reach
         on = [r for r in rows if r["workload"] == workload and r["config"] == "cascade_always"
               and r["kernel"] == [kernel]]
-        # Flat FlashInfer of the same file (the same session's engine build and machine).
+        # Flat FlashInfer of the same file (the same engine build and machine).
         flat = [r for r in rows if r["workload"] == workload and r["config"] == "flashinfer"
                 and on and r["file"] == on[-1]["file"]]
         if not flat or not on:
@@ -225,7 +227,7 @@ def e2e_points(results: Path, kernel: str = "flashinfer", max_requests: int = 25
         flat_us, cascade_us = (1e6 * r["seconds"] / (r["output_tokens"] / sequences)
                                for r in (flat[-1], on[-1]))
         points.append((f"e2e {workload}", plan(), flat_us, cascade_us))
-    demo = results / "demo.txt"
+    demo = results / DEMO_FILE
     found = re.search(r"plugin off ([\d,]+) tok/s, plugin on ([\d,]+) tok/s",
                       demo.read_text()) if demo.exists() and kernel == "flashinfer" else None
     if found:  # `vllm-cascade demo`'s default workload, FlashInfer's executor then; cascade ran
@@ -259,8 +261,9 @@ def step_cost(points: Sequence[tuple[str, CascadePlan, float, float]], per_layer
 
     For each end-to-end point: (cascade step - flat step) + the model's per-step kernel saving
     (``num_layers`` x (flat - cascade) per layer), averaged over the points. No per-request
-    term: the executor's host planning grows ~9 µs per request in isolation, but the two
-    end-to-end points (64 and 128 requests) show no such growth (async scheduling hides part).
+    term: FlashInfer's executor's host planning grows ~14 µs per request in isolation
+    (``kernel_grid.json`` ``plan_us_parts``), but its two end-to-end points (64 and 128 requests)
+    show no such growth (async scheduling hides part).
     """
     model = dataclasses.replace(per_layer, step_fixed_us=0.0)
     rows = []
@@ -315,7 +318,7 @@ def main() -> int:
         fi = executors.get("flashinfer", {}).get("fitted", {})
         executors[kernel] = calibrate(kernel, grid, args.results, fi.get("step_fixed_us"))
     result = {"date": datetime.date.today().isoformat(),
-              "inputs": ["kernel_grid.json", *E2E_FILES, "demo.txt"],
+              "inputs": ["kernel_grid.json", *E2E_FILES, DEMO_FILE],
               "command": " ".join(["python", *sys.argv]), "margin": CostModel().margin,
               "executors": executors}
     (args.results / "cost_calibration.json").write_text(json.dumps(result, indent=1) + "\n")

@@ -2,12 +2,12 @@
 
 Usage (on the GPU machine):
     python benchmarks/e2e_bench.py --model examples/models/llama3-8b --out DIR \
-        [--workloads one_8k_prefix_x64] [--configs flash_attn,flashinfer,cascade]
+        [--workloads one_8k_prefix_x64] [--configs flash_attn,flashinfer,cascade] [--dry-run]
 
 Dummy weights (``load_format="dummy"``: timing only), prefix caching on, vLLM's default compilation
 and CUDA-graph settings, and vLLM's default engine process (the engine core in a process of its
 own; ``--in-process`` runs it in the benchmark's process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
-as session 3's results did). Each workload is run once untimed (warms the prefix cache and
+as ``history/e2e_in_process.json`` did). A workload is run once untimed (warms the prefix cache and
 kernels), then timed; the planner's CPU time is inside the timed region, since it runs in the
 engine step. The plugin's counters come from the worker through ``LLM.collective_rpc`` (a
 function sent to the worker: ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` in the child's environment).
@@ -33,6 +33,8 @@ CONFIGS = {  # name -> (attention backend, plugin environment)
     "flash_attn": ("FLASH_ATTN", {}),
     "flashinfer": ("FLASHINFER", {}),
     "cascade": ("FLASHINFER", {"CASCADE_ATTENTION": "1"}),
+    # The plugin in vLLM's default backend (FA3 kernels), against plain flash_attn.
+    "cascade_flash_attn": ("FLASH_ATTN", {"CASCADE_ATTENTION": "1"}),
     # Cascade on every step with a shared level, whatever the cost model says.
     "cascade_always": ("FLASHINFER", {"CASCADE_ATTENTION": "1", "CASCADE_POLICY": "always"}),
     # The FA3 executor without the fused decode kernel (A/B of decode_level end to end).
@@ -143,33 +145,53 @@ def _plugin_counters(llm: object) -> dict:
     return dict(counters)
 
 
-def main() -> int:
+DEFAULT_CONFIGS = "flash_attn,flashinfer,cascade,cascade_always,cascade_flash_attn"
+
+
+def child_command(args: argparse.Namespace, config: str) -> tuple[list[str], dict[str, str]]:
+    """The command and environment of the child process that runs ``config``'s engine."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CASCADE_")}
+    env.update(CONFIGS[config][1], VLLM_ALLOW_INSECURE_SERIALIZATION="1")
+    if args.in_process:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    cmd = [sys.executable, __file__, "--model", args.model, "--workloads", args.workloads,
+           "--child", config, *(["--in-process"] if args.in_process else [])]
+    return cmd, env
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="examples/models/llama3-8b")
     parser.add_argument("--out", default="benchmarks/results/h200")
     parser.add_argument("--workloads", default=",".join(workloads()))
-    parser.add_argument("--configs", default="flash_attn,flashinfer,cascade,cascade_always",
+    parser.add_argument("--configs", default=DEFAULT_CONFIGS,
                         help=f"any of {', '.join(CONFIGS)}")
     parser.add_argument("--in-process", action="store_true",
                         help="the engine core in the benchmark's process, not vLLM's default "
                              "separate process")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print each engine's command and plugin environment; run nothing")
     parser.add_argument("--child", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     names = args.workloads.split(",")
+    configs = args.configs.split(",")
+    if bad := [c for c in configs if c not in CONFIGS] + [w for w in names
+                                                           if w not in workloads()]:
+        parser.error(f"unknown {', '.join(bad)}")
+    if args.dry_run:
+        for config in configs:
+            cmd, env = child_command(args, config)
+            shown = [f"{k}={env[k]}" for k in sorted(env) if k.startswith("CASCADE_")]
+            print(f"# {config}: {CONFIGS[config][0]} {' '.join(shown)} {' '.join(cmd)}")
+        return 0
     if args.child:
         print("ROWS" + json.dumps(run_one(args.model, args.child, names, args.in_process)))
         return 0
     rows = []
     # One engine per configuration, each a few minutes: progress on a terminal only.
-    for config in tqdm(args.configs.split(","), desc="engines", unit="engine", disable=None):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("CASCADE_")}
-        env.update(CONFIGS[config][1], VLLM_ALLOW_INSECURE_SERIALIZATION="1")
-        if args.in_process:
-            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        proc = subprocess.run([sys.executable, __file__, "--model", args.model, "--workloads",
-                               args.workloads, "--child", config,
-                               *(["--in-process"] if args.in_process else [])],
-                              env=env, capture_output=True, text=True)
+    for config in tqdm(configs, desc="engines", unit="engine", disable=None):
+        cmd, env = child_command(args, config)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         # The engine's whole log beside the results: JIT compilations during inference (vLLM
         # warns about them), graph captures and the plugin's lines explain outliers.
         out = Path(args.out)

@@ -2,7 +2,7 @@
 
 Usage (on the GPU machine; ``--dry-run`` anywhere prints the commands and writes nothing):
     python benchmarks/serve_bench.py --model examples/models/llama3-8b \
-        [--configs flashinfer,cascade,flash_attn] [--workloads prefix_8k_x4,...] \
+        [--configs flashinfer,cascade,flash_attn,cascade_flash_attn] [--workloads ...] \
         [--rates burst,50%,90%] [--out benchmarks/results/h200/serve.json] [--plot]
 
 One server per config serves every workload (``--load-format dummy``, prefix caching on, a
@@ -19,25 +19,22 @@ file's rows of other workloads/configs; ``serve.meta.json`` beside it records th
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import json
 import os
 import shlex
 import signal
-import subprocess
 import sys
-import time
 import traceback
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import serve_results as sr
 import serve_workloads as sw
+from serve_processes import Server, free_port, run_client
 
 HOST = sw.HOST  # loopback only
 
@@ -59,6 +56,8 @@ CONFIGS = {
     "flashinfer": Config("FLASHINFER", {"CASCADE_ATTENTION": "0"}),
     "cascade": Config("FLASHINFER", {"CASCADE_ATTENTION": "1"}),
     "flash_attn": Config("FLASH_ATTN", {"CASCADE_ATTENTION": "0"}),
+    # The plugin in vLLM's default backend (FA3 kernels), against plain flash_attn.
+    "cascade_flash_attn": Config("FLASH_ATTN", {"CASCADE_ATTENTION": "1"}),
 }
 BASELINE = "flashinfer"  # its burst sets every config's Poisson rates
 
@@ -79,113 +78,6 @@ def server_env(config: Config, prometheus_dir: Path) -> dict[str, str]:
     env.update(config.env, PROMETHEUS_MULTIPROC_DIR=str(prometheus_dir),
                VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1")
     return env
-
-
-def _group_alive(pgid: int) -> bool:
-    """Whether a process of group ``pgid`` is left, zombies aside (a container's init may never
-    reap them). Reads Linux's /proc."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:  # after "pid (comm)": state, ppid, pgrp
-            fields = stat.read_text().rsplit(")", 1)[-1].split()
-        except OSError:  # exited meanwhile
-            continue
-        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
-            return True
-    return False
-
-
-def stop_group(proc: subprocess.Popen[bytes], grace_s: float) -> None:
-    """SIGTERM to ``proc``'s process group (``start_new_session``: its id is ``proc.pid``), SIGKILL
-    after ``grace_s``; returns once none of it is left (the GPU is free for the next server)."""
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 30.0)):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline and _group_alive(proc.pid):
-            proc.poll()  # reaps our child
-            time.sleep(0.5)
-        if not _group_alive(proc.pid):
-            break
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=10)
-
-
-class Server:
-    """``vllm serve`` in a process group of its own, its output in ``log``; stopped on exit."""
-
-    def __init__(self, cmd: list[str], env: dict[str, str], log: Path, port: int):
-        self.cmd, self.env, self.log, self.port = cmd, env, log, port
-        self.url = f"http://{HOST}:{port}"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def __enter__(self) -> Server:
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        with self.log.open("wb") as out:
-            self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=out,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-
-    def wait_healthy(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited ({self.proc.returncode}) before it was "
-                                   f"healthy; the end of {self.log}:\n{self.tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except OSError:  # not listening yet, or 503 while the engine starts
-                pass
-            time.sleep(2)
-        raise TimeoutError(f"vllm serve not healthy after {timeout_s:.0f} s; the end of "
-                           f"{self.log}:\n{self.tail()}")
-
-    def get(self, path: str) -> str:
-        with urllib.request.urlopen(self.url + path, timeout=30) as r:
-            return r.read().decode()
-
-    def reset_prefix_cache(self) -> bool:
-        """False when it does not exist (no dev mode) or blocks stay held (retried ~10 s)."""
-        for _ in range(20):
-            request = urllib.request.Request(self.url + "/reset_prefix_cache", method="POST")
-            try:
-                with urllib.request.urlopen(request, timeout=30) as r:
-                    if json.loads(r.read()).get("success"):
-                        return True
-            except urllib.error.HTTPError:
-                return False
-            time.sleep(0.5)
-        return False
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            stop_group(self.proc, 60.0)  # the API server and the engine processes
-            self.proc = None
-
-
-def run_client(cmd: list[str], log: Path, timeout_s: float) -> int:
-    """One ``vllm bench serve`` in a process group of its own; killed past ``timeout_s``."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("CASCADE_") and k != "PROMETHEUS_MULTIPROC_DIR"}
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            return proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            print(f"  client past {timeout_s:.0f} s: stopped", file=sys.stderr)
-            return -1
-        finally:
-            stop_group(proc, 5.0)
 
 
 @dataclasses.dataclass
@@ -258,16 +150,16 @@ def measure(bench: Bench, server: Server, w: sw.Workload, config: str) -> Iterat
         if not server.reset_prefix_cache():
             print("  the prefix cache was not reset: the run's own seed keeps it fresh",
                   file=sys.stderr)
-        before = sw.parse_counters(server.get("/metrics"))
+        before = sr.parse_counters(server.get("/metrics"))
         offset = server.log.stat().st_size
         print(f"[{config}] {w.name} rate {rate}: {cmd[cmd.index('--num-prompts') + 1]} requests",
               flush=True)
         client_log = logs / result_path.with_suffix(".log").name
         code = run_client(cmd, client_log, timeout)
-        after = sw.parse_counters(server.get("/metrics"))
+        after = sr.parse_counters(server.get("/metrics"))
         with server.log.open("rb") as f:
             f.seek(offset)
-            warnings = sw.count_capture_warnings(f.read().decode(errors="replace"))
+            warnings = sr.count_capture_warnings(f.read().decode(errors="replace"))
         if code != 0 or not result_path.is_file():
             tail = client_log.read_text(errors="replace")[-3000:]
             print(f"  run failed ({code}); the end of {client_log}:\n{tail}", file=sys.stderr)
@@ -275,10 +167,10 @@ def measure(bench: Bench, server: Server, w: sw.Workload, config: str) -> Iterat
         result = json.loads(result_path.read_text())
         if config == BASELINE and rate == sw.BURST and result.get("completed"):
             bench.known[w.name] = sw.sustainable_rate(result)
-        yield sw.make_row(
+        yield sr.make_row(
             workload=w.name, config=config, request_rate=rate,
             tensor_parallel_size=bench.args.tensor_parallel_size, result=result,
-            delta=sw.counter_deltas(before, after), plugin_on=CONFIGS[config].plugin_on,
+            delta=sr.counter_deltas(before, after), plugin_on=CONFIGS[config].plugin_on,
             capture_warnings=warnings,
             extra={"rate_spec": item, "sustainable_rate": bench.known.get(w.name),
                    "seed": int(cmd[cmd.index("--seed") + 1]), "run_id": bench.run_id,
@@ -304,13 +196,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.plot_only:
-        print(sw.plot(args.out, list(CONFIGS)))
+        print(sr.plot(args.out, list(CONFIGS)))
         return 0
     configs = sorted(args.configs, key=lambda c: c != BASELINE)
     workloads = [sw.WORKLOADS[w] for w in args.workloads]
     rates = args.rates
-    old = [] if args.fresh else sw.load_rows(args.out)
-    known = sw.baseline_rates(old, BASELINE, args.tensor_parallel_size)
+    old = [] if args.fresh else sr.load_rows(args.out)
+    known = sr.baseline_rates(old, BASELINE, args.tensor_parallel_size)
     missing = [w.name for w in workloads if w.name not in known]
     if BASELINE not in configs and any(r.endswith("%") for r in rates) and missing:
         print(f"no {BASELINE} burst row in {args.out} for {', '.join(missing)}: their "
@@ -331,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(f"missing {', '.join(sw.missing_modules(workloads))}: vllm bench serve's custom "
                  "dataset (the tree workload) reads its JSONL with pandas")
     sw.write_model_folder(Path(args.model), bench.model_dir)
-    meta = {"run_id": run_id, "date": datetime.date.today().isoformat(), **sw.provenance(),
+    meta = {"run_id": run_id, "date": datetime.date.today().isoformat(), **sr.provenance(),
             "command": shlex.join([Path(sys.executable).name, os.path.relpath(__file__), *argv]),
             "model": f"{args.model} config.json, --load-format dummy, word-level tokenizer",
             "max_model_len": bench.max_len,
@@ -341,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     new: list[dict[str, Any]] = []
     failed, port = [], args.port
     for config in configs:
-        port = sw.free_port(port)
+        port = free_port(port)
         prometheus = bench.work / f"prometheus-{config}"
         prometheus.mkdir(parents=True)  # empty: the run id is new
         cmd = server_command(CONFIGS[config], bench.model_dir, port, bench.max_len, args)
@@ -353,14 +245,14 @@ def main(argv: list[str] | None = None) -> int:
                 for w in workloads:
                     for row in measure(bench, server, w, config):
                         new.append(row)
-                        sw.write_results(args.out, sw.merge_rows(old, new), meta)
-                        print(json.dumps({k: row[k] for k in sw.ROW_KEYS}), flush=True)
+                        sr.write_results(args.out, sr.merge_rows(old, new), meta)
+                        print(json.dumps({k: row[k] for k in sr.ROW_KEYS}), flush=True)
         except Exception:  # this config failed (its rows so far are written); the others run
             traceback.print_exc()
             failed.append(config)
         port += 1
     if args.plot and new:
-        print(sw.plot(args.out, list(CONFIGS)))
+        print(sr.plot(args.out, list(CONFIGS)))
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0

@@ -1,28 +1,24 @@
-"""Workloads, tokenizer, parsing, result files and plot of ``serve_bench.py`` (no server here).
+"""Workloads, tokenizer, datasets and client commands of ``serve_bench.py`` (no server here).
 
 Each workload is one of ``vllm bench serve``'s own datasets: ``prefix_repetition`` (shared
 prefixes, random suffixes), ``random`` (nothing shared, the same lengths) or ``custom`` (a JSONL
 file written here: the two-level tree of a system prompt, documents and questions). Prompts are
 text in the word-level vocabulary of :func:`write_model_folder` (token ``i`` is the word ``w<i>``),
-so text and token ids map one to one and the datasets' lengths are exact.
+so text and token ids map one to one and the datasets' lengths are exact. What a run measures and
+where it is written: ``serve_results.py``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib.util
 import json
 import math
-import platform
 import re
 import shutil
-import socket
-import subprocess
 import sys
 import zlib
 from collections.abc import Iterable, Sequence
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -239,192 +235,6 @@ def num_prompts(workload: Workload, rate: float | str, fixed: int | None, durati
         return round_prompts(workload, workload.burst_prompts)
     n = math.ceil(float(rate) * duration_s)
     return round_prompts(workload, min(max(n, MIN_POISSON_PROMPTS), MAX_PROMPTS))
-
-
-# --- Server-side measurements -----------------------------------------------------------------
-
-COUNTERS = {  # row key -> Prometheus sample name
-    "decode_steps_planned": "vllm_cascade_decode_steps_planned_total",
-    "decode_steps_cascade": "vllm_cascade_decode_steps_cascade_total",
-    "decode_steps_graphed": "vllm_cascade_decode_steps_graphed_total",
-    "graph_capture_failures": "vllm_cascade_graph_capture_failures_total",
-}
-STEP_COUNTERS = ("decode_steps_planned", "decode_steps_cascade", "decode_steps_graphed")
-
-
-def parse_counters(text: str) -> dict[str, float | None]:
-    """The plugin's counters in a ``/metrics`` text: summed over label sets, step counts on
-    ``tp_rank="0"`` only (tensor-parallel ranks plan the same steps); None when absent."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    totals: dict[str, float | None] = dict.fromkeys(COUNTERS)
-    wanted = {sample: key for key, sample in COUNTERS.items()}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            key = wanted.get(sample.name)
-            if key is None:
-                continue
-            if key in STEP_COUNTERS and sample.labels.get("tp_rank", "0") != "0":
-                continue
-            totals[key] = (totals[key] or 0.0) + sample.value
-    return totals
-
-
-def counter_deltas(before: dict[str, float | None],
-                   after: dict[str, float | None]) -> dict[str, float | None]:
-    return {k: None if after.get(k) is None else after[k] - (before.get(k) or 0.0)
-            for k in COUNTERS}
-
-
-def fractions(delta: dict[str, float | None], plugin_on: bool) -> tuple[float | None, ...]:
-    """(cascade_step_fraction, graph_replay_fraction): Δcascade/Δplanned and Δgraphed/Δcascade
-    decode steps; None with the plugin off, a counter missing or a zero denominator."""
-    def ratio(num: float | None, den: float | None) -> float | None:
-        return None if not plugin_on or num is None or not den else num / den
-
-    return (ratio(delta["decode_steps_cascade"], delta["decode_steps_planned"]),
-            ratio(delta["decode_steps_graphed"], delta["decode_steps_cascade"]))
-
-
-def count_capture_warnings(log_text: str) -> int:
-    """Server-log lines that say a CUDA-graph capture failed."""
-    return sum(1 for line in log_text.splitlines()
-               if ("vllm-cascade-plugin: capturing" in line and "failed" in line)
-               or "INTERNAL ASSERT FAILED" in line)
-
-
-ROW_KEYS = ("workload", "config", "request_rate", "tensor_parallel_size", "output_tok_per_s",
-            "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "cascade_step_fraction",
-            "graph_replay_fraction", "capture_warnings")
-
-
-EXTRAS = {  # extra row key -> vllm bench serve result field
-    "num_prompts": "num_prompts", "completed": "completed", "failed": "failed",
-    "duration_s": "duration", "request_throughput": "request_throughput",
-    "total_output_tokens": "total_output_tokens", "ttft_ms_mean": "mean_ttft_ms",
-    "tpot_ms_mean": "mean_tpot_ms", "itl_ms_p50": "p50_itl_ms", "itl_ms_p99": "p99_itl_ms",
-    "e2el_ms_p50": "p50_e2el_ms", "max_concurrent_requests": "max_concurrent_requests"}
-
-
-def make_row(*, workload: str, config: str, request_rate: float | str, tensor_parallel_size: int,
-             result: dict[str, Any], delta: dict[str, float | None], plugin_on: bool,
-             capture_warnings: int, extra: dict[str, Any]) -> dict[str, Any]:
-    """One result row: :data:`ROW_KEYS` first, then extras (counts, means, provenance)."""
-    step_fraction, replay_fraction = fractions(delta, plugin_on)
-    row = {"workload": workload, "config": config, "request_rate": request_rate,
-           "tensor_parallel_size": tensor_parallel_size,
-           "output_tok_per_s": result.get("output_throughput"),
-           "ttft_ms_p50": result.get("p50_ttft_ms"), "ttft_ms_p99": result.get("p99_ttft_ms"),
-           "tpot_ms_p50": result.get("p50_tpot_ms"), "tpot_ms_p99": result.get("p99_tpot_ms"),
-           "cascade_step_fraction": step_fraction, "graph_replay_fraction": replay_fraction,
-           "capture_warnings": capture_warnings}
-    row.update({k: result.get(field) for k, field in EXTRAS.items()})
-    if row["request_throughput"] is None and result.get("duration"):
-        row["request_throughput"] = result["completed"] / result["duration"]
-    row.update(delta)
-    row.update(extra)
-    return row
-
-
-def merge_rows(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``new`` replaces the old rows of each (workload, config, tensor_parallel_size) it has."""
-    def key(r: dict[str, Any]) -> tuple[Any, ...]:
-        return r["workload"], r["config"], r["tensor_parallel_size"]
-
-    measured = {key(r) for r in new}
-    return [r for r in old if key(r) not in measured] + new
-
-
-def load_rows(path: Path) -> list[dict[str, Any]]:
-    return json.loads(path.read_text()) if path.is_file() else []
-
-
-def write_results(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
-    """Rows to ``out``; ``meta`` (this invocation) to ``<out>.meta.json`` beside it, the earlier
-    invocations' meta kept under ``runs`` (rows name theirs by ``run_id``)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rows, indent=1))
-    meta_path = out.with_suffix(".meta.json")
-    old = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
-    runs = [r for r in old.get("runs", []) if r.get("run_id") != meta["run_id"]]
-    meta_path.write_text(json.dumps({**meta, "runs": [*runs, meta]}, indent=1))
-
-
-def baseline_rates(rows: list[dict[str, Any]], baseline: str, tp: int) -> dict[str, float]:
-    """The sustainable rate per workload: req/s of ``baseline``'s burst rows."""
-    return {r["workload"]: r["request_throughput"] for r in rows
-            if r["config"] == baseline and r["request_rate"] == BURST
-            and r["tensor_parallel_size"] == tp and r.get("request_throughput")}
-
-
-def plot(out: Path, order: Sequence[str] = ()) -> Path:
-    """TPOT p50 (solid) and TTFT p99 (dashed) against request rate, a line per config, a panel
-    per workload; bursts at the rate they achieved. ``<out>.png``, from the JSON only."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in load_rows(out) if r.get("tpot_ms_p50") is not None]
-    workloads = sorted({r["workload"] for r in rows})
-    cols = max(min(len(workloads), 3), 1)
-    grid = max(-(-len(workloads) // cols), 1)
-    fig, axes = plt.subplots(grid, cols, figsize=(6 * cols, 4.2 * grid), squeeze=False)
-    for ax in axes.flat[len(workloads):]:
-        ax.axis("off")
-    configs = sorted({r["config"] for r in rows},
-                     key=lambda c: (list(order).index(c) if c in order else len(order), c))
-    for ax, workload in zip(axes.flat, workloads, strict=False):
-        twin = ax.twinx()
-        for i, config in enumerate(configs):
-            mine = [r for r in rows if r["workload"] == workload and r["config"] == config]
-            points = sorted((x, j, r) for j, r in enumerate(mine) if (x := (
-                r.get("request_throughput") if r["request_rate"] == BURST
-                else r["request_rate"])) is not None)
-            if not points:
-                continue
-            xs = [x for x, _, _ in points]
-            ax.plot(xs, [r["tpot_ms_p50"] for *_, r in points], "o-", color=f"C{i}", label=config)
-            twin.plot(xs, [r["ttft_ms_p99"] for *_, r in points], "s--", color=f"C{i}", alpha=0.6)
-            for x, _, r in points:
-                if r["request_rate"] == BURST:
-                    ax.annotate("burst", (x, r["tpot_ms_p50"]), fontsize=7, color=f"C{i}")
-        ax.set_title(workload)
-        ax.set_xlabel("request rate (req/s; burst: achieved)")
-        ax.set_ylabel("TPOT p50 (ms), solid")
-        twin.set_ylabel("TTFT p99 (ms), dashed")
-        twin.set_yscale("log")
-        ax.legend(fontsize=8, loc="upper left")
-    fig.tight_layout()
-    png = out.with_suffix(".png")
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
-    return png
-
-
-# --- The machine ------------------------------------------------------------------------
-
-
-def provenance() -> dict[str, str]:
-    found = {"python": platform.python_version(), "gpu": "unknown"}
-    for name in ("vllm", "flashinfer-python", "torch", "vllm-cascade-plugin"):
-        try:
-            found[name.removesuffix("-python")] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            found[name.removesuffix("-python")] = "not installed"
-    with contextlib.suppress(OSError, subprocess.SubprocessError):  # no CUDA context here
-        found["gpu"] = ", ".join(sorted(set(subprocess.run(
-            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-            text=True, timeout=30, check=True).stdout.splitlines()) - {""}))
-    return found
-
-
-def free_port(start: int) -> int:
-    for port in range(start, start + 200):
-        with socket.socket() as s, contextlib.suppress(OSError):
-            s.bind((HOST, port))
-            return port
-    raise RuntimeError(f"no free port in {start}..{start + 199}")
 
 
 def missing_modules(workloads: list[Workload]) -> list[str]:

@@ -8,11 +8,17 @@
 #
 # or one short part in the foreground: `bash scripts/gpu_validate.sh kernels`. Parts:
 #   kernels  tests/gpu/test_kernels.py (FA3 executor, graphed decode steps) and test_graphs.py
-#   engine   tests/gpu/test_engine.py: plugin on vs off, both runners, both graph modes
+#   engine   tests/gpu/test_engine.py: plugin on vs off (and FlashAttention off, the reference),
+#            both runners, whole-step graphs; the corrupted plans (~8 engines)
+#   engine_graphs  the same with CASCADE_FULL_GRAPHS=0 (per-layer graphs; ~6 engines)
+#   engine_fa  tests/gpu/test_flash_attn_engine.py: the same through vLLM's default FLASH_ATTN
+#            backend, a no-sharing workload, a corrupted plan, ngram speculative decoding
 #   serving  tests/gpu/test_serving.py: the engine as `vllm serve` runs it, a changing batch
 #   e2e      benchmarks/e2e_bench.py: the offline end-to-end table (e2e.json)
+#   e2e_fa   the same workloads, flash_attn vs cascade_flash_attn (the plugin in FLASH_ATTN)
 #   serve    benchmarks/serve_bench.py, 8K x 4 prefixes, flashinfer vs cascade (serve.json)
 #   soak     benchmarks/soak.py
+#   demo     `vllm-cascade demo` and the three examples as a user runs them (demo.txt, examples.txt)
 #   tp       tensor_parallel_size=2 engine tests (needs the two-GPU machine)
 # Logs and JSON go to /tmp/gv/<part>/; each command ends by packing them into $OUT/gv.tar.xz
 # (unpack into benchmarks/results/h200/ what belongs there).
@@ -37,9 +43,14 @@ part_kernels() {
     -k "graphs or fa3 or fp32_reference or graphed or corrupted"
 }
 
-part_engine() { pytest_part engine 560 tests/gpu/test_engine.py -k "not tensor_parallel"; }
+# Each engine run takes ~45 s: detached parts (`start engine engine_graphs`) get 15 minutes.
+part_engine() {
+  pytest_part engine 900 tests/gpu/test_engine.py -k "cascade_engine_matches or corrupted or one_page"
+}
+part_engine_graphs() { pytest_part engine_graphs 900 tests/gpu/test_engine.py -k layer_graphs; }
+part_engine_fa() { pytest_part engine_fa 900 tests/gpu/test_flash_attn_engine.py; }
 part_serving() { pytest_part serving 560 tests/gpu/test_serving.py; }
-part_tp() { pytest_part tp 560 tests/gpu/test_engine.py -k tensor_parallel; }
+part_tp() { pytest_part tp 900 tests/gpu/test_engine.py -k tensor_parallel; }
 
 part_e2e() {
   mkdir -p "$res/e2e"
@@ -48,12 +59,31 @@ part_e2e() {
   stamp "e2e rc=$?"; grep -h '"workload"' "$res/e2e/e2e.log" | cut -c1-140
 }
 
+part_e2e_fa() {
+  mkdir -p "$res/e2e_fa"
+  timeout 560 python3 benchmarks/e2e_bench.py --out "$res/e2e_fa" --configs \
+    flash_attn,cascade_flash_attn --workloads $E2E_WORKLOADS > "$res/e2e_fa/e2e.log" 2>&1
+  stamp "e2e_fa rc=$?"; grep -h '"workload"' "$res/e2e_fa/e2e.log" | cut -c1-140
+}
+
 part_serve() {  # a server start takes ~3.5 min: run it detached (`start serve`)
   mkdir -p "$res/serve"
   timeout 1500 python3 benchmarks/serve_bench.py --model examples/models/llama3-8b \
     --workloads prefix_8k_x4 --configs flashinfer,cascade --duration 30 \
     --out "$res/serve/serve.json" --plot > "$res/serve/serve.log" 2>&1
   stamp "serve rc=$?"; tail -20 "$res/serve/serve.log"
+}
+
+part_demo() {
+  mkdir -p "$res/demo"
+  (CASCADE_ATTENTION=1 timeout 400 python3 -m vllm_cascade_plugin.cli demo > "$res/demo/demo.txt" 2>&1; stamp "demo rc=$?"
+   for ex in examples/offline_shared_prompt.py examples/grpo_rollouts.py; do
+     echo "## python3 $ex"; CASCADE_ATTENTION=1 timeout 300 python3 "$ex" 2>&1 | grep -v ' INFO \| WARNING '
+   done
+   echo "## bash examples/serve/serve.sh"
+   VLLM="python3 -m vllm.entrypoints.cli.main" timeout 400 bash examples/serve/serve.sh 2>&1
+  ) > "$res/demo/examples.txt" 2>&1
+  stamp "examples rc=$?"; tail -5 "$res/demo/demo.txt"
 }
 
 part_soak() {
@@ -73,7 +103,7 @@ wait_parts() {  # until the detached list is done or $1 seconds have passed
   tail -40 "$res/parts.log" 2>/dev/null
 }
 
-case ${1:?"a part (kernels, engine, serving, e2e, serve, soak, tp), start PARTS..., or wait"} in
+case ${1:?"a part (kernels, engine, engine_graphs, engine_fa, serving, e2e, e2e_fa, serve, soak, demo, tp), start PARTS..., or wait"} in
 start)
   shift
   rm -f "$res/done"
@@ -87,7 +117,7 @@ start)
 wait)
   wait_parts "${2:-540}"
   ;;
-kernels|engine|serving|e2e|serve|soak|tp)
+kernels|engine|engine_graphs|engine_fa|serving|e2e|e2e_fa|serve|soak|demo|tp)
   "part_$1"
   ;;
 *)

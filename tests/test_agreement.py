@@ -67,3 +67,87 @@ def test_compare_needs_the_same_requests_on_both_sides():
 ])
 def test_agrees_needs_both_tolerances_and_something_compared(worst, mean, count, ok):
     assert agreement.agrees(worst, mean, count) is ok
+
+
+def test_the_oracle_constants_are_the_issues():
+    assert (agreement.MIN_COMPARED, agreement.RELATIVE) == (0.5, 1.5)
+    assert agreement.REFERENCE_FLOOR == pytest.approx(agreement.MEAN_TOL / 10)
+
+
+def test_measure_counts_the_reference_positions_without_boundaries():
+    run = [rec([1, 2, -1, 3, 4, -1], [-1.0, -1.0, 0.0, -1.0, -1.0, 0.0])]
+    reference = [rec([1, 9, -1, 3, 4, -1], [-1.01, -1.0, 0.0, -1.02, -1.03, 0.0])]
+    # Token 2 diverges; the next completion starts afresh and compares both: 3 of 4 positions.
+    dev = agreement.measure(run, reference)
+    assert (dev.compared, dev.positions) == (3, 4)
+    assert dev.fraction == pytest.approx(0.75)
+    assert dev.mean == pytest.approx(0.02)
+    assert agreement.Deviation(0.0, 0.0, 0, 0).fraction == 0.0
+
+
+def dev(mean: float, fraction: float = 1.0, worst: float | None = None) -> agreement.Deviation:
+    return agreement.Deviation(mean if worst is None else worst, mean, int(100 * fraction), 100)
+
+
+@pytest.mark.parametrize(("plugin", "kernels", "ok"), [
+    (dev(0.006), dev(0.004), True),             # exactly 1.5x the reference
+    (dev(0.0061), dev(0.004), False),           # more than 1.5x: fails though far within 0.02
+    (dev(0.003), dev(0.0), True),               # a reference of 0 counts as the floor, 0.002
+    (dev(0.0031), dev(0.0), False),
+    (dev(0.021), dev(0.02), False),             # within 1.5x, beyond the absolute tolerance
+    (dev(0.01, worst=0.11), dev(0.01), False),  # one token beyond MAX_TOL
+    (dev(0.004, 0.5), dev(0.004), True),        # half the positions compared is enough
+    (dev(0.004, 0.49), dev(0.004), False),      # fewer is not
+    (dev(0.0, 0.0), dev(0.004), False),         # nothing compared
+    # The corrupted-plan shape: the first tokens diverge, the few compared ones far off.
+    (dev(0.3, 0.05), dev(0.005), False),
+])
+def test_agrees_with_reference_needs_coverage_tolerance_and_the_relative_bound(plugin, kernels,
+                                                                               ok):
+    assert agreement.agrees_with_reference(plugin, kernels) is ok
+
+
+def test_beam_record_strips_the_prompt_and_keeps_the_order():
+    out = SimpleNamespace(sequences=[SimpleNamespace(tokens=[5, 6, 7, 8], cum_logprob=-1.5),
+                                     SimpleNamespace(tokens=[5, 6, 9, 8], cum_logprob=-2.0)])
+    assert agreement.beam_record(out, 2) == {"beams": [[7, 8], [9, 8]],
+                                             "cum_logprobs": [-1.5, -2.0]}
+
+
+def beams(*pairs: tuple[list[int], float]) -> dict:
+    return {"beams": [list(t) for t, _ in pairs], "cum_logprobs": [c for _, c in pairs]}
+
+
+def test_compare_beams_matches_beams_by_tokens_whatever_their_rank():
+    run = [beams(([1, 2], -1.0), ([3, 4], -1.1)), beams(([5, 6], -0.5), ([7, 8], -0.9))]
+    reference = [beams(([3, 4], -1.14), ([1, 2], -1.0)), beams(([5, 6], -0.52), ([7, 9], -0.8))]
+    dev = agreement.compare_beams(run, reference)
+    # Matched: [3, 4] (|Δ| 0.04 over 2 tokens), [1, 2] (0), [5, 6] (0.02 / 2); [7, 9] missing.
+    assert (dev.matched, dev.beams) == (3, 4)
+    assert dev.worst == pytest.approx(0.02)
+    assert dev.mean == pytest.approx((0.02 + 0.0 + 0.01) / 3)
+    assert agreement.compare_beams([beams(([1], -1.0))], [beams(([2], -1.0))]) == \
+        agreement.BeamDeviation(0.0, 0.0, 0, 1)
+    with pytest.raises(ValueError):
+        agreement.compare_beams(run, reference[:1])
+
+
+def bdev(mean: float, fraction: float = 1.0, worst: float | None = None
+         ) -> agreement.BeamDeviation:
+    return agreement.BeamDeviation(mean if worst is None else worst, mean, int(32 * fraction), 32)
+
+
+@pytest.mark.parametrize(("plugin", "kernels", "ok"), [
+    (bdev(0.003), bdev(0.002), True),
+    (bdev(0.004), bdev(0.002), False),               # cumulative logprobs 2x the reference's
+    (bdev(0.002, 26 / 32), bdev(0.002), True),       # 6 of 32 beams missing: 1.5 x the floor
+    (bdev(0.002, 25 / 32), bdev(0.002), False),      # 7 missing, the reference missed none
+    (bdev(0.002, 20 / 32), bdev(0.002, 24 / 32), True),   # 12 missing vs the reference's 8
+    (bdev(0.002, 19 / 32), bdev(0.002, 24 / 32), False),
+    (bdev(0.002, 15 / 32), bdev(0.002, 15 / 32), False),  # under half the beams found
+    (bdev(0.021), bdev(0.02), False),                # beyond MEAN_TOL per token
+    (bdev(0.01, worst=0.2), bdev(0.01), False),      # one beam beyond MAX_TOL per token
+    (bdev(0.0, 0.0), bdev(0.0), False),              # no beam in common
+])
+def test_beams_agree_against_the_two_kernel_reference(plugin, kernels, ok):
+    assert agreement.beams_agree(plugin, kernels) is ok

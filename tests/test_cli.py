@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from fresh_python import vllm_process
-from vllm_cascade_plugin import cli, demo
+from vllm_cascade_plugin import cli, demo, demo_engine
 from vllm_cascade_plugin.config import CascadeConfig
 
 ROOT = Path(__file__).parents[1]
@@ -44,11 +44,16 @@ def clean_env(monkeypatch):
 def test_check_with_the_plugin_on_registers_for_real_and_exits_0():
     proc = run_cli("check", forked=True, CASCADE_ATTENTION="1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = " ".join(proc.stdout.split())
     for expected in ("Python", "torch", "GPU", "vLLM", "FlashInfer", "CASCADE_LOG_INTERVAL",
                      "Entry point vllm.general_plugins:cascade found",
-                     "registers vllm_cascade_plugin.backend.CascadeFlashInferBackend",
-                     "--attention-backend FLASHINFER"):
-        assert expected in proc.stdout
+                     "registers vllm_cascade_plugin.flash_attn_backend."
+                     "CascadeFlashAttentionBackend for the FLASH_ATTN backend",
+                     "vllm_cascade_plugin.backend.CascadeFlashInferBackend for the FLASHINFER "
+                     "backend", "FLASH_ATTN, vLLM's default on Hopper",
+                     "--attention-backend FLASHINFER", "prefix caching off (nothing is shared: "
+                     "the plugin has nothing to do)", "a quantised (FP8) KV cache"):
+        assert expected in out
     assert "Traceback" not in proc.stderr
 
 
@@ -136,7 +141,7 @@ def test_demo_with_a_bad_knob_exits_1_with_the_message(clean_env, capsys):
 @pytest.mark.parametrize("argv", [
     [], ["frobnicate"], ["demo", "--documents", "0"], ["demo", "--questions", "many"],
     ["demo", "--model", "/no/such/model"], ["demo", "--policy", "sometimes"],
-    ["bench", "--nope"], ["check", "extra"],
+    ["bench", "--nope"],  # check takes any arguments: vLLM's (tests/test_check.py)
 ])
 def test_bad_arguments_are_a_usage_error(argv, capsys):
     with pytest.raises(SystemExit) as info:
@@ -152,40 +157,132 @@ def test_bad_arguments_show_no_traceback():
     assert "Traceback" not in proc.stderr
 
 
-def test_demo_gpu_path_reports_both_engines(clean_env, capsys, monkeypatch, tmp_path):
-    """The GPU branch with the two engines replaced by canned runs (no GPU needed)."""
+def record(tokens: list[int], logprobs: list[float], margins: list[float] | None = None) -> dict:
+    """An :func:`agreement.record` of one completion (boundary token -1 at its end)."""
+    return {"tokens": [*tokens, -1], "logprobs": [*logprobs, 0.0],
+            "margins": [*(margins or [1.0] * len(tokens)), 0.0]}
+
+
+def fake_engines(monkeypatch, on: dict, off: dict, seen: list | None = None) -> None:
+    """The GPU branch with the two engines replaced by canned runs (no GPU needed): every
+    request's record is ``on`` with the plugin, ``off`` without."""
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
-    seen = []
 
     def fake_engine(model, workload, *, plugin, policy, log):
-        seen.append((model, plugin, policy))
-        tokens = [[5, 6, 7]] * workload.requests
-        logprobs = [[-1.0, -2.0, -3.0 if plugin else -3.02]] * workload.requests
-        return demo.EngineRun(plugin, 90.0 if plugin else 100.0, 1.0, 3 * workload.requests,
-                              tokens, logprobs, steps_planned=20, steps_cascade=18 * plugin,
-                              fallbacks={})
+        if seen is not None:
+            seen.append((model, plugin, policy))
+        return demo_engine.EngineRun(plugin, 90.0 if plugin else 100.0, 1.0,
+                                     3 * workload.requests,
+                                     [on if plugin else off] * workload.requests,
+                                     steps_planned=20, steps_cascade=18 * plugin, fallbacks={})
 
-    monkeypatch.setattr(demo, "run_engine", fake_engine)
+    monkeypatch.setattr(demo_engine, "run_engine", fake_engine)
+
+
+def test_demo_gpu_path_reports_both_engines(clean_env, capsys, monkeypatch):
+    seen: list = []
+    fake_engines(monkeypatch, record([5, 6, 7], [-1.0, -2.0, -3.0]),
+                 record([5, 6, 7], [-1.0, -2.0, -3.02]), seen)
     assert cli.main(["demo", "--model", "llama-tiny", "--policy", "always", *SMALL]) == 0
-    out = capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())
     assert seen == [("llama-tiny", False, "always"), ("llama-tiny", True, "always")]
     assert "plugin off 100 tok/s, plugin on 90 tok/s (0.90x)" in out
     assert "cascade ran on 18 of 20 engine steps; fallbacks: none" in out
-    assert "max |d| 0.0200" in out and "6 of 6 sequences identical" in out
+    assert "max |d| 0.0200, mean 0.0067 over 18 tokens (top-2 margin above 0.1" in out
+    assert "6 of 6 sequences identical (tolerance: max 0.1, mean 0.02): PASS" in out
 
 
-def test_compare_stops_each_pair_at_its_first_differing_token():
-    on = demo.EngineRun(True, 1.0, 1.0, 6, [[1, 2, 3], [4, 5, 6]], [[0.0, -1.0, -9.0],
-                                                                    [-1.0, -1.0, -1.0]])
-    off = demo.EngineRun(False, 1.0, 1.0, 6, [[1, 9, 3], [4, 5, 6]], [[-0.5, -1.0, 0.0],
-                                                                     [-1.0, -1.1, -1.0]])
-    agreement = demo.compare(on, off)
-    assert agreement.compared_tokens == 4  # 1 of the first pair, all 3 of the second
-    assert agreement.max_abs_dlogprob == pytest.approx(0.5)
-    assert agreement.identical_sequences == 1
+# Where the demo's former rule (every token up to the first divergence, max |d| <= 0.1, no
+# margins, no mean) and agreement.py's differ: the demo must follow agreement.py.
+@pytest.mark.parametrize(("on", "off", "status", "verdict"), [
+    # Every token 0.05 off: within the max, not the mean (the former rule passed it).
+    (record([5, 6, 7], [-1.0, -2.0, -3.0]), record([5, 6, 7], [-1.05, -2.05, -3.05]), 1, "FAIL"),
+    # 0.5 off where the top-2 margin is below 0.1, which bf16 noise may flip: not compared
+    # (the former rule failed it).
+    (record([5, 6, 7], [-1.0, -2.0, -3.0], [1.0, 0.05, 1.0]),
+     record([5, 6, 7], [-1.0, -2.5, -3.0]), 0, "PASS"),
+    # No position confident in both runs: nothing compared proves nothing (the former rule
+    # passed the near-flat logits of vLLM's dummy weights).
+    (record([5, 6], [-10.4, -10.4], [1e-6, 1e-6]), record([5, 6], [-10.4, -10.4]), 1, "FAIL"),
+])
+def test_demo_gpu_verdict_is_agreement_py_s(clean_env, capsys, monkeypatch, on, off, status,
+                                           verdict):
+    fake_engines(monkeypatch, on, off)
+    assert cli.main(["demo", "--model", "llama-tiny", *SMALL]) == status
+    assert f"): {verdict}" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize("agrees", [False, True])
+def test_demo_gpu_verdict_comes_from_agreement_agrees(clean_env, capsys, monkeypatch, agrees):
+    from vllm_cascade_plugin import agreement
+
+    calls = []
+    monkeypatch.setattr(agreement, "agrees", lambda *a: calls.append(a) or agrees)
+    same = record([5, 6, 7], [-1.0, -2.0, -3.0])
+    fake_engines(monkeypatch, same, same)
+    assert cli.main(["demo", "--model", "llama-tiny", *SMALL]) == (0 if agrees else 1)
+    assert calls and calls[0] == (0.0, 0.0, 18)  # what agreement.compare found
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"(tolerance: max 0.1, mean 0.02): {'PASS' if agrees else 'FAIL'}" in out
+
+
+def test_compare_is_agreement_py_s_and_counts_identical_sequences():
+    on = demo_engine.EngineRun(True, 1.0, 1.0, 6, [record([1, 2, 3], [0.0, -1.0, -9.0]),
+                                                   record([4, 5, 6], [-1.0, -1.0, -1.0],
+                                                          [1.0, 0.01, 1.0])])
+    off = demo_engine.EngineRun(False, 1.0, 1.0, 6, [record([1, 9, 3], [-0.05, -1.0, 0.0]),
+                                                     record([4, 5, 6], [-1.0, -1.5, -1.02])])
+    result = demo_engine.compare(on, off)
+    # 1 token of the first pair (then they diverge), 2 of the second (5's margin is too small).
+    assert result.compared_tokens == 3
+    assert result.max_abs_dlogprob == pytest.approx(0.05)
+    assert result.mean_abs_dlogprob == pytest.approx(0.07 / 3)
+    assert (result.identical_sequences, result.sequences) == (1, 2)
+    assert result.passed is False  # mean 0.023 > 0.02
+
+
+def test_demo_engine_weights_have_the_margins_agreement_needs():
+    """vLLM's dummy weights (uniform +-1e-3) give near-flat logits: no top-2 margin above
+    agreement.MARGIN, nothing to compare. init_weights (transformers' init, in place) gives
+    margins above it at many positions, the same weights for the same seed, norms at 1."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from vllm_cascade_plugin import agreement
+
+    config = LlamaConfig(hidden_size=1024, intermediate_size=256, num_hidden_layers=1,
+                         num_attention_heads=8, num_key_value_heads=2, vocab_size=8000)
+    model = LlamaForCausalLM(config)
+    tokens = torch.randint(0, 8000, (1, 32), generator=torch.Generator().manual_seed(0))
+
+    def margins() -> torch.Tensor:
+        with torch.no_grad():
+            top = model(tokens).logits.float().log_softmax(-1).topk(2, -1).values
+        return top[..., 0] - top[..., 1]
+
+    with torch.no_grad():
+        for param in model.parameters():
+            param.uniform_(-1e-3, 1e-3)  # vLLM's initialize_dummy_weights
+    assert (margins() < 1e-3).all()
+    demo_engine.init_weights(model)
+    assert (margins() > agreement.MARGIN).float().mean() > 0.25
+    assert model.model.norm.weight.eq(1).all()
+    weight = model.model.layers[0].mlp.down_proj.weight.clone()
+    assert weight.std().item() == pytest.approx(0.02, rel=0.05)
+    demo_engine.init_weights(model)
+    assert torch.equal(model.model.layers[0].mlp.down_proj.weight, weight)
+
+
+def test_vllm_llm_apply_model_runs_a_function_on_the_model():
+    """The one vLLM API the demo's engine calls besides LLM and generate (init_weights)."""
+    import inspect
+
+    from vllm import LLM
+
+    assert list(inspect.signature(LLM.apply_model).parameters) == ["self", "func"]
 
 
 def test_prefix_cache_shares_full_blocks_of_identical_prefixes_only():

@@ -86,10 +86,10 @@ def test_per_layer_estimates_follow_the_grid(kernel, worst):
 @pytest.mark.parametrize("workload", ["b128_16k_prefix_64_own", "8_prefixes_8k_x16_interleaved",
                                       "n16_sampling_32_prompts_4k"])
 def test_fa3_model_runs_cascade_where_it_won_end_to_end(workload):
-    """Cascade on every step (FA3; session 6's calibration runs) beat flat FlashInfer on the
-    three sharing workloads; the shipped model, per-step cost included, picks cascade for their
-    decode steps."""
-    rows = json.loads((RESULTS / "e2e_session6.json").read_text())
+    """Cascade on every step (FA3 with whole-step graphs: the calibration runs) beat flat
+    FlashInfer on the three sharing workloads; the shipped model, per-step cost included, picks
+    cascade for their decode steps."""
+    rows = json.loads((RESULTS / "e2e_step_cost_fa3.json").read_text())
     speed = {r["config"]: r for r in rows if r["workload"] == workload}
     assert speed["cascade_always"]["kernel"] == ["fa3"]
     assert speed["cascade_always"]["out_tok_per_s"] > speed["flashinfer"]["out_tok_per_s"]
@@ -103,12 +103,12 @@ def test_fa3_model_runs_cascade_where_it_won_end_to_end(workload):
 def test_per_step_cost_reproduces_the_end_to_end_verdicts():
     """Workload (a) measured slower with cascade on every step, the demo faster: so decide."""
     e2e = {r["config"]: r["out_tok_per_s"]
-           for r in json.loads((RESULTS / "e2e_flashinfer_executor.json").read_text())}
+           for r in json.loads((RESULTS / "e2e_step_cost_flashinfer.json").read_text())}
     assert e2e["cascade_always"] < e2e["flashinfer"]
     assert not decide(shared_prefix_decode(64, 8192, own=16 + 128), H200_LAYER).use_cascade
 
     demo = re.search(r"plugin off ([\d,]+) tok/s, plugin on ([\d,]+) tok/s",
-                     (RESULTS / "demo.txt").read_text())
+                     (RESULTS / "demo_flashinfer_executor.txt").read_text())
     assert demo is not None
     off, on = (float(x.replace(",", "")) for x in demo.groups())
     assert on > off
@@ -177,8 +177,8 @@ def test_the_shipped_defaults_are_the_calibration_of_the_committed_measurements(
     """benchmarks/calibrate_cost.py on benchmarks/results/h200 gives exactly CostModel()."""
     import shutil
 
-    for name in ("kernel_grid.json", "e2e.json", "e2e_session6.json",
-                 "e2e_flashinfer_executor.json", "demo.txt"):
+    for name in ("kernel_grid.json", "e2e.json", "e2e_step_cost_fa3.json",
+                 "e2e_step_cost_flashinfer.json", "demo_flashinfer_executor.txt"):
         if (RESULTS / name).exists():
             shutil.copy(RESULTS / name, tmp_path / name)
     run_python(str(REPO / "benchmarks" / "calibrate_cost.py"), "--results", str(tmp_path))
@@ -189,6 +189,26 @@ def test_the_shipped_defaults_are_the_calibration_of_the_committed_measurements(
         fitted, shipped = result["fitted"], COST_MODELS[kernel]
         assert fitted == {name: pytest.approx(getattr(shipped, name), rel=1e-3)
                           for name in fitted}, kernel
+
+
+@pytest.mark.parametrize(("results", "constant"),
+                         [("e2e_step_cost_fa3_layer_graphs.json", "FA3_LAYER_GRAPHS_STEP_FIXED_US"),
+                          ("e2e_step_cost_fa3_eager.json", "FA3_EAGER_STEP_FIXED_US")])
+def test_the_fa3_graph_mode_step_costs_are_the_calibration_of_their_runs(tmp_path, results,
+                                                                        constant):
+    """The per-step costs of FA3 with per-layer graphs only and without graphs: what
+    calibrate_cost.py fits from the end-to-end runs of that mode in place of the default's."""
+    import shutil
+
+    from vllm_cascade_plugin import cost
+
+    for name in ("kernel_grid.json", "e2e_step_cost_flashinfer.json",
+                 "demo_flashinfer_executor.txt"):
+        shutil.copy(RESULTS / name, tmp_path / name)
+    shutil.copy(RESULTS / results, tmp_path / "e2e_step_cost_fa3.json")
+    run_python(str(REPO / "benchmarks" / "calibrate_cost.py"), "--results", str(tmp_path))
+    fitted = json.loads((tmp_path / "cost_calibration.json").read_text())["executors"]["fa3"]
+    assert fitted["fitted"]["step_fixed_us"] == pytest.approx(getattr(cost, constant), rel=1e-3)
 
 
 def test_a_decode_step_is_charged_the_graphed_cost_once_its_graph_layout_was_planned():
@@ -278,9 +298,10 @@ def test_long_prefill_rows_are_barely_padded(q):
 
 
 def test_fa3_per_step_cost_follows_the_graph_mode():
-    """Whole-step graphs (the calibration in COST_MODELS), a graph per layer (session 5's
-    calibration) and no graphs (session 4's) cost a cascade step less in that order; the decision
-    at 64 requests behind 8K follows: cascade only with graphs."""
+    """Whole-step graphs (the calibration in COST_MODELS), a graph per layer
+    (e2e_step_cost_fa3_layer_graphs.json) and no graphs (e2e_step_cost_fa3_eager.json) cost a
+    cascade step less in that order; the decision at 64 requests behind 8K follows: cascade only
+    with graphs."""
     from vllm_cascade_plugin.cost import FA3_EAGER_STEP_FIXED_US, FA3_LAYER_GRAPHS_STEP_FIXED_US
 
     full, layer, eager = (cost_model_for("fa3", graphs, full) for graphs, full in

@@ -118,3 +118,35 @@ def test_worker_counters_sum_the_graph_counts_of_every_executor(monkeypatch):
     assert counters["graph_captures"] - before["graph_captures"] == 3
     assert counters["graph_replays"] - before["graph_replays"] == 30
     assert "fa3" in counters["executors"] and eager.graphs is None
+
+
+def test_the_plugin_in_vllms_default_backend_is_compared_with_plain_flash_attn():
+    module = _module()
+    assert module.CONFIGS["cascade_flash_attn"] == ("FLASH_ATTN", {"CASCADE_ATTENTION": "1"})
+    assert module.CONFIGS["flash_attn"] == ("FLASH_ATTN", {})
+    assert {"flash_attn", "cascade_flash_attn"} <= set(module.DEFAULT_CONFIGS.split(","))
+
+
+def test_dry_run_prints_each_engines_command_and_runs_nothing(tmp_path, capsys, monkeypatch):
+    module = _module()
+    monkeypatch.setenv("CASCADE_POLICY", "always")  # a caller's plugin settings never leak in
+    out = tmp_path / "out"
+    assert module.main(["--dry-run", "--out", str(out), "--workloads", "one_8k_prefix_x64"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    configs = module.DEFAULT_CONFIGS.split(",")
+    assert [x.split()[1] for x in lines] == [f"{c}:" for c in configs]
+    by_config = dict(zip(configs, lines, strict=True))
+    assert by_config["flash_attn"].split()[2:4] == ["FLASH_ATTN", module.sys.executable]
+    assert "FLASH_ATTN CASCADE_ATTENTION=1 " in by_config["cascade_flash_attn"]
+    assert "--child cascade_flash_attn" in by_config["cascade_flash_attn"]
+    assert all("CASCADE_POLICY=always" not in x for x in lines[:3])
+    assert "CASCADE_POLICY=always" in by_config["cascade_always"] and not out.exists()
+
+
+def test_unknown_configs_and_workloads_are_refused(capsys):
+    import pytest
+
+    for argv in (["--dry-run", "--configs", "nope"], ["--dry-run", "--workloads", "nope"]):
+        with pytest.raises(SystemExit):
+            _module().main(argv)
+    assert "unknown nope" in capsys.readouterr().err

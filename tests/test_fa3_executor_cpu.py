@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from test_planner import batches, limits, make_batch
 from test_reference import TOLERANCE, dense_attention, kv_cache
-from vllm_cascade_plugin import compat, decode_level, fa3_levels
+from vllm_cascade_plugin import compat, decode_level, fa3_levels, stats
 from vllm_cascade_plugin.fa3_executor import FlashAttnCascadeExecutor
 from vllm_cascade_plugin.graphs import LayerGraphs
 from vllm_cascade_plugin.planner import CascadePlanner
@@ -336,6 +336,7 @@ def test_a_failed_capture_runs_eagerly_and_warns_once(caplog):
 
 def test_graph_cache_captures_on_the_nth_sighting_and_evicts_the_least_recently_replayed():
     graphs = LayerGraphs(capture=replaying_capture, capture_after=2, max_graphs=2)
+    counted = stats.snapshot()
     runs = []
 
     def layer(name):
@@ -353,6 +354,9 @@ def test_graph_cache_captures_on_the_nth_sighting_and_evicts_the_least_recently_
     for _ in range(2):
         graphs.run(("c",), layer("c"))  # full: b (least recently replayed) goes, c captured
     assert len(graphs) == 2 and graphs.captures == 3 and graphs.evictions == 1
+    now = stats.snapshot()  # the counters (and /metrics) see each capture and its time
+    assert now.graph_captures - counted.graph_captures == 3
+    assert now.graph_capture_s > counted.graph_capture_s
     graphs.run(("a",), layer("a"))  # a survived: replayed
     assert graphs.replays == 3
     graphs.run(("b",), layer("b"))  # b was evicted: eager again

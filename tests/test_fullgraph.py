@@ -178,26 +178,27 @@ def test_whole_step_graphs_are_kept_per_runner_and_refused_where_unsupported(con
     from vllm.model_executor.offloader import base as offloader
     from vllm.model_executor.offloader.uva import UVAOffloader
 
-    from vllm_cascade_plugin import hooks
+    from vllm_cascade_plugin import hooks_graphs
 
     plain = make_runner()
-    graphs = hooks._full_graphs(plain)
-    assert isinstance(graphs, fullgraph.StepGraphs) and hooks._full_graphs(plain) is graphs
+    graphs = hooks_graphs.full_graphs(plain)
+    assert isinstance(graphs, fullgraph.StepGraphs) and hooks_graphs.full_graphs(plain) is graphs
     saved = offloader.get_offloader()
     with caplog.at_level(logging.INFO, logger="vllm.cascade_plugin"):
         for refused, why in ((make_runner(tp=2), "parallel size"),
                             (make_runner(lora=object()), "LoRA")):
-            assert hooks._full_graphs(refused) is None and hooks._full_graphs(refused) is None
+            assert hooks_graphs.full_graphs(refused) is None
+            assert hooks_graphs.full_graphs(refused) is None
             assert sum(why in r.getMessage() for r in caplog.records) == 1  # logged once
         try:
             offloader.set_offloader(UVAOffloader(cpu_offload_max_bytes=1 << 30))
-            assert hooks._full_graphs(make_runner()) is None
+            assert hooks_graphs.full_graphs(make_runner()) is None
         finally:
             offloader.set_offloader(saved)
     assert any("offloads weights" in r.getMessage() for r in caplog.records)
-    assert hooks._full_graphs(make_runner()) is not None  # the no-op offloader is back
+    assert hooks_graphs.full_graphs(make_runner()) is not None  # the no-op offloader is back
     session.config = dataclasses.replace(session.config, full_graphs=False)
-    assert hooks._full_graphs(make_runner()) is None
+    assert hooks_graphs.full_graphs(make_runner()) is None
 
 
 def test_graph_stats_count_every_live_runners_graphs():
@@ -227,7 +228,7 @@ def wrappers(monkeypatch):
 
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from vllm_cascade_plugin import hooks
+    from vllm_cascade_plugin import hooks_graphs, hooks_step
 
     def original(*args, **kwargs):
         original.calls.append((args, kwargs))
@@ -238,16 +239,16 @@ def wrappers(monkeypatch):
     original.__signature__ = inspect.signature(  # type: ignore[attr-defined]
         GPUModelRunner._model_forward)
     recorder = Recorder()
-    monkeypatch.setattr(hooks, "_full_graphs", lambda runner: recorder)
+    monkeypatch.setattr(hooks_graphs, "full_graphs", lambda runner: recorder)
     monkeypatch.setattr("vllm.forward_context.get_forward_context", lambda: "ctx")
     runner = SimpleNamespace(vllm_config=make_runner().vllm_config,
                              cudagraph_manager=SimpleNamespace())
-    step = hooks._PendingStep(runner, None)
+    step = hooks_step.PendingStep(runner, None)
     step.cascade = True
-    monkeypatch.setattr(hooks, "_pending", step)
-    return SimpleNamespace(hooks=hooks, original=original, recorder=recorder, runner=runner,
-                           step=step, v1=hooks._v1_model_forward(original),
-                           v2=hooks._v2_run_pw_graph(original))
+    monkeypatch.setattr(hooks_step, "pending", step)
+    return SimpleNamespace(hooks_step=hooks_step, original=original, recorder=recorder,
+                           runner=runner, step=step, v1=hooks_graphs.v1_model_forward(original),
+                           v2=hooks_graphs.v2_run_pw_graph(original))
 
 
 def test_v1_wrapper_hands_a_cascade_steps_model_call_to_the_graphs(wrappers):
@@ -265,7 +266,7 @@ def test_v1_wrapper_leaves_every_other_model_call_alone(wrappers, monkeypatch, c
     w = wrappers
     kwargs = {"input_ids": torch.zeros(4, dtype=torch.long)}
     if case == "no step":
-        monkeypatch.setattr(w.hooks, "_pending", None)
+        monkeypatch.setattr(w.hooks_step, "pending", None)
     elif case == "other runner":
         w.step.runner = SimpleNamespace()
     elif case == "flat step":

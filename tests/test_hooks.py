@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from vllm_cascade_plugin import compat, hooks
+from vllm_cascade_plugin import compat, hooks, hooks_dispatch, hooks_step
 from vllm_cascade_plugin.config import CascadeConfig
 from vllm_cascade_plugin.cost import AttentionShape
 from vllm_cascade_plugin.step import session
@@ -254,15 +254,15 @@ def test_v1_cascade_steps_exclude_full_graphs_and_others_keep_vllms_choice(activ
         seen.append((valid_modes, invalid_modes))
         return CUDAGraphMode.PIECEWISE, SimpleNamespace(num_tokens=8)  # padded to a graph size
 
-    decide = hooks._v1_determine_batch_execution(determine)
-    dispatch = hooks._v1_dispatch(vllm_dispatch)
-    assert hooks._execute_model(execute_model)(runner, so) == "output"
+    decide = hooks_dispatch.v1_determine_batch_execution(determine)
+    dispatch = hooks_dispatch.v1_dispatch(vllm_dispatch)
+    assert hooks_step.execute_model(execute_model)(runner, so) == "output"
     # Only the first dispatch is ours to change: the second re-dispatches to an agreed mode.
     first = {CUDAGraphMode.FULL} if shared else None
     assert seen == [(None, first), ({CUDAGraphMode.PIECEWISE}, None)]
     # A cascade step learns the padded token count its tensors have; it ends with the step.
     assert padded == [8 if shared else 0] and session.padded_tokens == 0
-    assert hooks._pending is None and session.current is None
+    assert hooks_step.pending is None and session.current is None
 
 
 def test_a_step_whose_rows_start_on_different_blocks_skips_the_planner(active_session,
@@ -277,10 +277,10 @@ def test_a_step_whose_rows_start_on_different_blocks_skips_the_planner(active_se
     seq, q = np.array([40, 41, 42], dtype=np.int32), np.ones(3, dtype=np.int32)
     before = stats.snapshot()
     unshared = np.array([[5, 6, 7], [15, 16, 8], [25, 26, 9]], dtype=np.int32)
-    assert hooks._v1_plan(hooks._PendingStep(*v1_runner(unshared, seq, q))) is False
+    assert hooks_dispatch.v1_plan(hooks_step.PendingStep(*v1_runner(unshared, seq, q))) is False
     assert calls == [] and session.current is None
     shared = np.array([[5, 6, 7], [5, 6, 8], [25, 26, 9]], dtype=np.int32)
-    assert hooks._v1_plan(hooks._PendingStep(*v1_runner(shared, seq, q))) is True
+    assert hooks_dispatch.v1_plan(hooks_step.PendingStep(*v1_runner(shared, seq, q))) is True
     assert calls == [1]
     after = stats.snapshot()
     # Both steps count as planned decode steps; only the second ran the planner.
@@ -358,7 +358,7 @@ def test_v2_block_id_mirror_equals_what_vllm_writes(state):
     tables.append_block_ids(2, ([10],), overwrite=False)
     tables.append_block_ids(1, ([3, 4],), overwrite=True)
     tables.append_block_ids(2, ([11, 12],), overwrite=True)  # a reused slot is rewritten
-    mirror = tables.__dict__[hooks._MIRROR]
+    mirror = tables.__dict__[hooks_dispatch.MIRROR]
     for row in range(4):
         count = tables.num_blocks.np[0, row]
         assert np.array_equal(mirror[row, :count], tables.block_tables[0].gpu[row, :count])
@@ -400,7 +400,8 @@ def test_v2_dispatch_avoids_full_graphs_only_on_cascade_steps():
 
     full_for_any_decode = CUDAGraphMode.FULL if num_full > 1 else CUDAGraphMode.PIECEWISE
     assert mode(1) == CUDAGraphMode.FULL and mode(None) == full_for_any_decode  # no step
-    hooks._pending = step = hooks._PendingStep(SimpleNamespace(cudagraph_manager=manager), None)
+    step = hooks_step.PendingStep(SimpleNamespace(cudagraph_manager=manager), None)
+    hooks_step.pending = step
     try:
         step.cascade = False
         assert mode(1) == CUDAGraphMode.FULL
@@ -409,7 +410,7 @@ def test_v2_dispatch_avoids_full_graphs_only_on_cascade_steps():
         assert session.padded_tokens == 8
         assert mode(1, captured_graphs()[0]) == CUDAGraphMode.FULL  # another manager
     finally:
-        hooks._pending = None
+        hooks_step.pending = None
         session.end_step()
 
 
@@ -419,12 +420,13 @@ def test_v2_cascade_step_never_gets_a_full_graph_for_any_batch():
 
     manager, _ = captured_graphs()
     manager._candidates = {(8, 0): [BatchExecutionDescriptor(CUDAGraphMode.FULL, 8, 8)]}
-    hooks._pending = step = hooks._PendingStep(SimpleNamespace(cudagraph_manager=manager), None)
+    step = hooks_step.PendingStep(SimpleNamespace(cudagraph_manager=manager), None)
+    hooks_step.pending = step
     step.cascade = True
     try:
         desc = manager.dispatch(6, 8, 1, 0)
     finally:
-        hooks._pending = None
+        hooks_step.pending = None
     assert (desc.cg_mode, desc.num_tokens, desc.num_reqs) == (CUDAGraphMode.NONE, 8, 6)
 
 
@@ -432,13 +434,13 @@ def test_v2_dummy_profile_and_capture_runs_never_plan(active_session):
     seen = []
 
     def execute_model(self, scheduler_output, intermediate_tensors=None, dummy_run=False):
-        seen.append(hooks._pending)
+        seen.append(hooks_step.pending)
         return "output"
 
-    wrapped = hooks._execute_model(execute_model)
+    wrapped = hooks_step.execute_model(execute_model)
     assert wrapped(object(), "dummy", dummy_run=True) == "output"
     assert wrapped(object(), "dummy", None, True) == "output"
     assert wrapped(object(), "real") == "output"
     assert seen[0] is None and seen[1] is None
     assert seen[2] is not None and seen[2].scheduler_output == "real"
-    assert hooks._pending is None and session.current is None  # cleared when the step ends
+    assert hooks_step.pending is None and session.current is None  # cleared when the step ends

@@ -1,7 +1,9 @@
 """The entry point as vLLM runs it: each case in a process of its own, like a vLLM process.
 
-Each case runs in a child of the fork server (``tests/fresh_python.py``: an interpreter that has
-imported vLLM, forked per case); one also in a new interpreter, which must see the same.
+The plugin overrides two registry entries, FLASH_ATTN and FLASHINFER: these tests fail loudly when
+vLLM's registry or its class paths change under them. Each case runs in a child of the fork server
+(``tests/fresh_python.py``: an interpreter that has imported vLLM, forked per case); one also in a
+new interpreter, which must see the same.
 """
 
 import json
@@ -14,22 +16,25 @@ from pathlib import Path
 import pytest
 
 from fresh_python import vllm_process
-from vllm_cascade_plugin import BACKEND_PATH
+from vllm_cascade_plugin import BACKEND_PATH, FLASH_ATTN_BACKEND_PATH
 from vllm_cascade_plugin.compat import flashinfer_api_problems
 
 VLLM_DEFAULT = "vllm.v1.attention.backends.flashinfer.FlashInferBackend"
+VLLM_FLASH_ATTN = "vllm.v1.attention.backends.flash_attn.FlashAttentionBackend"
 
 PROBE = """
 import json, sys
 from vllm.plugins import load_general_plugins
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
-heavy = ("flashinfer", "vllm.v1.attention.backends.flashinfer", "vllm_cascade_plugin.backend",
-         "vllm_cascade_plugin.kernels")
+heavy = ("flashinfer", "vllm.v1.attention.backends.flashinfer",
+         "vllm.v1.attention.backends.flash_attn", "vllm_cascade_plugin.backend",
+         "vllm_cascade_plugin.kernels", "vllm_cascade_plugin.flash_attn_backend")
 before = set(sys.modules)
 load_general_plugins()
 new = sorted(m for m in set(sys.modules) - before if m.startswith(heavy))
-fi = AttentionBackendEnum.FLASHINFER
+fi, fa = AttentionBackendEnum.FLASHINFER, AttentionBackendEnum.FLASH_ATTN
 print("RESULT" + json.dumps({"path": fi.get_path(), "overridden": fi.is_overridden(),
+                             "fa_path": fa.get_path(), "fa_overridden": fa.is_overridden(),
                              "heavy_imports": new,
                              "preloaded": sorted(m for m in before if m.startswith(heavy))}))
 """
@@ -70,17 +75,19 @@ def test_a_forked_case_sees_what_a_new_interpreter_sees():
     """The fork server's premise (tests/fresh_python.py), checked on this vLLM."""
     new, new_log = probe(new_interpreter=True)
     forked, forked_log = probe()
-    assert new == forked == {"path": VLLM_DEFAULT, "overridden": False, "heavy_imports": [],
-                             "preloaded": []}
+    assert new == forked == {"path": VLLM_DEFAULT, "overridden": False,
+                             "fa_path": VLLM_FLASH_ATTN, "fa_overridden": False,
+                             "heavy_imports": [], "preloaded": []}
     assert "cascade" not in new_log.lower() and "cascade" not in forked_log.lower()
 
 
 @pytest.mark.flashinfer
-def test_enabled_plugin_overrides_flashinfer_without_importing_it():
+def test_enabled_plugin_overrides_flash_attn_and_flashinfer_without_importing_them():
     result, log = probe(CASCADE_ATTENTION="1")
     assert result["path"] == BACKEND_PATH and result["overridden"]
-    assert result["heavy_imports"] == [], "register() must resolve the backend lazily"
-    assert log.count("cascade attention on") == 1
+    assert result["fa_path"] == FLASH_ATTN_BACKEND_PATH and result["fa_overridden"]
+    assert result["heavy_imports"] == [], "register() must resolve the backends lazily"
+    assert log.count("cascade attention on for the FLASH_ATTN and FLASHINFER backends") == 1
 
 
 @pytest.mark.flashinfer
@@ -97,6 +104,14 @@ def test_registered_path_imports_our_subclasses():
     assert issubclass(cls.get_impl_cls(), fi.FlashInferImpl)
     assert cls.get_builder_cls() is not fi.FlashInferMetadataBuilder
     assert cls.get_impl_cls() is not fi.FlashInferImpl
+    from vllm.v1.attention.backends import flash_attn as fa
+    cls = AttentionBackendEnum.FLASH_ATTN.get_class()
+    assert cls.__name__ == "CascadeFlashAttentionBackend", cls
+    assert issubclass(cls, fa.FlashAttentionBackend) and cls.get_name() == "FLASH_ATTN"
+    assert issubclass(cls.get_builder_cls(), fa.FlashAttentionMetadataBuilder)
+    assert issubclass(cls.get_impl_cls(), fa.FlashAttentionImpl)
+    assert cls.get_builder_cls() is not fa.FlashAttentionMetadataBuilder
+    assert cls.get_impl_cls() is not fa.FlashAttentionImpl
     print("OK")
     """
     proc = run_python(code, CASCADE_ATTENTION="1")
@@ -108,12 +123,14 @@ def test_plugin_off_overrides_nothing(value):
     env = {} if value is None else {"CASCADE_ATTENTION": value}
     result, log = probe(**env)
     assert result["path"] == VLLM_DEFAULT and not result["overridden"]
+    assert result["fa_path"] == VLLM_FLASH_ATTN and not result["fa_overridden"]
     assert "cascade" not in log.lower()
 
 
 def test_empty_vllm_plugins_disables_the_plugin():
     result, _ = probe(CASCADE_ATTENTION="1", VLLM_PLUGINS="")
     assert result["path"] == VLLM_DEFAULT and not result["overridden"]
+    assert result["fa_path"] == VLLM_FLASH_ATTN and not result["fa_overridden"]
 
 
 def test_bad_toggle_aborts_startup_with_an_actionable_message():
@@ -135,6 +152,7 @@ def test_unsupported_version_warns_once_and_stays_off(distribution, name, versio
     """
     result, log = probe(textwrap.dedent(prelude), CASCADE_ATTENTION="1")
     assert result["path"] == VLLM_DEFAULT and not result["overridden"]
+    assert result["fa_path"] == VLLM_FLASH_ATTN and not result["fa_overridden"]
     assert log.count("stays off") == 1
     assert f"{name} {version} is outside the supported range" in log
 
@@ -142,10 +160,11 @@ def test_unsupported_version_warns_once_and_stays_off(distribution, name, versio
 @pytest.mark.flashinfer
 def test_register_is_idempotent_within_a_process():
     code = """
-    from vllm_cascade_plugin import BACKEND_PATH, register
+    from vllm_cascade_plugin import BACKEND_PATH, FLASH_ATTN_BACKEND_PATH, register
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
     register(); register()
     assert AttentionBackendEnum.FLASHINFER.get_path() == BACKEND_PATH
+    assert AttentionBackendEnum.FLASH_ATTN.get_path() == FLASH_ATTN_BACKEND_PATH
     print("OK")
     """
     proc = run_python(code, CASCADE_ATTENTION="1")

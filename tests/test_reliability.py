@@ -27,7 +27,7 @@ from test_integration_cpu import (  # noqa: F401  (engine is a fixture)
     engine,
     packed_cache,
 )
-from vllm_cascade_plugin import hooks, stats
+from vllm_cascade_plugin import hooks, hooks_dispatch, hooks_graphs, hooks_step, stats, support
 from vllm_cascade_plugin.config import CascadeConfig
 from vllm_cascade_plugin.cost import AttentionShape
 from vllm_cascade_plugin.planner import CascadePlanner, plan_cascade, plan_violations
@@ -177,13 +177,14 @@ class BrokenRunner:
 def test_v1_runner_hook_failure_keeps_vllms_own_graph_choice():
     stats.reset()
     calls = []
-    wrapped = hooks._v1_determine_batch_execution(lambda self, *a: calls.append(a) or "vllm's")
+    wrapped = hooks_dispatch.v1_determine_batch_execution(
+        lambda self, *a: calls.append(a) or "vllm's")
     runner = BrokenRunner()
-    hooks._pending = step = hooks._PendingStep(runner, None)
+    hooks_step.pending = step = hooks_step.PendingStep(runner, None)
     try:
         assert wrapped(runner, 4, 2) == "vllm's"
     finally:
-        hooks._pending = None
+        hooks_step.pending = None
     assert calls == [(4, 2)] and step.cascade is False
     assert stats.snapshot().fallbacks["runner hook error"] == 1
 
@@ -196,12 +197,12 @@ def test_v2_dispatch_failure_keeps_vllms_own_graph_choice():
         block_tables = None  # planning reads it and fails
 
     calls = []
-    wrapped = hooks._v2_dispatch(lambda self, *a: calls.append(a) or "vllm's choice")
-    hooks._pending = hooks._PendingStep(Runner(), None)
+    wrapped = hooks_dispatch.v2_dispatch(lambda self, *a: calls.append(a) or "vllm's choice")
+    hooks_step.pending = hooks_step.PendingStep(Runner(), None)
     try:
         assert wrapped(Runner.cudagraph_manager, 4, 4, 1, 0) == "vllm's choice"
     finally:
-        hooks._pending = None
+        hooks_step.pending = None
     assert calls == [(4, 4, 1, 0)]
     assert stats.snapshot().fallbacks["runner hook error"] == 1
 
@@ -236,7 +237,7 @@ def engine_with(config, path, value):
 
 
 @pytest.mark.parametrize(("change", "reason"), [
-    ({"kv_cache_dtype": "fp8"}, "quantised KV cache"),
+    ({"kv_cache_dtype": "fp8"}, support.kv_cache_dtype_reason("fp8")),
     ({"sliding_window": 128}, "sliding-window attention"),
     ({"alibi_slopes": [0.5] * 8}, "ALiBi"),
 ])
@@ -250,7 +251,9 @@ def test_unsupported_layer_is_detected(engine, change, reason):  # noqa: F811
 
 
 @pytest.mark.parametrize(("path", "value", "reason"), [
-    ("speculative_config", object(), "speculative decoding"),
+    ("speculative_config", SimpleNamespace(method="eagle"),
+     support.speculative_reason("eagle", False)),
+    ("cache_config.enable_prefix_caching", False, support.PREFIX_CACHING_OFF),
     ("parallel_config.decode_context_parallel_size", 2, "decode context parallelism"),
     ("parallel_config.pipeline_parallel_size", 2, "pipeline parallelism"),
     ("model_config.is_encoder_decoder", True, "encoder-decoder model"),
@@ -314,7 +317,7 @@ def test_device_bytes_counts_the_executors_scratch_and_forgets_dead_executors():
 
 # ------------------------------------------------------------ the runner hooks never raise
 
-# Every wrapper in hooks.py runs vLLM's method exactly once and returns its result, whatever its
+# Every wrapper in hooks_*.py runs vLLM's method exactly once and returns its result, whatever its
 # own code does; only vLLM's own exception comes out of it, as it was, and never after a retry.
 
 def vllm_method(module_tail, cls, name):
@@ -392,7 +395,7 @@ def planning(monkeypatch):
                       16, None)
     stats.reset()
     yield session
-    hooks._pending = None
+    hooks_step.pending = None
     vars(session).update(saved)
 
 
@@ -407,7 +410,8 @@ def pending(owner, cascade):
     """A real step in flight, planned: cascade or not."""
     from vllm_cascade_plugin.step import session
 
-    hooks._pending = step = hooks._PendingStep(owner, SimpleNamespace(num_scheduled_tokens={}))
+    step = hooks_step.PendingStep(owner, SimpleNamespace(num_scheduled_tokens={}))
+    hooks_step.pending = step
     step.cascade = cascade
     session.current = SimpleNamespace(decision=SimpleNamespace(use_cascade=cascade),
                                       decode=True) if cascade is not None else None
@@ -418,7 +422,7 @@ def graphed(monkeypatch, graphs):
     """Whole-step graphs for the runner and a forward context to run them in."""
     import vllm.forward_context
 
-    monkeypatch.setattr(hooks, "_full_graphs", lambda r: graphs)
+    monkeypatch.setattr(hooks_graphs, "full_graphs", lambda r: graphs)
     monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: SimpleNamespace())
 
 
@@ -470,22 +474,22 @@ def v2_pw_graph_call(monkeypatch):
 
 HOOKS = {  # wrapper: (the vLLM method, the wrapper factory, a call that runs its code)
     "V1 execute_model": (("gpu_model_runner", "GPUModelRunner", "execute_model"),
-                         hooks._execute_model, execute_model_call),
+                         hooks_step.execute_model, execute_model_call),
     "V2 execute_model": (("model_runner", "GPUModelRunner", "execute_model"),
-                         hooks._execute_model, execute_model_call),
+                         hooks_step.execute_model, execute_model_call),
     "V1 _determine_batch_execution_and_padding": (
         ("gpu_model_runner", "GPUModelRunner", "_determine_batch_execution_and_padding"),
-        hooks._v1_determine_batch_execution, determine_call),
+        hooks_dispatch.v1_determine_batch_execution, determine_call),
     "V1 CudagraphDispatcher.dispatch": (("cudagraph_dispatcher", "CudagraphDispatcher",
-                                         "dispatch"), hooks._v1_dispatch, v1_dispatch_call),
+                                         "dispatch"), hooks_dispatch.v1_dispatch, v1_dispatch_call),
     "V2 BlockTables.append_block_ids": (("block_table", "BlockTables", "append_block_ids"),
-                                        hooks._v2_append_block_ids, append_call),
+                                        hooks_dispatch.v2_append_block_ids, append_call),
     "V2 CudaGraphManager.dispatch": (("cudagraph_utils", "CudaGraphManager", "dispatch"),
-                                     hooks._v2_dispatch, v2_dispatch_call),
+                                     hooks_dispatch.v2_dispatch, v2_dispatch_call),
     "V1 _model_forward": (("gpu_model_runner", "GPUModelRunner", "_model_forward"),
-                          hooks._v1_model_forward, v1_forward_call),
+                          hooks_graphs.v1_model_forward, v1_forward_call),
     "V2 CudaGraphManager.run_pw_graph": (("cudagraph_utils", "CudaGraphManager",
-                                          "run_pw_graph"), hooks._v2_run_pw_graph,
+                                          "run_pw_graph"), hooks_graphs.v2_run_pw_graph,
                                          v2_pw_graph_call),
 }
 
@@ -501,7 +505,7 @@ def break_end_step(monkeypatch, args):
 
 
 def break_plan_once(monkeypatch, args):
-    monkeypatch.setattr(hooks, "_plan_once", fail)
+    monkeypatch.setattr(hooks_dispatch, "plan_once", fail)
 
 
 def break_row_length(monkeypatch, args):
@@ -515,7 +519,7 @@ def break_ids_written(monkeypatch, args):
 
 
 def break_full_graphs(monkeypatch, args):
-    monkeypatch.setattr(hooks, "_full_graphs", fail)
+    monkeypatch.setattr(hooks_graphs, "full_graphs", fail)
 
 
 def break_forward_context(monkeypatch, args):
@@ -526,7 +530,7 @@ def break_forward_context(monkeypatch, args):
 
 def break_graphs(when):
     def inject(monkeypatch, args):
-        monkeypatch.setattr(hooks, "_full_graphs", lambda r: Graphs(when))
+        monkeypatch.setattr(hooks_graphs, "full_graphs", lambda r: Graphs(when))
     return inject
 
 
@@ -567,7 +571,7 @@ def test_a_hook_whose_own_code_fails_runs_vllms_call_once_and_returns_its_result
     original = VllmMethod(vllm_method(*target))
     wrapped = make(original)
     args, kwargs = call(monkeypatch)
-    step = hooks._pending
+    step = hooks_step.pending
     with monkeypatch.context() as m:
         inject(m, args)
         result = wrapped(*args, **kwargs)
@@ -584,7 +588,7 @@ def test_a_hook_failing_again_is_counted_again_and_logged_once(planning, monkeyp
     target, make, call = HOOKS["V1 execute_model"]
     original = VllmMethod(vllm_method(*target))
     wrapped = make(original)
-    monkeypatch.setattr(hooks, "_PendingStep", fail)
+    monkeypatch.setattr(hooks_step, "PendingStep", fail)
     for _ in range(2):
         args, kwargs = call(monkeypatch)
         assert wrapped(*args, **kwargs) is original.result
@@ -604,7 +608,7 @@ def test_v2_dispatch_whose_code_fails_after_vllms_choice_keeps_it_and_runs_the_s
     original.result = SimpleNamespace(cg_mode=CUDAGraphMode.FULL, num_tokens=8)
     wrapped = make(original)
     args, kwargs = call(monkeypatch)
-    step = hooks._pending
+    step = hooks_step.pending
     with monkeypatch.context() as m:
         m.setattr(dataclasses, "replace", fail)
         assert wrapped(*args, **kwargs) is original.result
@@ -621,8 +625,8 @@ def test_a_failure_after_a_whole_step_capture_runs_the_step_eagerly(planning, mo
     wrapped = make(original)
     args, kwargs = call(monkeypatch)
     capturing = iter([True, False])
-    monkeypatch.setattr(hooks, "_capturing", lambda: next(capturing))
-    monkeypatch.setattr(hooks, "_full_graphs", lambda r: Graphs("after"))
+    monkeypatch.setattr(hooks_graphs, "capturing", lambda: next(capturing))
+    monkeypatch.setattr(hooks_graphs, "full_graphs", lambda r: Graphs("after"))
     assert wrapped(*args, **kwargs) is original.result
     assert original.calls == [(args, kwargs)] * 2  # the capture, then the step's one real run
     assert stats.snapshot().fallbacks == {"runner hook error": 1}
@@ -653,7 +657,7 @@ def test_vllms_own_exception_leaves_the_real_whole_step_graphs_unchanged(plannin
     original = VllmMethod(vllm_method(*target), error=error)
     wrapped = make(original)
     args, kwargs = call(monkeypatch)
-    monkeypatch.setattr(hooks, "_full_graphs", lambda r: fullgraph.StepGraphs())
+    monkeypatch.setattr(hooks_graphs, "full_graphs", lambda r: fullgraph.StepGraphs())
     with pytest.raises(RuntimeError) as raised:
         wrapped(*args, **kwargs)
     assert raised.value is error and len(original.calls) == 1

@@ -31,15 +31,16 @@ ROW_KEYS = ["workload", "config", "request_rate", "tensor_parallel_size", "outpu
 
 def _load():
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    for name in ("serve_workloads", "serve_bench"):
+    for name in ("serve_workloads", "serve_results", "serve_processes", "serve_bench"):
         spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module  # dataclasses look their module up while decorating
         spec.loader.exec_module(module)
-    return sys.modules["serve_bench"], sys.modules["serve_workloads"]
+    return tuple(sys.modules[name] for name in ("serve_bench", "serve_workloads", "serve_results",
+                                                 "serve_processes"))
 
 
-sb, sw = _load()
+sb, sw, sr, sp = _load()
 
 
 def _flag(cmd: list[str], name: str) -> str:
@@ -68,7 +69,7 @@ def hf_tokenizer(tiny_model):
 
 @pytest.mark.parametrize(("config", "backend", "plugin"), [
     ("flashinfer", "FLASHINFER", "0"), ("cascade", "FLASHINFER", "1"),
-    ("flash_attn", "FLASH_ATTN", "0")])
+    ("flash_attn", "FLASH_ATTN", "0"), ("cascade_flash_attn", "FLASH_ATTN", "1")])
 def test_server_command_and_environment_of_each_config(config, backend, plugin, tmp_path,
                                                       monkeypatch):
     args = _args(gpu_memory_utilization=0.8, tensor_parallel_size=2, seed=7)
@@ -342,6 +343,21 @@ vllm_cascade_decode_steps_graphed_total{tp_rank="0"} 120.0
 # TYPE vllm_cascade_graph_capture_failures_total counter
 vllm_cascade_graph_capture_failures_total{tp_rank="0"} 1.0
 vllm_cascade_graph_capture_failures_total{tp_rank="1"} 2.0
+# HELP vllm_cascade_graph_captures_total Graphs captured.
+# TYPE vllm_cascade_graph_captures_total counter
+vllm_cascade_graph_captures_total{tp_rank="0"} 12.0
+vllm_cascade_graph_captures_total{tp_rank="1"} 12.0
+# HELP vllm_cascade_graph_capture_seconds_total Seconds capturing.
+# TYPE vllm_cascade_graph_capture_seconds_total counter
+vllm_cascade_graph_capture_seconds_total{tp_rank="0"} 0.75
+vllm_cascade_graph_capture_seconds_total{tp_rank="1"} 0.5
+# HELP vllm_cascade_planning_seconds_total Seconds planning.
+# TYPE vllm_cascade_planning_seconds_total counter
+vllm_cascade_planning_seconds_total{tp_rank="0"} 2.5
+# HELP vllm_cascade_graph_pool_bytes Pool bytes.
+# TYPE vllm_cascade_graph_pool_bytes gauge
+vllm_cascade_graph_pool_bytes{tp_rank="0"} 1000.0
+vllm_cascade_graph_pool_bytes{tp_rank="1"} 900.0
 # HELP vllm_cascade_fallbacks_total Fallbacks.
 # TYPE vllm_cascade_fallbacks_total counter
 vllm_cascade_fallbacks_total{reason="no shared prefix",tp_rank="0"} 50.0
@@ -349,10 +365,12 @@ vllm_cascade_fallbacks_total{reason="no shared prefix",tp_rank="0"} 50.0
 
 
 def test_counters_parsed_from_metrics_text():
-    counters = sw.parse_counters(METRICS)
+    counters = sr.parse_counters(METRICS)
     assert counters == {"decode_steps_planned": 200.0, "decode_steps_cascade": 150.0,
-                        "decode_steps_graphed": 120.0, "graph_capture_failures": 3.0}
-    assert sw.parse_counters(METRICS.split("# HELP vllm_cascade")[0]) == dict.fromkeys(counters)
+                        "decode_steps_graphed": 120.0, "graph_capture_failures": 3.0,
+                        "graph_captures": 12.0, "graph_capture_s": 0.75, "planning_s": 2.5,
+                        "graph_pool_bytes": 1900.0}
+    assert sr.parse_counters(METRICS.split("# HELP vllm_cascade")[0]) == dict.fromkeys(counters)
 
 
 def test_counters_as_prometheus_client_writes_them():
@@ -362,23 +380,27 @@ def test_counters_as_prometheus_client_writes_them():
     planned = Counter("vllm_cascade_decode_steps_planned", "d", ["tp_rank"], registry=registry)
     planned.labels("0").inc(7)
     planned.labels("1").inc(7)
-    counters = sw.parse_counters(generate_latest(registry).decode())  # with _created series
+    counters = sr.parse_counters(generate_latest(registry).decode())  # with _created series
     assert counters["decode_steps_planned"] == 7.0 and counters["decode_steps_cascade"] is None
 
 
 def test_fractions_from_counter_deltas():
     before = {"decode_steps_planned": 100.0, "decode_steps_cascade": 50.0,
-              "decode_steps_graphed": 40.0, "graph_capture_failures": 0.0}
-    after = sw.parse_counters(METRICS)
-    delta = sw.counter_deltas(before, after)
+              "decode_steps_graphed": 40.0, "graph_capture_failures": 0.0,
+              "graph_captures": 2.0, "graph_capture_s": 0.25, "planning_s": 0.5,
+              "graph_pool_bytes": 400.0}
+    after = sr.parse_counters(METRICS)
+    delta = sr.counter_deltas(before, after)
     assert delta == {"decode_steps_planned": 100.0, "decode_steps_cascade": 100.0,
-                     "decode_steps_graphed": 80.0, "graph_capture_failures": 3.0}
-    assert sw.fractions(delta, True) == (1.0, 0.8)
-    assert sw.fractions(delta, False) == (None, None)
-    idle = sw.counter_deltas(after, after)
-    assert sw.fractions(idle, True) == (None, None)  # no decode step at all
-    missing = sw.counter_deltas(dict.fromkeys(before), {**after, "decode_steps_graphed": None})
-    assert sw.fractions(missing, True) == (0.75, None)
+                     "decode_steps_graphed": 80.0, "graph_capture_failures": 3.0,
+                     "graph_captures": 10.0, "graph_capture_s": 0.5, "planning_s": 2.0,
+                     "graph_pool_bytes": 1900.0}
+    assert sr.fractions(delta, True) == (1.0, 0.8)
+    assert sr.fractions(delta, False) == (None, None)
+    idle = sr.counter_deltas(after, after)
+    assert sr.fractions(idle, True) == (None, None)  # no decode step at all
+    missing = sr.counter_deltas(dict.fromkeys(before), {**after, "decode_steps_graphed": None})
+    assert sr.fractions(missing, True) == (0.75, None)
 
 
 def test_capture_warnings_counted_in_log_text():
@@ -391,17 +413,17 @@ def test_capture_warnings_counted_in_log_text():
         "RuntimeError: t.is_cuda() INTERNAL ASSERT FAILED at /pytorch/c10/cuda/CUDAGraph.cpp:1",
         "(EngineCore pid=1) INFO 1 steps, 0.0% ran cascade; fallbacks: capture failed: 0",
     ])
-    assert sw.count_capture_warnings(log) == 3
-    assert sw.count_capture_warnings("") == 0
+    assert sr.count_capture_warnings(log) == 3
+    assert sr.count_capture_warnings("") == 0
 
 
 def test_row_schema_and_values():
     delta = {"decode_steps_planned": 10.0, "decode_steps_cascade": 5.0,
              "decode_steps_graphed": 5.0, "graph_capture_failures": 0.0}
-    row = sw.make_row(workload="prefix_8k_x4", config="cascade", request_rate="burst",
+    row = sr.make_row(workload="prefix_8k_x4", config="cascade", request_rate="burst",
                       tensor_parallel_size=1, result=BURST_RESULT, delta=delta, plugin_on=True,
                       capture_warnings=2, extra={"run_id": "r"})
-    assert list(row)[:12] == ROW_KEYS == list(sw.ROW_KEYS)
+    assert list(row)[:12] == ROW_KEYS == list(sr.ROW_KEYS)
     assert [row[k] for k in ROW_KEYS] == ["prefix_8k_x4", "cascade", "burst", 1, 2048.0, 850.0,
                                           4000.0, 29.0, 45.0, 0.5, 1.0, 2]
     assert row["completed"] == 256 and row["duration_s"] == 32.0 and row["run_id"] == "r"
@@ -416,15 +438,15 @@ def test_new_rows_replace_only_their_own_workload_and_config(tmp_path):
     old = [row("a", "flashinfer", "burst"), row("a", "cascade", "burst"),
            row("a", "cascade", 4.0), row("b", "cascade", "burst"), row("a", "cascade", 3, 2)]
     new = [row("a", "cascade", "burst")]
-    merged = sw.merge_rows(old, new)
+    merged = sr.merge_rows(old, new)
     assert merged == [old[0], old[3], old[4], new[0]]
     out = tmp_path / "h200" / "serve.json"
-    sw.write_results(out, merged, {"run_id": "1", "command": "first"})
-    sw.write_results(out, merged, {"run_id": "2", "command": "second"})
+    sr.write_results(out, merged, {"run_id": "1", "command": "first"})
+    sr.write_results(out, merged, {"run_id": "2", "command": "second"})
     meta = json.loads(out.with_suffix(".meta.json").read_text())
     assert meta["command"] == "second" and [r["run_id"] for r in meta["runs"]] == ["1", "2"]
     assert json.loads(out.read_text()) == merged
-    assert sw.baseline_rates([{**old[0], "request_throughput": 8.0}], "flashinfer", 1) == {
+    assert sr.baseline_rates([{**old[0], "request_throughput": 8.0}], "flashinfer", 1) == {
         "a": 8.0}
 
 
@@ -437,7 +459,7 @@ def test_plot_reads_only_the_json(tmp_path):
             for i, r in enumerate(["burst", 4.0, 7.2])]
     out = tmp_path / "serve.json"
     out.write_text(json.dumps(rows))
-    png = sw.plot(out, list(sb.CONFIGS))
+    png = sr.plot(out, list(sb.CONFIGS))
     assert png == tmp_path / "serve.png" and png.read_bytes()[:4] == b"\x89PNG"
 
 
@@ -529,17 +551,17 @@ def _alive(marker: str) -> list[str]:
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads Linux's /proc")
 def test_server_stops_with_its_child_processes_and_reports_an_early_exit(tmp_path, monkeypatch):
     _fake_vllm(tmp_path, monkeypatch)
-    port = sw.free_port(_start_port())
+    port = sp.free_port(_start_port())
     cmd = sb.server_command(sb.CONFIGS["cascade"], tmp_path, port, 1024, _args())
     env = sb.server_env(sb.CONFIGS["cascade"], tmp_path)
-    with sb.Server(cmd, env, tmp_path / "log" / "s.log", port) as server:
+    with sp.Server(cmd, env, tmp_path / "log" / "s.log", port) as server:
         server.wait_healthy(30)
         assert server.reset_prefix_cache()
         assert _alive(_engine_core(tmp_path))
     assert not _alive(_engine_core(tmp_path)) and not _alive(str(tmp_path / "fake_vllm.py"))
     crash = [sys.executable, "-c", "print('no GPU here'); raise SystemExit(3)"]
     with (pytest.raises(RuntimeError, match=r"exited \(3\)[\s\S]*no GPU here"),
-          sb.Server(crash, dict(os.environ), tmp_path / "c.log", port) as server):
+          sp.Server(crash, dict(os.environ), tmp_path / "c.log", port) as server):
         server.wait_healthy(30)
 
 
@@ -552,7 +574,7 @@ def test_whole_loop_writes_rows_after_each_run_and_merges(tmp_path, monkeypatch,
     out = tmp_path / "res" / "serve.json"
     common = ["--model", str(TINY), "--out", str(out), "--work-dir", str(tmp_path / "work"),
               "--workloads", "prefix_2k_x4,tree_2k_4x8k", "--duration", "10",
-              "--port", str(sw.free_port(_start_port())), "--server-timeout", "60",
+              "--port", str(sp.free_port(_start_port())), "--server-timeout", "60",
               "--run-timeout", "60"]
     assert sb.main([*common, "--configs", "cascade,flashinfer", "--plot"]) == 0
     rows = json.loads(out.read_text())
@@ -594,4 +616,16 @@ def test_dry_run_prints_the_commands_and_writes_nothing(tmp_path, capsys):
     assert "CASCADE_ATTENTION=1" in servers[1] and "--port 8101" in servers[1]
     assert sum(" bench serve " in x for x in lines) == 2 * 2 * 4  # warm-up, burst, two rates
     assert any("'<50% of flashinfer burst req/s on prefix_8k_x4>'" in x for x in lines)
+    assert not out.exists() and not work.exists()
+
+
+def test_dry_run_of_the_plugin_in_vllms_default_backend_beside_plain_flash_attn(tmp_path, capsys):
+    out, work = tmp_path / "serve.json", tmp_path / "work"
+    assert sb.main(["--dry-run", "--model", str(TINY), "--out", str(out), "--work-dir", str(work),
+                    "--configs", "flash_attn,cascade_flash_attn", "--workloads",
+                    "prefix_8k_x4", "--rates", "burst"]) == 0
+    servers = [x for x in capsys.readouterr().out.splitlines() if x.startswith("# server")]
+    assert [x.split()[2] for x in servers] == ["flash_attn:", "cascade_flash_attn:"]
+    assert all("--attention-backend FLASH_ATTN" in x for x in servers)
+    assert "CASCADE_ATTENTION=0" in servers[0] and "CASCADE_ATTENTION=1" in servers[1]
     assert not out.exists() and not work.exists()

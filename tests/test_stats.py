@@ -55,12 +55,15 @@ def test_no_line_before_the_interval_then_one_line_with_the_interval_numbers(clo
         clock.now += 10
     stats.record_planned(decode=False)  # a mixed step that ran flat
     stats.record_fallback("kernel error", level=logging.DEBUG)
+    stats.record_capture(0.5)
+    stats.record_capture(0.25)
+    stats.record_planning(0.125)
     assert lines(caplog) == []
     clock.now += 31  # 61 s after the first planned step
     stats.record_planned(decode=True)
     [line] = lines(caplog)
     assert ("last 61 s: 4 steps, 75.0% ran cascade (decode steps: 100.0%, 66.7% of them from "
-            "CUDA graphs)") in line
+            "CUDA graphs; 2 graphs captured in 0.75 s; planning 0.12 s)") in line
     assert "fallbacks: kernel error 1" in line
     assert "300 instead of 3,000 flat" in line
     saved = 2700 * PAGE_BYTES / 1e9
@@ -132,6 +135,11 @@ def test_prometheus_counters_mirror_the_records():
     counters.fallback("kernel error")
     counters.graphed()
     counters.capture_failure()
+    counters.captured(0.25)
+    counters.captured(0.5)
+    counters.planning(0.125)
+    counters.pool_bytes(4096)
+    counters.pool_bytes(8192)
 
     def value(name: str, **labels: str) -> float | None:
         return registry.get_sample_value(f"vllm_cascade_{name}_total", {"tp_rank": "0", **labels})
@@ -142,6 +150,9 @@ def test_prometheus_counters_mirror_the_records():
     assert value("kv_bytes_saved") == 9000
     assert value("fallbacks", reason="kernel error") == 1
     assert value("decode_steps_graphed") == 1 and value("graph_capture_failures") == 1
+    assert value("graph_captures") == 2 and value("graph_capture_seconds") == 0.75
+    assert value("planning_seconds") == 0.125
+    assert registry.get_sample_value("vllm_cascade_graph_pool_bytes", {"tp_rank": "0"}) == 8192
 
 
 WORKER = """

@@ -67,6 +67,18 @@ def test_steps_are_planned_for_the_first_builder_that_can_run_cascade(window_fir
     assert session.step_for(WINDOW, qsl, tokens, seq) is None
 
 
+def test_planning_time_is_counted_on_planned_steps_and_on_planner_errors(monkeypatch):
+    session = StepSession()
+    session.register(("f0",), FULL)
+    planned(session)
+    after_one = stats.snapshot().planning_s
+    assert after_one > 0.0
+    monkeypatch.setattr(session._planner, "plan", lambda *a: 1 / 0)
+    assert session.plan_step(*batch()) is None  # the step runs flat, its time still counted
+    assert stats.snapshot().planning_s > after_one
+    assert stats.snapshot().fallbacks["planner error"] == 1
+
+
 def test_with_no_builder_that_can_run_cascade_nothing_is_planned(plugin_log):
     session = StepSession()
     session.register(("w0",), WINDOW)
@@ -74,7 +86,7 @@ def test_with_no_builder_that_can_run_cascade_nothing_is_planned(plugin_log):
     assert not session.active and session.disabled_reason == "sliding-window attention"
     assert [line for line in plugin_log if "sliding-window attention" in line] == [
         "vllm-cascade-plugin: cascade attention is off for 1 attention layer(s) (w0): "
-        "sliding-window attention; they run vLLM's flat FlashInfer attention."]
+        "sliding-window attention; they run vLLM's flat FLASHINFER attention."]
     assert session.plan_step(*batch()) is None
 
 

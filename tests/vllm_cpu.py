@@ -1,4 +1,4 @@
-"""Real vLLM objects on a machine without a GPU (see DESIGN.md, "Real vLLM classes on a CPU").
+"""Real vLLM objects on a machine without a GPU.
 
 Used by tests that construct vLLM's real FlashInfer builder and impl from a real VllmConfig.
 What cannot run here (FlashInfer kernels and wrappers, the Triton page-copy kernel) is swapped at
@@ -25,21 +25,46 @@ TINY_LLAMA = {
 
 @functools.cache
 def cpu_vllm_config(model_dir: str) -> Any:
-    import vllm.platforms
-    from vllm.platforms.cpu import CpuPlatform
+    return engine_config(model_dir)
 
-    # Without a GPU the platform is "unspecified" and configs fail with an empty device type.
-    # Set it before vllm.engine.arg_utils is imported: that module binds current_platform.
-    vllm.platforms._current_platform = CpuPlatform()
+
+def engine_config(model_dir: str, backend: str = "FLASHINFER", **engine_args: Any) -> Any:
+    """A real VllmConfig of the tiny Llama for ``backend``; ``engine_args``: more EngineArgs
+    (``speculative_config``, ``kv_cache_dtype``, ``enable_prefix_caching``, ...)."""
+    use_cpu_platform()
     from vllm.engine.arg_utils import EngineArgs
 
     Path(model_dir).mkdir(parents=True, exist_ok=True)
     (Path(model_dir) / "config.json").write_text(json.dumps(TINY_LLAMA))
     config = EngineArgs(model=model_dir, load_format="dummy", skip_tokenizer_init=True,
-                        attention_backend="FLASHINFER", block_size=16, enforce_eager=True,
-                        max_model_len=4096).create_engine_config()
+                        attention_backend=backend, block_size=16, enforce_eager=True,
+                        max_model_len=4096, **engine_args).create_engine_config()
     resolve_kv_cache_layout(config)
     return config
+
+
+def use_cpu_platform() -> None:
+    """Make vLLM's current platform the CPU platform, also in modules that already bound it.
+
+    Without a GPU the platform is "unspecified" and configs fail with an empty device type.
+    Modules such as ``vllm.engine.arg_utils`` bind ``current_platform`` when imported, and an
+    earlier test (``vllm-cascade check``, the CLI) may have imported them already.
+    """
+    import sys
+
+    import vllm.platforms
+    from vllm.platforms.cpu import CpuPlatform
+
+    old = vllm.platforms._current_platform
+    if isinstance(old, CpuPlatform):
+        return
+    platform = CpuPlatform()
+    vllm.platforms._current_platform = platform
+    if old is None:
+        return
+    for module in list(sys.modules.values()):
+        if getattr(module, "__dict__", {}).get("current_platform") is old:
+            module.current_platform = platform  # type: ignore[attr-defined]
 
 
 def resolve_kv_cache_layout(config: Any) -> None:
@@ -57,10 +82,12 @@ def resolve_kv_cache_layout(config: Any) -> None:
     utils.resolve_kv_cache_layout(config, [names])
 
 
-def make_layers(config: Any, scales: list[Any], sliding_window: int | None = None) -> list[str]:
+def make_layers(config: Any, scales: list[Any], sliding_window: int | None = None,
+                backend: Any = None) -> list[str]:
     """Create one real ``Attention`` layer per scale (registered in ``config``); return names.
 
     ``sliding_window``: the layers attend to that many tokens back (Gemma-style local layers).
+    ``backend``: the attention backend class (default: the plugin's FlashInfer backend).
     """
     import vllm.v1.attention.backends.flashinfer as fi_module
     import vllm.v1.utils
@@ -69,6 +96,7 @@ def make_layers(config: Any, scales: list[Any], sliding_window: int | None = Non
 
     from vllm_cascade_plugin.backend import CascadeFlashInferBackend
 
+    backend = backend or CascadeFlashInferBackend
     # Pinned host buffers need CUDA. vLLM reads the flag at import, from the platform it knew
     # then (a test may import vLLM before it sets the CPU platform); 0.33's CpuGpuBuffer pins
     # on every copy.
@@ -84,22 +112,24 @@ def make_layers(config: Any, scales: list[Any], sliding_window: int | None = Non
         for scale in scales:
             name = f"model.layers.{len(config.compilation_config.static_forward_context)}.attn"
             Attention(8, 128, scale, num_kv_heads=2, cache_config=config.cache_config,
-                      prefix=name, attn_backend=CascadeFlashInferBackend,
+                      prefix=name, attn_backend=backend,
                       per_layer_sliding_window=sliding_window)
             names.append(name)
     return names
 
 
-def make_builder(config: Any, layer_names: list[str], sliding_window: int | None = None) -> Any:
-    """vLLM's builder (ours) for ``layer_names``, with the KV-cache spec vLLM gives them: one
-    group for all layers, each attention group's spec carrying its layers' window."""
+def make_builder(config: Any, layer_names: list[str], sliding_window: int | None = None,
+                 backend: Any = None, dtype: Any = torch.bfloat16) -> Any:
+    """vLLM's builder (ours; ``backend``'s, default the FlashInfer one) for ``layer_names``,
+    with the KV-cache spec vLLM gives them: one group for all layers, each attention group's
+    spec carrying its layers' window."""
     from vllm.config import set_current_vllm_config
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     from vllm_cascade_plugin.backend import CascadeFlashInferBackend
 
-    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=128, dtype=torch.bfloat16,
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=128, dtype=dtype,
                              sliding_window=sliding_window)
     with set_current_vllm_config(config):
-        return CascadeFlashInferBackend.get_builder_cls()(
+        return (backend or CascadeFlashInferBackend).get_builder_cls()(
             spec, layer_names, config, torch.device("cpu"))

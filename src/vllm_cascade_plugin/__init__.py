@@ -1,4 +1,5 @@
-"""Cascade (shared-prefix) attention for vLLM's FlashInfer backend, as a vLLM plugin.
+"""Cascade (shared-prefix) attention for vLLM's FlashAttention and FlashInfer backends, as a
+vLLM plugin.
 
 vLLM calls :func:`register` through the ``vllm.general_plugins`` entry point in every process it
 starts (API server, engine core, workers), possibly more than once per process.
@@ -8,9 +9,12 @@ from __future__ import annotations
 
 import logging
 
-__all__ = ["BACKEND_PATH", "register"]
+from .support import BACKENDS
 
-BACKEND_PATH = "vllm_cascade_plugin.backend.CascadeFlashInferBackend"
+__all__ = ["BACKENDS", "BACKEND_PATH", "FLASH_ATTN_BACKEND_PATH", "register"]
+
+BACKEND_PATH = BACKENDS["FLASHINFER"]
+FLASH_ATTN_BACKEND_PATH = BACKENDS["FLASH_ATTN"]
 
 # Under the "vllm" logger so our lines share vLLM's format, level and handlers.
 logger = logging.getLogger("vllm.cascade_plugin")
@@ -19,12 +23,13 @@ _announced = False
 
 
 def register() -> None:
-    """Entry point: override vLLM's FLASHINFER backend with ours when ``CASCADE_ATTENTION`` is on.
+    """Entry point: override vLLM's FLASH_ATTN and FLASHINFER backends with ours when
+    ``CASCADE_ATTENTION`` is on.
 
     Raises :class:`~vllm_cascade_plugin.config.ConfigError` (a ``ValueError``) for a bad knob, which
     aborts vLLM's startup with our message. An unsupported vLLM/FlashInfer leaves the plugin off
-    with one warning. Imports only the backend *registry*: the backend class is resolved by path,
-    lazily, in the workers.
+    with one warning. Imports only the backend *registry*: the backend classes are resolved by
+    path, lazily, in the workers.
     """
     global _announced
     from .config import load_config
@@ -43,10 +48,13 @@ def register() -> None:
         return
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    register_backend(AttentionBackendEnum.FLASHINFER, BACKEND_PATH)
+    for name, path in BACKENDS.items():
+        register_backend(AttentionBackendEnum[name], path)
     if not _announced:
         logger.info(
-            "vllm-cascade-plugin: cascade attention on for the FLASHINFER backend "
-            "(vLLM %s, FlashInfer %s); select it with --attention-backend FLASHINFER.",
+            "vllm-cascade-plugin: cascade attention on for the FLASH_ATTN and FLASHINFER "
+            "backends (vLLM %s, FlashInfer %s): it runs in whichever of them vLLM uses "
+            "(FLASH_ATTN, vLLM's default on Hopper, needs FlashAttention 3; FLASHINFER with "
+            "--attention-backend FLASHINFER); each worker logs which one carries it.",
             report.vllm, report.flashinfer)
         _announced = True

@@ -1,21 +1,19 @@
 """Thin subclasses of vLLM's FlashInfer backend classes.
 
 Imported only in vLLM workers, when the Attention layers resolve the FLASHINFER backend path that
-:func:`vllm_cascade_plugin.register` put in vLLM's registry.
+:func:`vllm_cascade_plugin.register` put in vLLM's registry. What they share with the
+FlashAttention backend's subclasses is in :mod:`.builder_common`.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, ClassVar
 
 from typing_extensions import override
-from vllm.config import get_layers_from_vllm_config
-from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.v1.attention.backends.flashinfer import (
     FlashInferBackend,
     FlashInferImpl,
@@ -25,48 +23,23 @@ from vllm.v1.attention.backends.flashinfer import (
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
 from . import compat, hooks, stats
-from .config import load_config
-from .cost import AttentionShape, cost_model_for
-from .fullgraph import unsupported_reason as full_graphs_reason
-from .step import BuilderSettings, session
+from .builder_common import (
+    CascadeBuilder,
+    CascadeImpl,
+    KernelArgs,
+    check_scales,
+    default_scale,
+    layer_impls,
+    unsupported_reason,
+    usable_scale,
+)
+from .config import CascadeConfig
 
 logger = logging.getLogger("vllm.cascade_plugin")
 
-_scale_warned: set[str] = set()
-
-
-def usable_scale(scale: Any) -> bool:
-    """A softmax scale we can hand to a kernel: a finite, positive real number."""
-    if isinstance(scale, bool):
-        return False
-    try:
-        value = float(scale)
-    except (TypeError, ValueError):
-        return False
-    return math.isfinite(value) and value > 0
-
-
-def default_scale(head_size: int) -> float:
-    return float(head_size) ** -0.5
-
-
-def _check_scales(vllm_config: Any, layer_names: list[str]) -> None:
-    """Warn once per layer whose impl had no usable ``scale``; make sure it has the default."""
-    layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, layer_names)  # type: ignore[type-abstract]
-    for name, layer in layers.items():
-        impl = getattr(layer, "impl", None)
-        if impl is None:
-            continue
-        given = getattr(impl, "cascade_scale_given", getattr(impl, "scale", None))
-        if usable_scale(given) and usable_scale(getattr(impl, "scale", None)):
-            continue
-        head_size = int(getattr(impl, "head_size", getattr(layer, "head_size", 0)))
-        impl.scale = default_scale(head_size)
-        if name not in _scale_warned:
-            _scale_warned.add(name)
-            logger.warning(
-                "vllm-cascade-plugin: attention layer %s has no usable softmax scale (got %r); "
-                "using head_dim ** -0.5 = %.6g (head_dim=%d).", name, given, impl.scale, head_size)
+__all__ = ["CascadeFlashInferBackend", "CascadeFlashInferImpl", "CascadeFlashInferMetadata",
+           "CascadeFlashInferMetadataBuilder", "default_scale", "unsupported_reason",
+           "usable_scale"]
 
 
 @dataclass
@@ -97,114 +70,51 @@ class CascadeFlashInferMetadata(FlashInferMetadata):
         return self._flat
 
 
-def unsupported_reason(vllm_config: Any, kv_cache_spec: Any, impls: list[Any]) -> str | None:
-    """Why cascade cannot run for this model and engine configuration, or None."""
-    model, parallel = vllm_config.model_config, vllm_config.parallel_config
-    reasons = (
-        (vllm_config.speculative_config is not None, "speculative decoding"),
-        (getattr(parallel, "decode_context_parallel_size", 1) > 1, "decode context parallelism"),
-        (getattr(parallel, "prefill_context_parallel_size", 1) > 1,
-         "prefill context parallelism"),
-        (parallel.pipeline_parallel_size > 1, "pipeline parallelism"),
-        # Metadata is built per microbatch, so a step plan never matches it.
-        (getattr(parallel, "use_ubatching", False), "microbatching (dual-batch overlap)"),
-        (getattr(model, "is_encoder_decoder", False), "encoder-decoder model"),
-        (kv_cache_spec.dtype != model.dtype, f"quantised KV cache ({kv_cache_spec.dtype})"),
-        (any(getattr(i, "kv_cache_dtype", "auto") not in ("auto", "bfloat16", "float16")
-             for i in impls), "quantised KV cache"),
-        (any(getattr(i, "sliding_window", (-1, -1)) not in ((-1, -1), None) for i in impls),
-         "sliding-window attention"),
-        (any(getattr(i, "alibi_slopes", None) is not None for i in impls), "ALiBi"),
-        (any(getattr(i, "sinks", None) is not None for i in impls), "attention sinks"),
-        (len({getattr(i, "logits_soft_cap", None) for i in impls}) > 1,
-         "layers with different logit soft-caps"),
-        (len({getattr(i, "scale", None) for i in impls}) > 1, "layers with different scales"),
-    )
-    for applies, reason in reasons:
-        if applies:
-            return reason
-    return None
-
-
-class CascadeFlashInferMetadataBuilder(FlashInferMetadataBuilder):
+class CascadeFlashInferMetadataBuilder(CascadeBuilder, FlashInferMetadataBuilder):
     """Builds vLLM's metadata every step and, on cascade steps, plans the cascade executor."""
+
+    backend_name: ClassVar[str] = "FLASHINFER"
+    default_kernel: ClassVar[str] = "flashinfer"
 
     @override
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: Any):
-        _check_scales(vllm_config, layer_names)
+        check_scales(vllm_config, layer_names)
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self._cascade_executor: Any = None
-        impls = [layer.impl for layer in get_layers_from_vllm_config(
-            vllm_config, AttentionLayerBase, layer_names).values()]  # type: ignore[type-abstract]
-        reason = unsupported_reason(vllm_config, kv_cache_spec, impls)
-        if reason is None:
-            from .kernels import unsupported_reason as kernel_reason
+        impls = [i for i in layer_impls(vllm_config, layer_names).values() if i is not None]
+        args = KernelArgs(self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size,
+                          self.sm_scale, self.logits_soft_cap, self.q_data_type_decode,
+                          kv_cache_spec.dtype, window_left=self.window_left)
+        self._setup_cascade(kv_cache_spec, layer_names, vllm_config, args,
+                            unsupported_reason(vllm_config, kv_cache_spec, impls))
 
-            reason = kernel_reason(self.num_qo_heads, self.num_kv_heads, self.head_dim,
-                                   self.q_data_type_decode, kv_cache_spec.dtype,
-                                   window_left=self.window_left)
-        config = load_config()
-        self._cuda_graphs = config.cuda_graphs and compat.vllm_uses_cuda_graphs(vllm_config)
-        self._cascade_kernel = "flashinfer"
-        if reason is None and config.enabled:
-            try:
-                from .kernels import choose_kernel
+    def _choose_cascade_kernel(self, requested: str) -> tuple[str | None, str]:
+        try:
+            from .kernels import choose_kernel
 
-                self._cascade_kernel, line = choose_kernel(config.kernel,
-                                                           compat.flashinfer_kv_layout(self))
-            except Exception as exc:  # never fail the engine's start over a kernel choice
-                line = (f"cascade kernels: FlashInfer, because choosing them failed "
-                        f"({type(exc).__name__}: {exc}; CASCADE_KERNEL={config.kernel})")
-            fell_back = config.kernel == "fa3" and self._cascade_kernel != "fa3"
-            (logger.warning if fell_back else logger.info)("vllm-cascade-plugin: %s", line)
-            if self._cascade_kernel == "fa3" and config.fused_decode:
-                self._warm_up_decode_level(kv_cache_spec.dtype)
-        shape = AttentionShape(self.num_qo_heads, self.num_kv_heads, self.head_dim,
-                               kv_cache_spec.dtype.itemsize, num_layers=len(layer_names))
-        # FA3 with decode-step graphs: a decode step costs what the graphs make it once its graph
-        # layout has been seen (the graphs are captured the first time it runs), the eager cost
-        # before that. Whole-step graphs where this engine can use them, else one per layer.
-        graphs = self._cuda_graphs and config.fused_decode
-        full = config.full_graphs and full_graphs_reason(vllm_config) is None
-        # This builder's own: another attention group's builder (other layers of the same
-        # KV-cache group, e.g. sliding-window ones) may differ in any of them.
-        self._settings = BuilderSettings(
-            config, shape, self.page_size, reason,
-            cost_model=cost_model_for(self._cascade_kernel, decode_graphs=False),
-            steady_cost_model=cost_model_for(self._cascade_kernel, graphs, full),
-            capture_sizes=compat.cudagraph_capture_sizes(vllm_config),
-            page_bytes=kv_cache_spec.page_size_bytes * len(layer_names))
-        session.register(layer_names, self._settings)
+            return choose_kernel(requested, compat.flashinfer_kv_layout(self))
+        except Exception as exc:  # never fail the engine's start over a kernel choice
+            return "flashinfer", (f"cascade kernels: FlashInfer, because choosing them failed "
+                                  f"({type(exc).__name__}: {exc}; CASCADE_KERNEL={requested})")
+
+    def _new_cascade_executor(self, config: CascadeConfig) -> Any:
+        from .kernels import make_executor
+
+        return make_executor(self._cascade_kernel, self._get_workspace_buffer(),
+                             compat.flashinfer_kv_layout(self), max_levels=config.max_levels,
+                             fused_decode=config.fused_decode, cuda_graphs=self._cuda_graphs)
 
     @override
-    def build(self, common_prefix_len: int, common_attn_metadata: Any,
-              fast_build: bool = False) -> FlashInferMetadata:
-        cm = common_attn_metadata
+    def build(self, *args: Any, **kwargs: Any) -> FlashInferMetadata:
+        common_prefix_len, cm, fast_build = compat.build_arguments(args, kwargs)
+        # vLLM's flat metadata, the fallback of every layer, only if a layer needs it.
+        flat_build = functools.partial(compat.call_build, super().build, cm, fast_build,
+                                       common_prefix_len)
         # Flat unless this builder's layers can run cascade and the step's plan is for them and
         # for exactly this batch (StepSession.step_for says which, and counts a mismatch).
-        step = None
-        if not fast_build and self._settings.unsupported is None:
-            step = session.step_for(self._settings, cm.query_start_loc_cpu.numpy(),
-                                    cm.num_actual_tokens, compat.host_seq_lens(cm))
-        if step is None:
-            return super().build(common_prefix_len, cm, fast_build)
-        try:
-            executor = self._executor()
-            executor.plan(step.plan, num_qo_heads=self.num_qo_heads,
-                          num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                          page_size=self.page_size, sm_scale=self.sm_scale,
-                          logits_soft_cap=self.logits_soft_cap,
-                          q_dtype=self.q_data_type_decode, kv_dtype=self.kv_cache_spec.dtype,
-                          device=self.device, padded_rows=session.padded_tokens)
-        except Exception as exc:
-            stats.record_fallback("kernel planning error", f"{type(exc).__name__}: {exc}")
-            return super().build(common_prefix_len, cm, fast_build)
-        stats.record_cascade(step.plan.stats.pages_flat, step.plan.stats.pages_cascade,
-                             step.decode)
-        cascade = {"cascade": executor, "cascade_max_page": step.plan.stats.max_page,
-                   "cascade_rows": executor.rows}
-        # vLLM's flat metadata, the fallback of every layer, only if a layer needs it.
-        flat_build = functools.partial(super().build, common_prefix_len, cm, fast_build)
+        step = self._cascade_step(cm, fast_build)
+        cascade = None if step is None else self._cascade_fields(step)
+        if cascade is None:
+            return flat_build()
         try:
             values = self._unplanned_fields(cm)
         except Exception as exc:  # vLLM's build now, as below; the step still runs cascade
@@ -237,85 +147,31 @@ class CascadeFlashInferMetadataBuilder(FlashInferMetadataBuilder):
         layout = {"kv_cache_layout": lambda: self.kv_cache_layout}  # type: ignore[attr-defined]
         return compat.dataclass_values(FlashInferMetadata, known, layout)
 
-    def _warm_up_decode_level(self, kv_dtype: Any) -> None:
-        """Compile the FA3 executor's fused decode kernel now rather than in the first cascade
-        decode step (a stall while Triton compiles, which vLLM's JIT monitor warns about)."""
-        import torch
 
-        if torch.device(self.device).type != "cuda":
-            return
-        try:
-            from . import decode_level
-
-            if decode_level.unsupported_reason(self.num_qo_heads, self.num_kv_heads,
-                                               self.head_dim) is None:
-                decode_level.warm_up(self.num_qo_heads, self.num_kv_heads, self.head_dim,
-                                     self.page_size, kv_dtype, torch.device(self.device),
-                                     softcap=self.logits_soft_cap or 0.0)
-        except Exception as exc:  # the first decode step compiles it instead
-            logger.warning("vllm-cascade-plugin: compiling the fused decode kernel at startup "
-                           "failed (%s: %s); the first cascade decode step compiles it",
-                           type(exc).__name__, exc)
-
-    def _executor(self) -> Any:
-        if self._cascade_executor is None:
-            from .kernels import make_executor
-
-            config = self._settings.config
-            self._cascade_executor = make_executor(
-                self._cascade_kernel, self._get_workspace_buffer(),
-                compat.flashinfer_kv_layout(self), max_levels=config.max_levels,
-                fused_decode=config.fused_decode, cuda_graphs=self._cuda_graphs)
-        return self._cascade_executor
-
-
-class CascadeFlashInferImpl(FlashInferImpl):
+class CascadeFlashInferImpl(CascadeImpl, FlashInferImpl):
     """FlashInfer attention that runs cascade steps and tolerates a layer without a ``scale``."""
 
     def __init__(self, num_heads: int, head_size: int, scale: Any, *args: Any, **kwargs: Any):
-        # The layer name is unknown here; the builder, which knows it, warns (see _check_scales).
+        # The layer name is unknown here; the builder, which knows it, warns (check_scales).
         self.cascade_scale_given = scale
         if not usable_scale(scale):
             scale = default_scale(head_size)
         super().__init__(num_heads, head_size, scale, *args, **kwargs)
-        # (cache identity, K view, V view): the layer's cache is the same tensor every step, and
-        # making the views costs more host time than the rest of a graphed layer's Python.
-        self._cascade_kv_views: tuple[Any, Any, Any] | None = None
 
     @override
     def forward(self, layer: Any, query: Any, key: Any, value: Any, kv_cache: Any,
                 attn_metadata: Any, output: Any, output_scale: Any = None,
                 output_block_scale: Any = None) -> Any:
-        executor = getattr(attn_metadata, "cascade", None)
-        if executor is not None and output_scale is None and output_block_scale is None:
-            n = attn_metadata.cascade_rows
-            try:
-                k_cache, v_cache = self._kv_views(kv_cache, attn_metadata)
-                if attn_metadata.cascade_max_page >= k_cache.shape[0]:  # before any kernel reads
-                    stats.record_fallback("block id out of range", f"block "
-                                          f"{attn_metadata.cascade_max_page} of {k_cache.shape[0]}")
-                elif n > query.shape[0] or n > output.shape[0]:
-                    stats.record_fallback("padded rows beyond the step's tensors",
-                                          f"{n} rows planned, {query.shape[0]} given")
-                else:
-                    executor.run(query[:n], k_cache, v_cache, output[:n])
-                    return output
-            except Exception as exc:  # this layer runs flat; both paths compute the same thing
-                stats.record_fallback("kernel error", f"{type(exc).__name__}: {exc}")
+        if self._run_cascade(query, kv_cache, attn_metadata, output, output_scale,
+                             output_block_scale):
+            return output
         if isinstance(attn_metadata, CascadeFlashInferMetadata):
             attn_metadata = attn_metadata.flat_metadata()
         return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                output_scale, output_block_scale)
 
-    def _kv_views(self, kv_cache: Any, attn_metadata: Any) -> tuple[Any, Any]:
-        key = (kv_cache.data_ptr(), kv_cache.shape, kv_cache.stride(),
-               getattr(attn_metadata, "kv_cache_layout", None))
-        cached = self._cascade_kv_views
-        if cached is None or cached[0] != key:
-            cached = (key, *compat.kv_cache_views(kv_cache, self.head_size, self,
-                                                  attn_metadata))
-            self._cascade_kv_views = cached
-        return cached[1], cached[2]
+    def _make_kv_views(self, kv_cache: Any, attn_metadata: Any) -> tuple[Any, Any]:
+        return compat.kv_cache_views(kv_cache, self.head_size, self, attn_metadata)
 
 
 class CascadeFlashInferBackend(FlashInferBackend):

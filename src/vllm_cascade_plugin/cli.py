@@ -1,6 +1,7 @@
 """The ``vllm-cascade`` command: ``check``, ``demo`` and ``bench``.
 
-``check`` reports what the plugin finds and what it will do at vLLM's startup, ``demo`` shows
+``check`` reports what the plugin finds and what it will do at vLLM's startup (:mod:`.check`),
+``demo`` shows
 what it does to a shared-prefix workload (with vLLM on a GPU, planned and checked on a CPU), and
 ``bench`` runs the benchmarks of a source checkout and plots them.
 """
@@ -8,160 +9,19 @@ what it does to a shared-prefix workload (with vLLM on a GPU, planned and checke
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import importlib.util
 import os
-import platform
 import subprocess
 import sys
 import tempfile
-import textwrap
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
-from . import BACKEND_PATH
-from .compat import GPU_VERIFIED_VLLM, SUPPORTED_FLASHINFER, SUPPORTED_VLLM, check_environment
-from .config import KNOBS, CascadeConfig, ConfigError, Knob, load_config
+from .check import check
+from .check import say as _say
+from .config import ConfigError, load_config
 
-
-def _say(lines: Iterable[str], width: int = 100) -> None:
-    """Print report lines, wrapping long ones under their own indentation."""
-    for line in lines:
-        indent = " " * (len(line) - len(line.lstrip()))
-        print(textwrap.fill(line, width, subsequent_indent=indent + "  ", break_on_hyphens=False))
-
-
-# ------------------------------------------------------------------------------------- check
-
-
-def _entry_point_found() -> bool:
-    return any(ep.value == "vllm_cascade_plugin:register"
-               for ep in importlib.metadata.entry_points(group="vllm.general_plugins"))
-
-
-def _plugin_filtered_out() -> bool:
-    # vLLM loads only the entry points named in VLLM_PLUGINS when it is set ("" loads none).
-    allowed = os.environ.get("VLLM_PLUGINS")
-    return allowed is not None and "cascade" not in allowed.split(",")
-
-
-def _torch_line() -> str:
-    import torch
-    from packaging.requirements import Requirement
-
-    wanted = next((Requirement(r).specifier for r in
-                   importlib.metadata.requires("vllm-cascade-plugin") or []
-                   if Requirement(r).name == "torch"), None)
-    ok = wanted is None or wanted.contains(torch.__version__.split("+")[0])
-    return f"{torch.__version__} ({'supported' if ok else 'NOT supported'}: {wanted})"
-
-
-def _gpu_line() -> str:
-    import torch
-
-    if not torch.cuda.is_available():
-        return "none (vLLM's FlashInfer backend needs a CUDA GPU)"
-    major, minor = torch.cuda.get_device_capability()
-    return (f"{torch.cuda.get_device_name()} (sm_{major}{minor}), CUDA {torch.version.cuda}, "
-            f"{torch.cuda.device_count()} device(s); GPU-verified on NVIDIA H200 (sm_90)")
-
-
-def _knob_value(knob: Knob, raw: str | None) -> str:
-    """The value the plugin reads from ``raw``, or why it cannot (each knob on its own, so one
-    bad value does not hide the others)."""
-    if raw is None or raw.strip() == "":
-        return str(knob.default)
-    try:
-        return str(knob.parse(raw))
-    except ValueError:
-        return f"INVALID (expected {knob.accepted})"
-
-
-def check() -> int:
-    """Print the environment report; 0 when vLLM will start with the plugin on, else 1."""
-    reasons: list[str] = []
-    report = check_environment()
-    python = importlib.metadata.metadata("vllm-cascade-plugin")["Requires-Python"]
-    _say([f"Python      {platform.python_version()} (supported: {python}; {sys.executable})",
-          f"torch       {_torch_line()}",
-          f"GPU         {_gpu_line()}",
-          f"vLLM        {report.vllm or 'not installed'} (supported {SUPPORTED_VLLM}; "
-          f"GPU-verified {GPU_VERIFIED_VLLM})",
-          f"FlashInfer  {report.flashinfer or 'not installed'} (supported "
-          f"{SUPPORTED_FLASHINFER})"])
-    reasons += report.problems
-
-    print("Settings (environment variable, raw value -> value used):")
-    config: CascadeConfig | None = None
-    refused: str | None = None
-    try:
-        config = load_config()
-    except ConfigError as exc:
-        refused = str(exc)
-    for knob in KNOBS:
-        raw = os.environ.get(knob.env)
-        _say([f"  {knob.env:<26} {repr(raw) if raw is not None else 'unset':<10} -> "
-              f"{_knob_value(knob, raw)}"])
-    if refused is not None:  # register() raises the same error in every vLLM process
-        _say(["At startup: vLLM refuses to start (the plugin's entry point raises this error "
-              "before any model loads):", f"  - {refused}"])
-        return 1
-
-    found = _entry_point_found()
-    print(f"Entry point vllm.general_plugins:cascade {'found' if found else 'NOT found'}")
-    if not found:
-        reasons.append("the entry point is not installed: pip install vllm-cascade-plugin")
-    if _plugin_filtered_out():
-        reasons.append("VLLM_PLUGINS does not list 'cascade', so vLLM will not load the plugin")
-    if config is not None and not config.enabled:
-        reasons.append("CASCADE_ATTENTION is off: set CASCADE_ATTENTION=1")
-    if not reasons:
-        reasons += _registration_problems()
-    if reasons:
-        print("At startup: the plugin stays OFF and vLLM runs unchanged, because:")
-        _say(f"  - {reason}" for reason in reasons)
-        return 1
-
-    assert config is not None
-    import torch
-
-    interval = (f"every {config.log_interval_s:g} s" if config.log_interval_s > 0
-                else "never (CASCADE_LOG_INTERVAL=0)")
-    metrics = ("PROMETHEUS_MULTIPROC_DIR is set" if "PROMETHEUS_MULTIPROC_DIR" in os.environ
-               else "only with PROMETHEUS_MULTIPROC_DIR set, see the README")
-    _say([
-        f"At startup: every vLLM process registers {BACKEND_PATH} for the FLASHINFER backend "
-        "(checked here by running the entry point and importing the class).",
-        "  vLLM uses it only with --attention-backend FLASHINFER (on Hopper vLLM picks "
-        "FLASH_ATTN by default).",
-        f"  CASCADE_POLICY={config.policy}: " + (
-            "each step with a shared prefix runs as cascade where the cost model predicts a win, "
-            "else flat." if config.policy == "auto"
-            else "every step with a shared prefix runs as cascade."),
-        f"  Each worker logs its cascade statistics {interval}; Prometheus metrics reach "
-        f"/metrics {metrics}.",
-    ])
-    if not torch.cuda.is_available():
-        _say(["  No GPU here: on a GPU machine the engine plans every step and runs shared "
-              "prefixes as cascade attention (see it: vllm-cascade demo)."])
-    return 0
-
-
-def _registration_problems() -> list[str]:
-    """Run the entry point as vLLM would and check that FLASHINFER resolves to our class."""
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
-
-    from . import register
-
-    register()
-    path = AttentionBackendEnum.FLASHINFER.get_path()
-    if path != BACKEND_PATH:
-        return [f"FLASHINFER resolves to {path}, not {BACKEND_PATH}"]
-    try:
-        AttentionBackendEnum.FLASHINFER.get_class()
-    except Exception as exc:  # report any import failure of the backend module
-        return [f"{BACKEND_PATH} does not import: {type(exc).__name__}: {exc}"]
-    return []
+__all__ = ["bench", "check", "demo", "main"]
 
 
 # -------------------------------------------------------------------------------------- demo
@@ -172,6 +32,7 @@ def demo(args: argparse.Namespace) -> int:
     import torch
 
     from . import demo as d
+    from . import demo_engine
 
     config = load_config()  # ConfigError: reported by main()
     policy = args.policy or config.policy
@@ -185,8 +46,9 @@ def demo(args: argparse.Namespace) -> int:
         _say(d.describe_gpu_run(workload, args.model, policy))
         return 0 if plan.check.passed else 1
     print()
-    _say([f"vLLM on {torch.cuda.get_device_name()}, {args.model} with dummy weights "
-          "(load_format='dummy': no download), FLASHINFER, prefix caching on:"])
+    _say([f"vLLM on {torch.cuda.get_device_name()}, {args.model} with random weights "
+          "(load_format='dummy', then transformers' init: no download), FLASHINFER, prefix "
+          "caching on:"])
     logs = Path(tempfile.mkdtemp(prefix="vllm-cascade-demo-"))
     runs = []
     for i, plugin in enumerate((False, True), start=1):
@@ -195,12 +57,12 @@ def demo(args: argparse.Namespace) -> int:
         print(f"  [{i}/2] {label}: starting vLLM, a minute or two (log: {logs / name}.log)",
               flush=True)
         try:
-            runs.append(d.run_engine(args.model, workload, plugin=plugin, policy=policy,
-                                     log=logs / f"{name}.log"))
+            runs.append(demo_engine.run_engine(args.model, workload, plugin=plugin,
+                                               policy=policy, log=logs / f"{name}.log"))
         except RuntimeError as exc:
             print(f"  {exc}")
             return 1
-    lines, ok = d.describe_runs(runs[1], runs[0])
+    lines, ok = demo_engine.describe_runs(runs[1], runs[0])
     _say(lines)
     return 0 if ok and plan.check.passed else 1
 
@@ -283,9 +145,16 @@ def _parser() -> argparse.ArgumentParser:
     from .demo import MODELS, Workload
 
     parser = argparse.ArgumentParser(
-        prog="vllm-cascade", description="Cascade attention for vLLM's FlashInfer backend.")
+        prog="vllm-cascade",
+        description="Cascade attention for vLLM's FlashAttention and FlashInfer backends.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    commands.add_parser("check", help="report the environment and what the plugin will do")
+    check_parser = commands.add_parser(
+        "check", help="report the environment and what the plugin will do",
+        description="What the plugin finds here and will do at vLLM's startup; exit status 0 "
+        "when it will run. Given the arguments vLLM will be started with (as for vllm serve: "
+        "MODEL --kv-cache-dtype ...), also whether they leave the cascade anything to do.")
+    check_parser.add_argument("vllm_args", nargs=argparse.REMAINDER, metavar="VLLM_ARGS",
+                              help="vllm serve's arguments (the model and any flags)")
 
     demo_parser = commands.add_parser(
         "demo", help="show the plugin on a shared-prefix workload (vLLM on a GPU, else the plan)",
@@ -323,6 +192,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    vllm_args: list[str] = []
+    if argv[:1] == ["check"] and not {"-h", "--help"} & set(argv[1:2]):
+        # vLLM's arguments as given (argparse would take their flags for check's own).
+        vllm_args = argv[2:] if argv[1:2] == ["--"] else argv[1:]
+        argv = ["check"]
     args = _parser().parse_args(argv)
     if args.command == "check":
         # vLLM's own log lines would interleave with the report, which names every problem. The
@@ -330,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         saved = os.environ.get("VLLM_LOGGING_LEVEL")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         try:
-            return check()
+            return check(vllm_args)
         finally:
             if saved is None:
                 del os.environ["VLLM_LOGGING_LEVEL"]

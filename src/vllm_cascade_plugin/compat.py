@@ -170,6 +170,70 @@ def kv_cache_views(kv_cache: Any, head_size: int, impl: Any, attn_metadata: Any)
     return k, v
 
 
+def flash_attn_kv_cache_views(kv_cache: Any, head_size: int) -> tuple[Any, Any]:
+    """(K, V) views of one layer's packed KV cache, as vLLM's own FlashAttention forward makes
+    them in 0.26-0.33: the logical ``(num_blocks, num_kv_heads, block_size, 2 * head_size)``
+    cache transposed to ``[blocks, block_size, heads, 2 * head_size]`` (whatever the memory
+    layout: FlashAttention reads strided pages), split into K and V, size-1 dims' strides
+    canonicalised (FA3's TMA needs 16-byte aligned strides)."""
+    from vllm.utils.torch_utils import canonicalize_singleton_dim_strides
+
+    k, v = kv_cache.transpose(1, 2).split(head_size, dim=-1)
+    return canonicalize_singleton_dim_strides(k), canonicalize_singleton_dim_strides(v)
+
+
+def build_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, Any, bool]:
+    """``(common_prefix_len, common_attn_metadata, fast_build)`` of a call of a metadata
+    builder's ``build()``, by position or keyword: ``build(common_prefix_len,
+    common_attn_metadata, fast_build=False)`` as 0.26-0.33 call it (0.33 documents
+    ``common_prefix_len`` as deprecated and always 0), or ``build(common_attn_metadata,
+    fast_build=False)`` as a release without it would. A missing prefix length is 0."""
+    named = dict(kwargs)
+    prefix = named.pop("common_prefix_len", None)
+    metadata = named.pop("common_attn_metadata", None)
+    fast = named.pop("fast_build", None)
+    if named:
+        raise TypeError(f"build() got unexpected keyword arguments {sorted(named)}")
+    rest = list(args)
+    if prefix is None and rest and isinstance(rest[0], int) and not isinstance(rest[0], bool):
+        prefix = rest.pop(0)
+    if metadata is None and rest:
+        metadata = rest.pop(0)
+    if fast is None and rest:
+        fast = rest.pop(0)
+    if metadata is None or rest:
+        raise TypeError(f"build() takes (common_prefix_len, common_attn_metadata, fast_build), "
+                        f"got {len(args)} positional and {sorted(kwargs)} keyword arguments")
+    return int(prefix or 0), metadata, bool(fast)
+
+
+@functools.cache
+def _build_takes_prefix(build: Callable[..., Any]) -> bool:
+    """False only for a ``build`` that names ``common_attn_metadata`` and not
+    ``common_prefix_len`` (a wrapper taking ``*args`` is called the 0.26-0.33 way)."""
+    parameters = inspect.signature(build).parameters
+    return "common_prefix_len" in parameters or "common_attn_metadata" not in parameters
+
+
+def call_build(build: Callable[..., Any], common_attn_metadata: Any, fast_build: bool,
+               common_prefix_len: int = 0) -> Any:
+    """Call a vLLM builder's bound ``build`` as its signature takes it: with the deprecated
+    ``common_prefix_len`` where it has the parameter (0.26-0.33), else without."""
+    if _build_takes_prefix(getattr(build, "__func__", build)):
+        return build(common_prefix_len, common_attn_metadata, fast_build)
+    return build(common_attn_metadata, fast_build)
+
+
+def batch_invariant() -> bool:
+    """Whether vLLM runs batch-invariant kernels (``VLLM_BATCH_INVARIANT``, 0.26-0.33)."""
+    try:
+        from vllm import envs
+
+        return bool(getattr(envs, "VLLM_BATCH_INVARIANT", False))
+    except Exception:
+        return False
+
+
 def v2_block_ids_written(tables: Any, group: int, block_ids: list[int]) -> list[int]:
     """The ids Model Runner V2's ``BlockTables.append_block_ids`` writes for ``block_ids``.
 

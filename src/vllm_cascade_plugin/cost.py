@@ -12,8 +12,9 @@ executor (``CASCADE_KERNEL``). Both are fitted by ``benchmarks/calibrate_cost.py
 (bf16, 32 q / 8 kv heads, head_dim 128, page 16, vLLM 0.26.0, FlashInfer 0.6.14): the per-layer
 terms on the 22 rows of ``benchmarks/results/h200/kernel_grid.json`` (decode, B requests behind P
 shared tokens, 128 own each), the per-step term on end-to-end runs with cascade on every step
-(``e2e_session6.json``, ``e2e_flashinfer_executor.json``, ``demo.txt``). Some rows, per layer
-without the per-step term (µs; measured / model):
+(``e2e_step_cost_fa3.json``, ``e2e_step_cost_flashinfer.json``, ``demo_flashinfer_executor.txt``;
+``benchmarks/README.md`` says what each run is). Some rows, per layer without the per-step term
+(µs; measured / model, from ``cost_calibration.json``):
 
 ======  =====  ======  ===========  ===================  ==============
 B       P      groups  flat         FlashInfer executor  FA3 executor
@@ -29,14 +30,16 @@ The 16-group row shows what FlashInfer's model misses: many small groups cost mo
 bytes say. The per-step term (FA3: 1.26 ms, FlashInfer: 3.08 ms over 32 layers) is what a
 cascade step costs beyond its kernels: attention runs outside vLLM's FULL CUDA graphs, so a
 cascade step's host work sets its pace. The FA3 executor's decode steps replay the plugin's own
-CUDA graph of the whole step (``CASCADE_FULL_GRAPHS``, session 6, ``e2e_session6.json``):
-1.26 ms, measured before session 7 removed a device-to-host wait from every cascade step (so
-now an overestimate, which only keeps borderline steps flat); with a graph per layer inside
-vLLM's piecewise path instead (``CASCADE_FULL_GRAPHS=0``, or where whole-step graphs are not
-used: tensor parallelism, LoRA, weight offloading) 1.5 ms
-(``FA3_LAYER_GRAPHS_STEP_FIXED_US``, session 5, ``e2e_session5_layer_graphs.json``); launched from
-Python (~120 µs of host time per layer against ~25 µs for flat decode, ``kernel_grid.json``
-``host_us``) 7.57 ms (``FA3_EAGER_STEP_FIXED_US``, session 4's runs).
+CUDA graph of the whole step (``CASCADE_FULL_GRAPHS``, ``e2e_step_cost_fa3.json``): 1.26 ms.
+Those runs still built vLLM's flat FlashInfer metadata on every cascade step, which on Model
+Runner V2 waits for the previous step's GPU work; it is now built only when a layer falls back,
+so 1.26 ms overstates today's cost, which can only keep a borderline step flat. With a graph
+per layer inside vLLM's piecewise path instead (``CASCADE_FULL_GRAPHS=0``, or where whole-step
+graphs are not used: tensor parallelism, LoRA, weight offloading) 1.5 ms
+(``FA3_LAYER_GRAPHS_STEP_FIXED_US``, ``e2e_step_cost_fa3_layer_graphs.json``); launched from
+Python (108 to 128 µs of host time per layer against 25 to 33 µs for flat decode,
+``kernel_grid.json`` ``host_us``) 7.57 ms (``FA3_EAGER_STEP_FIXED_US``,
+``e2e_step_cost_fa3_eager.json``).
 """
 
 from __future__ import annotations
@@ -88,8 +91,9 @@ class CostModel:
         ``AttentionShape.num_layers``): planning every level on the host and running attention
         outside FULL CUDA graphs. Measured end to end: the gap between the step times of flat
         FlashInfer and cascade-on-every-step runs and the model's kernel saving over 32 layers
-        (FlashInfer's executor: 3.3 ms at 64 requests, 2.9 ms at 128; FA3's: 6.4 and 8.8 ms at
-        128; Llama-3-8B shape, H200; see the module docstring).
+        (FlashInfer's executor: 3.3 ms at 64 requests, 2.9 ms at 128; FA3's with whole-step
+        graphs: 1.5 ms behind one 16K prefix, 1.1 ms behind 8 interleaved 8K prefixes, 128
+        requests each; Llama-3-8B shape, H200; ``cost_calibration.json``, ``end_to_end``).
     margin : the cascade must be faster by this fraction to be chosen (model error, noise).
     """
 
@@ -116,12 +120,14 @@ COST_MODELS: dict[str, CostModel] = {
                      shared_bandwidth=4.8e12, step_fixed_us=1260.0),
 }
 # The FA3 executor's per-step cost when its decode steps replay a CUDA graph per layer inside
-# vLLM's piecewise path, not a whole-step graph: session 5's calibration (``CASCADE_FULL_GRAPHS``
-# off, or an engine that cannot use it, see ``fullgraph.unsupported_reason``).
+# vLLM's piecewise path, not a whole-step graph (``CASCADE_FULL_GRAPHS`` off, or an engine that
+# cannot use it, see ``fullgraph.unsupported_reason``): what ``benchmarks/calibrate_cost.py``
+# fits from ``e2e_step_cost_fa3_layer_graphs.json`` (``tests/test_cost.py`` checks it).
 FA3_LAYER_GRAPHS_STEP_FIXED_US = 1500.0
 # The FA3 executor's per-step cost when its decode steps launch their kernels from Python
 # (``CASCADE_CUDA_GRAPHS=0``, ``CASCADE_FUSED_DECODE=0`` or vLLM without CUDA graphs): the same
-# calibration on session 4's runs, before the graphs (``e2e_session4_no_graphs.json``).
+# calibration on runs without the plugin's CUDA graphs (``e2e_step_cost_fa3_eager.json``, checked
+# the same way).
 FA3_EAGER_STEP_FIXED_US = 7570.0
 
 

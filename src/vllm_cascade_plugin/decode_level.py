@@ -1,13 +1,13 @@
 """The per-request level of a decode step, fused with the final merge: one Triton kernel.
 
 In a decode step every request has one query token and, below its shared prefix levels, a few
-hundred tokens of its own. FlashAttention 3 runs that level as ``B`` one-token sequences: 72 µs
-for 256 requests x 128 own tokens on an H200, plus 7 µs for the merge (``benchmarks/
-fa3_levels.py``), for 134 MB of KV (31 µs at 4.3 TB/s). Here one program is one (request, KV
-head): its ``q_heads / kv_heads`` query heads against the request's own pages, an online softmax
-in base 2, and then the merge with the state the shared levels left (output and natural-log
-LSE, vLLM's ``merge_attn_states`` convention), written to ``out``: 52 µs for the same step, one
-launch instead of two.
+hundred tokens of its own. FlashAttention 3 runs that level as ``B`` one-token sequences: 74 µs
+for 256 requests x 128 own tokens on an H200, plus 8 µs for the merge
+(``benchmarks/results/h200/fa3_levels.json``), for 134 MB of KV (31 µs at 4.3 TB/s). Here one
+program is one (request, KV head): its ``q_heads / kv_heads`` query heads against the request's
+own pages, an online softmax in base 2, and then the merge with the state the shared levels left
+(output and natural-log LSE, vLLM's ``merge_attn_states`` convention), written to ``out``: 50 µs
+for the same step, one launch instead of two.
 
 A program reads its request's state rows before it writes the same rows of ``out``, and no
 other program touches them, so ``state`` may be ``out`` and ``state_lse`` may be ``out_lse``.

@@ -1,11 +1,11 @@
-"""What ``vllm-cascade demo`` runs: one shared-prefix workload, planned on the CPU or run by vLLM.
+"""What ``vllm-cascade demo`` runs: one shared-prefix workload, and its plan on the CPU.
 
 The workload is a small retrieval-style tree: one system prompt shared by every request, a few
 documents each shared by a group of questions, a short question per request. Without a GPU the
 demo builds the block table vLLM's prefix cache would build for it (identical full blocks of
 identical prefixes get one physical block), plans a decode step, runs the pure-torch reference
-executor on the plan and on flat attention, and reports both. With a GPU it runs vLLM itself
-twice on the same prompts, plugin off and on, each engine in its own process.
+executor on the plan and on flat attention, and reports both. With a GPU it also runs vLLM itself
+twice on the same prompts, plugin off and on (:mod:`.demo_engine`).
 
 No printing here: :mod:`vllm_cascade_plugin.cli` formats what these functions return.
 """
@@ -13,13 +13,7 @@ No printing here: :mod:`vllm_cascade_plugin.cli` formats what these functions re
 from __future__ import annotations
 
 import json
-import math
-import os
-import subprocess
-import sys
-import tempfile
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +27,8 @@ KERNEL_NAMES = {"fa3": "FA3 (Hopper, CASCADE_KERNEL=auto)", "flashinfer": "Flash
 PAGE_SIZE = 16  # vLLM's default block size on CUDA, and the page size the cost model is fit on
 
 # The model configurations shipped in examples/models (a test keeps them equal), so that the
-# demo works from an installed wheel too. Dummy weights: no download, no tokenizer.
+# demo works from an installed wheel too. Random weights (:mod:`.demo_engine`): no download, no
+# tokenizer.
 MODELS: dict[str, dict[str, Any]] = {
     "llama-tiny": {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 1024,
@@ -223,122 +218,7 @@ def plan_demo(workload: Workload, model: str, config: CascadeConfig, seed: int =
                     cost_model)
 
 
-# ------------------------------------------------------------------------- GPU: vLLM, twice
-
-
-@dataclass(frozen=True)
-class EngineRun:
-    plugin: bool
-    out_tok_per_s: float
-    seconds: float
-    output_tokens: int
-    tokens: list[list[int]]  # per request, generated token ids
-    logprobs: list[list[float]]  # per request, the chosen tokens' logprobs
-    steps_planned: int = 0
-    steps_cascade: int = 0
-    fallbacks: dict[str, int] | None = None
-
-
-@dataclass(frozen=True)
-class Agreement:
-    """Chosen-token logprobs compared position by position up to each pair's first divergence."""
-
-    max_abs_dlogprob: float
-    mean_abs_dlogprob: float
-    compared_tokens: int
-    identical_sequences: int
-    sequences: int
-
-
-def compare(on: EngineRun, off: EngineRun) -> Agreement:
-    diffs: list[float] = []
-    identical = 0
-    for ta, tb, la, lb in zip(on.tokens, off.tokens, on.logprobs, off.logprobs, strict=True):
-        identical += ta == tb
-        for x, y, lx, ly in zip(ta, tb, la, lb, strict=False):
-            if x != y:
-                break
-            diffs.append(abs(lx - ly))
-    return Agreement(max(diffs, default=math.nan), float(np.mean(diffs)) if diffs else math.nan,
-                     len(diffs), identical, len(on.tokens))
-
-
-def engine_env(plugin: bool, policy: str) -> dict[str, str]:
-    """The child's environment: the plugin on or off, counters readable in the child."""
-    env = {k: v for k, v in os.environ.items() if k not in ("CASCADE_ATTENTION", "CASCADE_POLICY")}
-    # One process for engine core and worker (TP=1), so the child reads the plugin's counters.
-    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if plugin:
-        env.update(CASCADE_ATTENTION="1", CASCADE_POLICY=policy)
-    return env
-
-
-def run_engine(model: str, workload: Workload, *, plugin: bool, policy: str,
-               log: Path) -> EngineRun:
-    """One vLLM engine in a child process; its output goes to ``log``."""
-    with tempfile.TemporaryDirectory(prefix="vllm-cascade-demo-") as tmp:
-        model_dir = Path(tmp) / "model"
-        model_dir.mkdir()
-        (model_dir / "config.json").write_text(json.dumps(model_config(model)))
-        result = Path(tmp) / "result.json"
-        command = [sys.executable, "-m", "vllm_cascade_plugin.demo", str(model_dir),
-                   json.dumps(asdict(workload)), str(result), "1" if plugin else "0"]
-        with log.open("w") as out:
-            proc = subprocess.run(command, env=engine_env(plugin, policy), stdout=out,
-                                  stderr=subprocess.STDOUT, check=False)
-        if proc.returncode != 0 or not result.is_file():
-            tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
-            raise RuntimeError(f"the vLLM engine failed (exit status {proc.returncode}); the end "
-                               f"of its log {log}:\n{tail}")
-        return EngineRun(**json.loads(result.read_text()))
-
-
-def _engine_main(model_dir: str, workload_json: str, result: str, plugin: str) -> None:
-    """In the child: build the engine, warm the prefix cache, time one generate call."""
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    workload = Workload(**json.loads(workload_json))
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    prompts = [TokensPrompt(prompt_token_ids=p) for p in workload.prompts(config["vocab_size"])]
-    llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True,
-              attention_backend="FLASHINFER", enable_prefix_caching=True,
-              max_model_len=workload.prompt_tokens + workload.max_tokens + PAGE_SIZE,
-              gpu_memory_utilization=0.85, seed=0, enable_flashinfer_autotune=False)
-    # Untimed: fills the prefix cache (so the timed requests share its blocks) and warms kernels.
-    warm = SamplingParams(max_tokens=2, ignore_eos=True)
-    llm.generate(prompts[:: workload.questions], warm, use_tqdm=False)
-    llm.generate(prompts, warm, use_tqdm=False)
-    params = SamplingParams(max_tokens=workload.max_tokens, temperature=0.0, ignore_eos=True,
-                            logprobs=1)
-    from . import stats
-
-    before = stats.snapshot()
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    tokens = [list(o.outputs[0].token_ids) for o in outputs]
-    logprobs = [[float(top[t].logprob) for t, top in zip(o.outputs[0].token_ids,
-                                                         o.outputs[0].logprobs or [],
-                                                         strict=True) if top is not None]
-                for o in outputs]
-    after = stats.snapshot()
-    output_tokens = sum(map(len, tokens))
-    run = EngineRun(plugin=plugin == "1", out_tok_per_s=output_tokens / seconds, seconds=seconds,
-                    output_tokens=output_tokens, tokens=tokens, logprobs=logprobs,
-                    steps_planned=after.steps_planned - before.steps_planned,
-                    steps_cascade=after.steps_cascade - before.steps_cascade,
-                    fallbacks=dict(after.fallbacks - before.fallbacks))
-    Path(result).write_text(json.dumps(asdict(run)))
-
-
-
 # --------------------------------------------------------------------------------- reports
-
-
-# The engine tests' bound (tests/gpu/test_engine.py): two flat runs of one engine already differ
-# by up to ~0.03 (batch composition changes kernel splits), so agreement is judged against that.
-AGREEMENT_TOLERANCE = 0.1
 
 
 def _span(values: np.ndarray) -> str:
@@ -397,35 +277,9 @@ def describe_plan(demo: PlanDemo, config: CascadeConfig) -> list[str]:
 def describe_gpu_run(workload: Workload, model: str, policy: str) -> list[str]:
     return [
         "No CUDA GPU here, so vLLM does not run. On a GPU, `vllm-cascade demo` runs this workload "
-        f"in vLLM ({model}, dummy weights, no download) twice, each engine in its own process: "
+        f"in vLLM ({model}, random weights, no download) twice, each engine in its own process: "
         f"plugin off, then on with CASCADE_POLICY={policy}. It prints both throughputs "
         f"({workload.requests} requests x {workload.max_tokens} tokens, prefix cache warm), the "
-        "share of steps that ran cascade, and how closely the two runs' logprobs agree.",
+        "share of steps that ran cascade, and whether the two runs' logprobs agree by the engine "
+        "tests' rule.",
     ]
-
-
-def describe_runs(on: EngineRun, off: EngineRun) -> tuple[list[str], bool]:
-    """Report lines, and whether the two runs agree within :data:`AGREEMENT_TOLERANCE`."""
-    agreement = compare(on, off)
-    fallbacks = ", ".join(f"{k} {n}" for k, n in sorted((on.fallbacks or {}).items()))
-    lines = [
-        f"  throughput: plugin off {off.out_tok_per_s:,.0f} tok/s, plugin on "
-        f"{on.out_tok_per_s:,.0f} tok/s ({on.out_tok_per_s / off.out_tok_per_s:.2f}x); "
-        f"{on.output_tokens:,} tokens each",
-        f"  cascade ran on {on.steps_cascade} of {on.steps_planned} engine steps; fallbacks: "
-        f"{fallbacks or 'none'}",
-        f"  logprobs: max |d| {agreement.max_abs_dlogprob:.4f}, mean "
-        f"{agreement.mean_abs_dlogprob:.4f} over {agreement.compared_tokens:,} tokens, each "
-        f"pair compared up to its first differing token; {agreement.identical_sequences} of "
-        f"{agreement.sequences} sequences identical (tolerance {AGREEMENT_TOLERANCE})",
-        "  (dummy weights: near-flat logits, a weak correctness test; tests/gpu compares "
-        "realistic random weights.)",
-    ]
-    if on.steps_cascade == 0:
-        lines.append("  no step ran cascade: under CASCADE_POLICY=auto the cost model predicted no "
-                     "gain for this batch (--policy always forces cascade), or see the fallbacks.")
-    ok = agreement.compared_tokens > 0 and agreement.max_abs_dlogprob <= AGREEMENT_TOLERANCE
-    return lines, ok
-
-if __name__ == "__main__":
-    _engine_main(*sys.argv[1:])

@@ -1,11 +1,11 @@
 """Whole-step CUDA graphs of cascade decode steps (``CASCADE_FULL_GRAPHS``, on by default).
 
 Design and reading of vLLM 0.26.0 behind it: ``docs/design/full_step_graphs.md``. On an H200
-(``benchmarks/results/h200/e2e_fullgraph_ab.json``) it takes a 128 x 16K-prefix decode run from
-6.5K to 9.4K output tokens/s against per-layer graphs alone.
+(``benchmarks/results/history/e2e_full_graphs_ab.json``) it took a 128 x 16K-prefix decode run
+from 6.5K to 9.4K output tokens/s against per-layer graphs alone.
 
 A cascade step runs vLLM's PIECEWISE path (its FULL graph would skip our attention), which
-costs ~100 µs of host time per layer even when the FA3 executor replays a CUDA graph per layer.
+costs host time in every layer even when the FA3 executor replays a CUDA graph per layer.
 Here the runner's model call of a cascade decode step is captured whole — every layer, our
 attention included — the ``capture_after``-th time the same key comes, and replayed after:
 
@@ -20,7 +20,7 @@ attention included — the ``capture_after``-th time the same key comes, and rep
 - eligible: a planned cascade decode step (``StepSession.current``), every layer's metadata the
   same planned FA3 executor with a graphed step, tensor/pipeline/data parallel size 1, plain
   token inputs, the plan's largest block id inside the cache; never with LoRA or vLLM's weight
-  offloading (``hooks._full_graphs`` checks those once per runner);
+  offloading (``hooks_graphs.full_graphs`` checks those once per runner);
 - capture: vLLM's wrappers are told to run their code (forward context mode NONE, as vLLM's own
   FULL capture does), a side stream in ``thread_local`` mode, a private pool; the graph is kept
   only if every attention layer ran the executor (none fell back to flat attention, whose

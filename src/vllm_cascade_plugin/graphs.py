@@ -15,6 +15,8 @@ destroyed, and when full it destroys only the graph replayed longest ago.
 from __future__ import annotations
 
 import logging
+import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +26,7 @@ import torch
 __all__ = ["GraphCache", "LayerGraphs", "capture_cuda", "new_pool"]
 
 _log = logging.getLogger("vllm.cascade_plugin")
+_CACHES: weakref.WeakSet[GraphCache] = weakref.WeakSet()  # every cache of this process
 
 
 def new_pool(stream: torch.cuda.Stream) -> tuple[Any, Any]:
@@ -84,6 +87,7 @@ class GraphCache:
         self._pool: Any = None
         self._anchor: Any = None  # keeps the pool alive (module docstring)
         self._stream: torch.cuda.Stream | None = None
+        _CACHES.add(self)
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -123,12 +127,20 @@ class GraphCache:
         self.captures += 1
 
     def _capture_with(self, fn: Callable[[], Any]) -> tuple[Callable[[], Any], Any]:
+        """``fn`` captured (and replayed once); its host time is counted (``stats``)."""
+        from . import stats
+
+        start = time.perf_counter()
         if self.capture is not None:
-            return self.capture(fn)
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-            self._pool, self._anchor = new_pool(self._stream)
-        return capture_cuda(fn, self._pool, self._stream)
+            captured = self.capture(fn)
+        else:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream()
+                self._pool, self._anchor = new_pool(self._stream)
+            captured = capture_cuda(fn, self._pool, self._stream)
+        stats.record_capture(time.perf_counter() - start)
+        stats.set_graph_pool_bytes(sum(cache.pool_bytes() for cache in list(_CACHES)))
+        return captured
 
     def pool_bytes(self) -> int:
         """GPU memory the cache's pool holds (0 before its first capture or where this torch

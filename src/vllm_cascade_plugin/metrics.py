@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
 PREFIX = "vllm_cascade_"
 
@@ -53,6 +53,16 @@ class PrometheusCounters:
             "Cascade decode steps whose attention replayed a CUDA graph (whole step or layers).")
         self.graph_capture_failures = counter(
             "graph_capture_failures", "CUDA-graph captures of cascade steps that failed.")
+        self.graph_captures = counter(
+            "graph_captures", "CUDA graphs of cascade steps captured (whole steps or layers).")
+        self.graph_capture_seconds = counter(
+            "graph_capture_seconds", "Host seconds spent capturing those CUDA graphs.")
+        self.planning_seconds = counter(
+            "planning_seconds", "Host seconds the cascade planner and cost model took.")
+        # A level per process; /metrics adds up the live processes (each GPU's worker).
+        self.graph_pool_bytes = Gauge(
+            PREFIX + "graph_pool_bytes", "GPU memory the plugin's CUDA-graph pools hold.",
+            ["tp_rank"], registry=registry, multiprocess_mode="livesum").labels(rank)
         self._fallbacks = counter(
             "fallbacks", "Steps or layer calls that ran flat attention instead, by reason.",
             ("reason",))
@@ -80,6 +90,16 @@ class PrometheusCounters:
 
     def graphed(self) -> None:
         self.decode_steps_graphed.inc()
+
+    def captured(self, seconds: float) -> None:
+        self.graph_captures.inc()
+        self.graph_capture_seconds.inc(seconds)
+
+    def pool_bytes(self, total: int) -> None:
+        self.graph_pool_bytes.set(total)
+
+    def planning(self, seconds: float) -> None:
+        self.planning_seconds.inc(seconds)
 
     def capture_failure(self) -> None:
         self.graph_capture_failures.inc()

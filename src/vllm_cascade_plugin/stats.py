@@ -29,6 +29,10 @@ class Counters:
     decode_steps_cascade: int = 0  # of those run as cascade: pure-decode steps
     decode_steps_graphed: int = 0  # of those: replayed from a CUDA graph (whole step or layers)
     graph_capture_failures: int = 0  # CUDA-graph captures that failed (each turns graphs off)
+    graph_captures: int = 0  # CUDA graphs the plugin captured (whole steps or single layers)
+    graph_capture_s: float = 0.0  # host time those captures took: the steps they delayed
+    planning_s: float = 0.0  # host time the planner took on the planned steps
+    graph_pool_bytes: int = 0  # GPU memory the plugin's CUDA-graph pools hold now (a level)
     pages_flat: int = 0  # KV pages flat attention would have read, over cascade steps
     pages_cascade: int = 0  # KV pages the cascade read instead, over cascade steps
     fallbacks: Counter[str] = field(default_factory=Counter)  # steps run flat, by reason
@@ -92,6 +96,34 @@ def record_graphed_step() -> None:
     sink = _sink()
     if sink is not None:
         sink.graphed()
+
+
+def record_capture(seconds: float) -> None:
+    """A CUDA graph captured, taking ``seconds`` of the step that captured it."""
+    with _lock:
+        _counters.graph_captures += 1
+        _counters.graph_capture_s += seconds
+    sink = _sink()
+    if sink is not None:
+        sink.captured(seconds)
+
+
+def set_graph_pool_bytes(total: int) -> None:
+    """GPU memory all of the plugin's CUDA-graph pools in this process hold now."""
+    with _lock:
+        _counters.graph_pool_bytes = int(total)
+    sink = _sink()
+    if sink is not None:
+        sink.pool_bytes(total)
+
+
+def record_planning(seconds: float) -> None:
+    """Host time one planned step spent in the planner and the cost model."""
+    with _lock:
+        _counters.planning_s += seconds
+    sink = _sink()
+    if sink is not None:
+        sink.planning(seconds)
 
 
 def record_capture_failure() -> None:
@@ -192,6 +224,10 @@ def _difference(now: Counters, before: Counters) -> Counters:
         decode_steps_cascade=now.decode_steps_cascade - before.decode_steps_cascade,
         decode_steps_graphed=now.decode_steps_graphed - before.decode_steps_graphed,
         graph_capture_failures=now.graph_capture_failures - before.graph_capture_failures,
+        graph_captures=now.graph_captures - before.graph_captures,
+        graph_capture_s=now.graph_capture_s - before.graph_capture_s,
+        planning_s=now.planning_s - before.planning_s,
+        graph_pool_bytes=now.graph_pool_bytes,  # a level, not a count
         pages_flat=now.pages_flat - before.pages_flat,
         pages_cascade=now.pages_cascade - before.pages_cascade,
         fallbacks=now.fallbacks - before.fallbacks,
@@ -221,9 +257,10 @@ def format_line(since: Counters, total: Counters, elapsed_s: float,
     else:
         kv = "bytes unknown (page size not set)"
     return ("vllm-cascade-plugin: last %.0f s: %d steps, %s ran cascade (decode steps: %s, "
-            "%s of them from CUDA graphs); fallbacks: %s; KV pages read on cascade steps: %s "
-            "instead of %s flat, %s.",
+            "%s of them from CUDA graphs; %d graphs captured in %.2f s; planning %.2f s); "
+            "fallbacks: %s; KV pages read on cascade steps: %s instead of %s flat, %s.",
             elapsed_s, since.steps_planned, _percent(since.steps_cascade, since.steps_planned),
             _percent(since.decode_steps_cascade, since.decode_steps_planned),
-            _percent(since.decode_steps_graphed, since.decode_steps_cascade), fallbacks or "none",
+            _percent(since.decode_steps_graphed, since.decode_steps_cascade),
+            since.graph_captures, since.graph_capture_s, since.planning_s, fallbacks or "none",
             f"{since.pages_cascade:,}", f"{since.pages_flat:,}", kv)

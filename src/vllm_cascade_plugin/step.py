@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -74,6 +75,12 @@ class BuilderSettings:
     steady_cost_model: CostModel | None = None
     capture_sizes: tuple[int, ...] = ()
     page_bytes: int = 0  # one KV page over these layers, K and V (the log line's saving)
+    backend: str = "FLASHINFER"  # the vLLM backend whose flat attention these layers run
+
+
+def flat_attention(backend: str) -> str:
+    """How the log lines name what a layer runs instead of cascade."""
+    return f"vLLM's flat {backend} attention"
 
 
 MAX_LAYOUTS = 4096  # graph layouts remembered (then forgotten all at once)
@@ -90,7 +97,7 @@ class StepSession:
         self.config: CascadeConfig | None = None
         self.shape: AttentionShape | None = None
         self.page_size = 0
-        self.disabled_reason: str | None = "no FlashInfer cascade builder yet"
+        self.disabled_reason: str | None = "no cascade metadata builder yet"
         self.cost_model = CostModel()
         self.steady_cost_model: CostModel | None = None
         self.current: StepPlan | None = None
@@ -118,9 +125,9 @@ class StepSession:
         if settings.unsupported is not None:
             stats.log_once(f"disabled:{settings.unsupported}",
                            "vllm-cascade-plugin: cascade attention is off for %d attention "
-                           "layer(s) (%s): %s; they run vLLM's flat FlashInfer attention.",
+                           "layer(s) (%s): %s; they run %s.",
                            len(names), ", ".join(names[:3]) + (", ..." if len(names) > 3 else ""),
-                           settings.unsupported)
+                           settings.unsupported, flat_attention(settings.backend))
         planning = next((b for b in builders.values() if b.unsupported is None),
                         next(iter(builders.values())))
         self._apply(planning)
@@ -151,7 +158,7 @@ class StepSession:
         if disabled_reason is not None:
             stats.log_once(f"disabled:{disabled_reason}",
                            "vllm-cascade-plugin: cascade attention is off for this model: %s; "
-                           "every step runs vLLM's flat FlashInfer attention.", disabled_reason)
+                           "every step runs vLLM's flat attention.", disabled_reason)
 
     def _apply(self, settings: BuilderSettings) -> None:
         """Plan steps with ``settings`` from now on."""
@@ -199,6 +206,7 @@ class StepSession:
         if not self.active:
             return None
         assert self._planner is not None and self.config is not None and self.shape is not None
+        start = time.perf_counter()
         decode = bool(np.all(query_lens == 1))
         stats.record_planned(decode)
         try:
@@ -223,6 +231,8 @@ class StepSession:
         except Exception as exc:  # the engine must never fail because of the planner
             stats.record_fallback("planner error", f"{type(exc).__name__}: {exc}")
             return None
+        finally:
+            stats.record_planning(time.perf_counter() - start)
         qsl = np.zeros(len(query_lens) + 1, dtype=np.int32)
         np.cumsum(query_lens, out=qsl[1:])
         self.current = StepPlan(plan, decision, qsl, decode,
@@ -270,8 +280,8 @@ class StepSession:
         if not step.planned_for(settings):
             stats.log_once(f"not planned for:{settings.page_size}:{settings.shape}",
                            "vllm-cascade-plugin: attention layers of shape %s (page size %d) "
-                           "run vLLM's flat FlashInfer attention: steps are planned for other "
-                           "layers (%s, page size %d).", settings.shape, settings.page_size,
+                           "run %s: steps are planned for other layers (%s, page size %d).",
+                           settings.shape, settings.page_size, flat_attention(settings.backend),
                            step.shape, step.page_size)
             return None
         if seq_lens is None:  # nothing to check the plan's sequence lengths against

@@ -33,3 +33,13 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     config = LlamaConfig.from_pretrained(TINY_CONFIG.parent)
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
     return str(out)
+
+
+@pytest.fixture(scope="session")
+def sharp_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The engine oracle's model (tests/oracle_model.py, proven to have teeth on the CPU by
+    tests/test_oracle_model.py), saved once: sharp attention and spread logits, so a one-page KV
+    error moves the chosen-token logprobs far beyond the tolerance."""
+    import oracle_model
+
+    return oracle_model.save(tmp_path_factory.mktemp("oracle-model"))

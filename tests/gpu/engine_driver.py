@@ -1,14 +1,24 @@
 """One vLLM engine, the correctness workloads, per-token logprobs out (run as a subprocess).
 
-Usage: python engine_driver.py MODEL_DIR OUT_JSON [--workloads a,b,...] [--corrupt] [--tp N]
+Usage: python engine_driver.py MODEL_DIR OUT_JSON [--workloads a,b,...] [--tp N]
+    [--corrupt | --corrupt-one-page] [--backend FLASHINFER|FLASH_ATTN] [--ngram K]
 
 The plugin is on or off by the caller's ``CASCADE_ATTENTION``; the runner by
-``VLLM_USE_V2_MODEL_RUNNER``. ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps the engine core and
-(TP=1) the worker in this process, so ``--corrupt`` can shift every page id of every plan by one
-(the comparison must then fail) and every call of the plugin's per-step code (planner, executor
-plan and run) runs under ``torch.cuda.set_sync_debug_mode("error")``: a GPU->CPU synchronisation
-there is recorded in ``sync_violations``. The plugin's counters are read from the workers with
-``collective_rpc`` (they live in the worker processes when ``--tp`` > 1).
+``VLLM_USE_V2_MODEL_RUNNER``; vLLM's attention backend by ``--backend`` (FLASH_ATTN with the
+plugin off is the second correct kernel of the oracle's reference). A workload whose parameters
+name a ``beam_width`` runs through ``LLM.beam_search`` and records its finished beams
+(:func:`agreement.beam_record`); every other one records each request's completions
+(:func:`agreement.record`). Workloads named ``x_...`` run only when asked for (``--workloads x_``).
+
+``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps the engine core and (TP=1) the worker in this
+process, so ``--corrupt`` can shift every page id of every plan by one (the comparison must then
+fail; ``--corrupt-one-page`` shifts one page of each shared prefix) and every call of the
+plugin's per-step code (planner, executor plan and run) runs under
+``torch.cuda.set_sync_debug_mode("error")``: a GPU->CPU synchronisation there is recorded in
+``sync_violations``. The plugin's counters are read from the workers with ``collective_rpc``
+(they live in the worker processes when ``--tp`` > 1). ``--ngram K``: vLLM's ``ngram``
+speculative decoding with K draft tokens; the steps whose rows have 1 to 1 + K query tokens, some
+more than one (verification steps), are counted, and how many ran cascade.
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import json
 import os
 import sys
@@ -58,19 +69,81 @@ def workloads(seed: int = 0) -> dict[str, tuple[list[list[int]], dict]]:
     w["f_preemption_small_kv_cache"] = (
         [system + _tokens(rng, int(rng.integers(800, 1600))) for _ in range(48)],
         {**greedy, "max_tokens": 96})
+    # Drawn after the others, so that their prompts stay what they were.
+    shared = _tokens(rng, 2048)
+    w["g_beam_search_w4_2k_prefix_x8"] = (
+        [shared + _tokens(rng, 16) for _ in range(8)],
+        {"beam_width": 4, "max_tokens": 16, "ignore_eos": True})
+    shared = _tokens(rng, 2048)
+    w["h_n4_sampling_t08_2k_prefix_x8"] = (
+        [shared + _tokens(rng, 16) for _ in range(8)],
+        {**greedy, "n": 4, "temperature": 0.8, "seed": 7})
+    # Not run by default. No two prompts share a page: every step must stay flat.
+    w["x_no_sharing_32_random"] = ([_tokens(rng, 1024) for _ in range(32)], greedy)
+    # A 2K prefix made of one 64-token phrase repeated, then 64 generated tokens: n-gram
+    # lookup finds drafts in it (and in the repetitive text a random model generates).
+    phrase = _tokens(rng, 64)
+    w["x_ngram_repetitive_2k_prefix_x32"] = (
+        [phrase * 32 + _tokens(rng, 16) for _ in range(32)], {**greedy, "max_tokens": 64})
     return w
 
 
-def _corrupt_planner() -> None:
+class _TokenIds:
+    """What ``LLM.beam_search`` asks of a tokenizer (an EOS id, a decode), for an engine made
+    with ``skip_tokenizer_init=True``: the test model has no tokenizer, its prompts are token
+    ids. The engine's output processor took its tokenizer (none) at start, so nothing else sees
+    this one."""
+
+    eos_token_id = 2
+
+    def decode(self, ids, *args, **kwargs) -> str:
+        return " ".join(map(str, ids))
+
+
+def _beam_search(llm, prompts: list[list[int]], params: dict) -> list[dict]:
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import BeamSearchParams
+
+    renderer = llm.renderer
+    saved, renderer.tokenizer = renderer.tokenizer, _TokenIds()
+    try:
+        outputs = llm.beam_search([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                                  BeamSearchParams(**params))
+    finally:
+        renderer.tokenizer = saved
+    return [agreement.beam_record(o, len(p)) for o, p in zip(outputs, prompts, strict=True)]
+
+
+def _next_block(ids: np.ndarray) -> np.ndarray:
+    # Next block id, wrapping inside the cache (NUM_BLOCKS) so no kernel reads out of bounds.
+    return ids % (NUM_BLOCKS - 1) + 1
+
+
+def _one_page_shifted(level):
+    """A shared level whose groups each read their middle page's neighbour instead."""
+    ids, indptr = level.kv_page_indices.copy(), level.kv_page_indptr
+    for start, end in itertools.pairwise(indptr):
+        if end - start >= 2:
+            middle = (start + end) // 2
+            ids[middle:middle + 1] = _next_block(ids[middle:middle + 1])
+    return dataclasses.replace(level, kv_page_indices=ids)
+
+
+def _corrupt_planner(one_page: bool) -> None:
+    """Every plan's page ids shifted by one (``one_page``: only the middle page of each shared
+    prefix, the error the CPU test of the oracle model measures)."""
     from vllm_cascade_plugin import planner
 
     real = planner.CascadePlanner.plan
 
     def shifted(self, *args, **kwargs):
         plan = real(self, *args, **kwargs)
-        # Next block id, wrapping inside the cache (NUM_BLOCKS) so no kernel reads out of bounds.
-        levels = tuple(dataclasses.replace(level, kv_page_indices=level.kv_page_indices
-                                           % (NUM_BLOCKS - 1) + 1) for level in plan.levels)
+        if one_page:
+            levels = tuple(level if level.causal else _one_page_shifted(level)
+                           for level in plan.levels)
+        else:
+            levels = tuple(dataclasses.replace(level, kv_page_indices=_next_block(
+                level.kv_page_indices)) for level in plan.levels)
         return dataclasses.replace(plan, levels=levels)
 
     planner.CascadePlanner.plan = shifted
@@ -110,6 +183,27 @@ def _forbid_syncs() -> None:
         setattr(owner, name, guard(getattr(owner, name)))
 
 
+VERIFICATION = {"steps": 0, "cascade": 0}
+
+
+def _count_verification_steps(drafts: int) -> None:
+    """Count the planned steps of speculative decoding's verification (every row 1 to
+    1 + ``drafts`` query tokens, some more than one) and those that ran cascade."""
+    from vllm_cascade_plugin import step
+
+    real = step.StepSession.plan_step
+
+    @functools.wraps(real)
+    def counted(self, block_table, seq_lens, query_lens):
+        planned = real(self, block_table, seq_lens, query_lens)
+        if int(query_lens.max()) > 1 and int(query_lens.max()) <= 1 + drafts:
+            VERIFICATION["steps"] += 1
+            VERIFICATION["cascade"] += bool(planned is not None and planned.decision.use_cascade)
+        return planned
+
+    step.StepSession.plan_step = counted
+
+
 def _worker_counters(worker) -> dict:
     """Runs in each worker (collective_rpc): the plugin's counters there, as plain data."""
     from vllm_cascade_plugin import stats
@@ -144,10 +238,16 @@ def main() -> int:
     parser.add_argument("out")
     parser.add_argument("--workloads", default="")
     parser.add_argument("--corrupt", action="store_true")
+    parser.add_argument("--corrupt-one-page", action="store_true")
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--backend", default="FLASHINFER", choices=("FLASHINFER", "FLASH_ATTN"))
+    parser.add_argument("--ngram", type=int, default=0, metavar="K",
+                        help="ngram speculative decoding with K draft tokens")
     args = parser.parse_args()
-    if args.corrupt:
-        _corrupt_planner()
+    if args.corrupt or args.corrupt_one_page:
+        _corrupt_planner(one_page=args.corrupt_one_page)
+    if args.ngram:
+        _count_verification_steps(args.ngram)
     if args.tp == 1 and os.environ.get("CASCADE_ATTENTION"):
         _forbid_syncs()
 
@@ -162,7 +262,10 @@ def main() -> int:
         os.environ.setdefault("VLLM_FLASHINFER_ALLREDUCE_BACKEND", "trtllm")
         tp_args = {"disable_custom_all_reduce": True,
                    "compilation_config": {"pass_config": {"fuse_allreduce_rms": False}}}
-    llm = LLM(model=args.model, skip_tokenizer_init=True, attention_backend="FLASHINFER",
+    if args.ngram:
+        tp_args["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.ngram,
+                                         "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    llm = LLM(model=args.model, skip_tokenizer_init=True, attention_backend=args.backend,
               enable_prefix_caching=True, max_model_len=9216, max_num_batched_tokens=2048,
               max_num_seqs=128, num_gpu_blocks_override=NUM_BLOCKS, gpu_memory_utilization=0.5,
               seed=0, enable_flashinfer_autotune=False,
@@ -170,14 +273,18 @@ def main() -> int:
     chosen = [w for w in args.workloads.split(",") if w]
     results = {}
     for name, (prompts, params) in workloads().items():
-        if chosen and not any(name.startswith(c) for c in chosen):
+        if not any(name.startswith(c) for c in chosen) and (chosen or name.startswith("x_")):
             continue
         before = _counters(llm)
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                               SamplingParams(**params), use_tqdm=False)
+        if "beam_width" in params:
+            ran = {"beams": _beam_search(llm, prompts, params)}
+        else:
+            outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                                   SamplingParams(**params), use_tqdm=False)
+            ran = {"requests": [agreement.record(o) for o in outputs]}
         after = _counters(llm)
         results[name] = {
-            "requests": [agreement.record(o) for o in outputs],
+            **ran,
             **{key: after[key] - before[key] for key in (
                 "steps_planned", "steps_cascade", "decode_steps_planned", "decode_steps_cascade")},
             "fallbacks": {reason: count - before["fallbacks"].get(reason, 0)
@@ -186,9 +293,11 @@ def main() -> int:
         }
     final = _counters(llm)
     with open(args.out, "w") as f:
-        json.dump({"plugin": os.environ.get("CASCADE_ATTENTION", ""),
+        json.dump({"plugin": os.environ.get("CASCADE_ATTENTION", ""), "backend": args.backend,
                    "runner": "v1" if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "0" else "v2",
                    "tensor_parallel_size": args.tp, "sync_violations": SYNC_VIOLATIONS,
+                   "verification_steps": VERIFICATION["steps"],
+                   "verification_steps_cascade": VERIFICATION["cascade"],
                    **{k: final[k] for k in ("executors", "graph_captures", "graph_replays",
                                              "full_graph_captures", "full_graph_replays")},
                    "workloads": results}, f)

@@ -74,8 +74,9 @@ def main() -> int:
             index = len(ids)
             params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=2,
                                     ignore_eos=True)
-            ids[engine.add_request(f"r{index}", TokensPrompt(prompt_token_ids=prompt),
-                                   params)] = index
+            # Outputs carry the id given here; add_request returns vLLM's internal one.
+            engine.add_request(f"r{index}", TokensPrompt(prompt_token_ids=prompt), params)
+            ids[f"r{index}"] = index
         for output in engine.step():
             if output.finished:
                 results[ids[output.request_id]] = agreement.record(output)

@@ -1,0 +1,351 @@
+"""Render README.md's measured figures from the committed result files.
+
+    python scripts/readme_tables.py            # rewrite README.md's generated blocks
+    python scripts/readme_tables.py --check    # exit 1 if README.md differs from what it renders
+
+Every block of the README between ``<!-- table:NAME -->`` and ``<!-- /table -->`` is generated
+here from ``benchmarks/results/`` (standard library only); the rest of the README is prose without
+measured figures. ``tests/test_readme.py`` fails when the README's blocks differ from what this
+renders from the committed JSON, so a new result file means running this script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+RESULTS = ROOT / "benchmarks" / "results"
+H200 = RESULTS / "h200"
+CPU = RESULTS / "cpu"
+BLOCK = re.compile(r"(<!-- table:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
+
+TIMES, DASH = "\u00d7", "\u2013"  # the README's multiplication sign and en dash
+E2E_WORKLOADS = {  # e2e_bench.py workload -> what it is
+    "b128_16k_prefix_64_own": "128 requests behind one 16K-token prefix",
+    "8_prefixes_8k_x16_interleaved": f"8 prefixes of 8K {TIMES} 16 requests, interleaved",
+    "n16_sampling_32_prompts_4k": "`n=16` sampling, 32 prompts of 4K",
+    "no_sharing_256_random_2k": "256 random 2K prompts (no sharing)",
+    "one_8k_prefix_x64": "64 requests behind one 8K-token prefix",
+}
+# kernel_grid.json rows the README shows: (B, P, groups).
+KERNEL_ROWS = [(64, 2048, 1), (128, 2048, 1), (128, 8192, 1), (256, 8192, 1), (256, 32768, 1),
+               (256, 8192, 4), (256, 8192, 16)]
+CORRECTNESS_WORKLOADS = {  # tests/gpu/test_engine.py workload -> what it is
+    "a_one_8k_prefix_x64": f"(a) one 8K prefix {TIMES} 64",
+    "b_4_prefixes_x16_interleaved": f"(b) 4 interleaved 2K prefixes {TIMES} 16",
+    "c_tree_2k_system_4x4k_docs_x8": f"(c) 2K system prompt → 4 documents {TIMES} 8 questions",
+    "d_n8_sampling_16_prompts": "(d) `n=8` sampling",
+    "e_chunked_prefill_with_decodes": "(e) chunked prefill mixed with decodes",
+    "f_preemption_small_kv_cache": "(f) preemption under a small KV cache",
+}
+
+
+def _load(path: Path) -> Any:
+    return json.loads(path.read_text())
+
+
+def _meta(path: Path) -> dict[str, Any]:
+    meta = path.with_name(path.name.removesuffix(".json") + ".meta.json")
+    return _load(meta) if meta.is_file() else {}
+
+
+def _int(x: float) -> str:
+    return f"{x:,.0f}"
+
+
+def _ratio(x: float) -> str:
+    return f"{x:.2f}{TIMES}"
+
+
+def _table(head: Iterable[str], rows: Iterable[Iterable[str]]) -> list[str]:
+    head = list(head)
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
+            *("| " + " | ".join(row) + " |" for row in rows)]
+
+
+def _source(*paths: Path) -> str:
+    return ", ".join(f"`{p.relative_to(ROOT)}`" for p in paths)
+
+
+def _setup(meta: dict[str, Any]) -> str:
+    parts = [meta.get("gpu", "GPU not recorded").split(" (")[0]]
+    parts += [f"{name} {meta[key]}" for key, name in (("vllm", "vLLM"),
+                                                      ("flashinfer", "FlashInfer"))
+              if key in meta]
+    return ", ".join(parts) + (f", {meta['date']}" if "date" in meta else "")
+
+
+# ---------------------------------------------------------------------------------------- blocks
+
+
+def e2e_speedups() -> dict[str, tuple[float, float | None]]:
+    """workload -> (plugin / flat FlashInfer, plugin / FLASH_ATTN) output tokens/s."""
+    rows = _load(H200 / "e2e.json")
+    out = {}
+    for workload in dict.fromkeys(r["workload"] for r in rows):
+        by = {r["config"]: r["out_tok_per_s"] for r in rows if r["workload"] == workload}
+        if "cascade" in by and "flashinfer" in by:
+            fa = by.get("flash_attn")
+            out[workload] = (by["cascade"] / by["flashinfer"], by["cascade"] / fa if fa else None)
+    return out
+
+
+def block_summary() -> list[str]:
+    """The headline: end to end and per layer, from e2e.json and kernel_grid.json."""
+    speed = e2e_speedups()
+    meta = _meta(H200 / "e2e.json")
+    parts = [f"{_ratio(s)} with {E2E_WORKLOADS.get(w, w).replace('`', '')}" for w, (s, _) in
+             speed.items()]
+    grid = [r for r in _load(H200 / "kernel_grid.json") if r["ms"].get("plugin")]
+    best = max(grid, key=lambda r: r["ms"]["fi_decode"] / r["ms"]["plugin"])
+    return [f"End to end on an {_setup(meta)} (Llama-3-8B shapes, dummy weights), output "
+            f"tokens/s against flat FlashInfer: {'; '.join(parts)}. Per attention layer, up to "
+            f"{_ratio(best['ms']['fi_decode'] / best['ms']['plugin'])} faster than flat "
+            f"FlashInfer decode ({best['B']} requests {TIMES} {best['P']:,} shared tokens). "
+            f"Details in [Performance](#performance)."]
+
+
+def block_e2e() -> list[str]:
+    path = H200 / "e2e.json"
+    rows, meta = _load(path), _meta(path)
+    body = []
+    for workload in dict.fromkeys(r["workload"] for r in rows):
+        by = {r["config"]: r for r in rows if r["workload"] == workload}
+        if "cascade" not in by or "flashinfer" not in by:
+            continue
+        on, flat, fa = by["cascade"], by["flashinfer"], by.get("flash_attn")
+        counters = on.get("plugin_counters") or {}
+        steps = (f"{counters['steps_cascade']} of {counters['steps_planned']}"
+                 if "steps_planned" in counters else "not recorded")
+        body.append([E2E_WORKLOADS.get(workload, workload),
+                     _int(fa["out_tok_per_s"]) if fa else DASH, _int(flat["out_tok_per_s"]),
+                     _int(on["out_tok_per_s"]),
+                     _ratio(on["out_tok_per_s"] / flat["out_tok_per_s"]),
+                     _ratio(on["out_tok_per_s"] / fa["out_tok_per_s"]) if fa else DASH, steps])
+    return [f"Output tokens/s, {_setup(meta)} ({_source(path)}):", "",
+            *_table(["workload", "`FLASH_ATTN`", "`FLASHINFER` flat", "plugin",
+                     "vs flat FlashInfer", "vs `FLASH_ATTN`", "steps run as cascade"], body)]
+
+
+def block_kernel() -> list[str]:
+    path = H200 / "kernel_grid.json"
+    rows, meta = _load(path), _meta(path)
+    by = {(r["B"], r["P"], r["groups"]): r for r in rows}
+    body = []
+    for key in KERNEL_ROWS:
+        if key not in by:
+            continue
+        r, (b, p, g) = by[key], key
+        ms = r["ms"]
+        label = f"{b} {TIMES} {p:,}" + (f", {g} groups" if g > 1 else "")
+        cells = [label, f"{ms['plugin']:.3f} ({r.get('plugin_choice', '?')})",
+                 f"{ms['fi_decode']:.3f}", _ratio(ms["fi_decode"] / ms["plugin"])]
+        cells += [f"{ms[k]:.3f}" if ms.get(k) else DASH
+                  for k in ("fa3_decode", "fa3_cascade", "plugin_cascade")]
+        body.append([*cells, f"{r['floor_ms']:.3f}"])
+    return [f"ms per layer call, median GPU time, {_setup(meta)} ({_source(path)}):", "",
+            *_table([f"B requests {TIMES} P shared tokens", "plugin (what it runs)",
+                     "flat FlashInfer decode", "speed-up", "FA3 decode (`FLASH_ATTN`)",
+                     "FA3 prefix+suffix (vLLM ≤ 0.31)", "plugin, FlashInfer executor",
+                     "floor"], body)]
+
+
+def block_planner() -> list[str]:
+    path = CPU / "planner.json"
+    rows, meta = _load(path), _meta(path)
+    body = [[r["case"], _int(r["requests"]), _int(r["pages"]), f"{r['steady_median_us']:.0f}",
+             f"{r['churn_median_us']:.0f}" if "churn_median_us" in r else DASH,
+             f"{r['cold_median_us']:.0f}",
+             "skipped (no two rows share a first block)" if r.get("planner_skipped") else "runs"]
+            for r in rows]
+    machine = meta.get("machine", "not recorded").replace("/", ", ") + " cores"
+    return [f"µs per decode step (median), CPU {machine}, numpy {meta.get('numpy', '?')} "
+            f"({_source(path)}):", "",
+            *_table(["case", "requests", "pages per row", "steady decode",
+                     "one request replaced per step", "new batch (cold)", "planner"], body)]
+
+
+def _rate_key(row: dict[str, Any]) -> tuple[int, float, str]:
+    spec = str(row.get("rate_spec", row["request_rate"]))
+    rate = row["request_rate"]
+    return (0, 0.0, spec) if rate == "burst" else (1, float(rate), spec)
+
+
+def block_serve() -> list[str]:
+    path = H200 / "serve.json"
+    if not path.is_file():
+        return ["Not measured yet: `benchmarks/serve_bench.py` writes "
+                "`benchmarks/results/h200/serve.json`, and this table is rendered from it."]
+    rows, meta = _load(path), _meta(path)
+
+    def pair(flat: dict[str, Any], on: dict[str, Any], key: str, digits: int = 0) -> str:
+        a, b = flat.get(key), on.get(key)
+        if a is None or b is None:
+            return DASH
+        ratio = f" ({_ratio(b / a)})" if a else ""
+        return f"{a:,.{digits}f} → {b:,.{digits}f}{ratio}"
+
+    body = []
+    keys = dict.fromkeys((r["workload"], r.get("tensor_parallel_size", 1)) for r in rows)
+    for workload, tp in keys:
+        def of(config: str, workload: str = workload, tp: int = tp) -> dict[str, Any]:
+            return {str(r.get("rate_spec", r["request_rate"])): r for r in rows
+                    if r["workload"] == workload and r["config"] == config
+                    and r.get("tensor_parallel_size", 1) == tp}
+        flat, on = of("flashinfer"), of("cascade")
+        for spec in sorted(set(flat) & set(on), key=lambda s: _rate_key(flat[s])):
+            f, c = flat[spec], on[spec]
+            rate = spec if f["request_rate"] == "burst" else f"{spec} ({f['request_rate']} req/s)"
+            fraction = c.get("cascade_step_fraction")
+            body.append([workload + (f", TP {tp}" if tp != 1 else ""), rate,
+                         pair(f, c, "request_throughput", 2), pair(f, c, "output_tok_per_s"),
+                         pair(f, c, "ttft_ms_p50"), pair(f, c, "ttft_ms_p99"),
+                         pair(f, c, "tpot_ms_p50", 1), pair(f, c, "tpot_ms_p99", 1),
+                         pair(f, c, "itl_ms_p99", 1),
+                         f"{100 * fraction:.0f}%" if fraction is not None else DASH])
+    lines = []
+    if (H200 / "serve.png").is_file():
+        lines += ["![Online serving on an H200](benchmarks/results/h200/serve.png)", ""]
+    lines += [f"Flat FlashInfer → plugin (plugin ÷ flat), {_setup(meta)} ({_source(path)}); "
+              "latencies in ms, lower is better:", ""]
+    return lines + _table(["workload", "request rate", "requests/s", "output tokens/s",
+                           "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "ITL p99",
+                           "decode steps as cascade"], body)
+
+
+def block_correctness() -> list[str]:
+    path = H200 / "correctness.json"
+    rows, meta = _load(path), _meta(path)
+    groups: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+    corrupted = []
+    for r in rows:
+        if "corrupt" in r["workload"]:
+            corrupted.append(r)
+            continue
+        if r.get("full_graph_replays"):
+            graphs = "whole-step"
+        elif r.get("graph_replays"):
+            graphs = "per layer"
+        else:
+            graphs = "not recorded"
+        groups.setdefault((r["tensor_parallel_size"], graphs), []).append(r)
+    body = []
+    for (tp, graphs), rs in groups.items():
+        names = dict.fromkeys(r["workload"] for r in rs)
+        runners = ", ".join(sorted({r["runner"].upper() for r in rs}))
+        fractions = [r["cascade_step_fraction"] for r in rs
+                     if r.get("cascade_step_fraction") is not None]
+        low, high = (f"{100 * x:.0f}%" for x in (min(fractions or [0]), max(fractions or [0])))
+        body.append([runners, str(tp), graphs,
+                     " ".join(CORRECTNESS_WORKLOADS[n].split(" ")[0]
+                              if n in CORRECTNESS_WORKLOADS else n for n in names),
+                     f"{max(r['max_abs_dlogprob'] for r in rs):.3f}",
+                     f"{max(r['mean_abs_dlogprob'] for r in rs):.3f}",
+                     DASH if not fractions else low if low == high else f"{low[:-1]}{DASH}{high}",
+                     "pass" if all(r["outcome"] == "pass" for r in rs) else "FAIL"])
+    lines = [f"Plugin on (`CASCADE_POLICY=always`) vs off, chosen-token logprobs, "
+             f"{_setup(meta)} ({_source(path)}); workloads: "
+             + "; ".join(CORRECTNESS_WORKLOADS.values()) + ":", "",
+             *_table(["runners", "TP", "CUDA graphs of the plugin", "workloads",
+                      "max \\|Δ logprob\\|", "mean \\|Δ logprob\\| (worst workload)",
+                      "steps run as cascade", "outcome"], body)]
+    for r in corrupted:
+        verdict = "and does" if r["outcome"] == "fail" else "but DID NOT"
+        what = ("one page of the shared prefix read as its neighbour"
+                if r.get("corrupted") == "one page" else "every page id shifted by one")
+        lines += ["", f"A deliberately corrupted plan ({what}) must fail "
+                      f"the same comparison, {verdict}: mean \\|Δ\\| "
+                      f"{r['mean_abs_dlogprob']:.3f}, max {r['max_abs_dlogprob']:.3f}."]
+    return lines
+
+
+def block_kernel_correctness() -> list[str]:
+    path = H200 / "kernel_correctness.json"
+    report = _load(path)
+    cases = report["cases"]
+    real = [c for c in cases if "corrupt" not in c["name"]]
+    bad = [c for c in cases if "corrupt" in c["name"]]
+    line = (f"Kernel level ({_source(path)}, {report.get('device', 'GPU not recorded')}): "
+            f"{len(real)} comparisons of the executors with flat attention and an fp32 reference, "
+            f"largest error {max(c['max_abs_err'] for c in real):.1e} "
+            f"({sum(c['outcome'] == 'pass' for c in real)} of {len(real)} within tolerance)")
+    if bad:
+        line += (f"; {len(bad)} corrupted plans caught with errors "
+                 f"{min(c['max_abs_err'] for c in bad):.2f}{DASH}"
+                 f"{max(c['max_abs_err'] for c in bad):.2f} against a "
+                 f"{max(c['tol'] for c in bad):.2f} tolerance")
+    return [line + "."]
+
+
+def block_soak() -> list[str]:
+    path = H200 / "soak.json"
+    s, meta = _load(path), _meta(path)
+    return [f"Soak ({_source(path)}, {_setup(meta)}): **{s['outcome']}**. "
+            f"{_int(s['requests'])} requests over {s['duration_s']:.0f} s with "
+            f"{_int(s['aborts'])} aborts and {_int(s['preemptions'])} preemptions; cascade on "
+            f"{100 * s['cascade_step_fraction']:.1f}% of decode steps; a greedy subset replayed "
+            f"without the plugin agreed within max \\|Δ logprob\\| {s['max_abs_dlogprob']:.3f} "
+            f"(mean {s['mean_abs_dlogprob']:.3f}); device memory "
+            f"{_int(s['memory_before_mib'])} → {_int(s['memory_after_mib'])} MiB "
+            f"({100 * s['memory_change_fraction']:+.1f}%) between the first minute and the end."]
+
+
+def block_demo_cpu() -> list[str]:
+    """The plan, its KV pages and the numerical check of ``vllm-cascade demo`` without a GPU."""
+    text = (CPU / "demo.txt").read_text().splitlines()
+    keep = [line for line in text if line.lstrip().startswith(("level ", "KV pages read"))
+            or line.rstrip().endswith(("PASS", "FAIL"))]
+    return ["```", *keep, "```"]
+
+
+BLOCKS: dict[str, Callable[[], list[str]]] = {
+    "summary": block_summary, "e2e": block_e2e, "kernel": block_kernel,
+    "planner": block_planner, "serve": block_serve, "correctness": block_correctness,
+    "kernel_correctness": block_kernel_correctness, "soak": block_soak,
+    "demo_cpu": block_demo_cpu,
+}
+
+
+def render(text: str) -> str:
+    """``text`` with every generated block re-rendered; an unknown block name is an error."""
+    def one(m: re.Match[str]) -> str:
+        name = m.group("name")
+        if name not in BLOCKS:
+            raise KeyError(f"README block {name!r}: no renderer (known: {', '.join(BLOCKS)})")
+        return m.group(1) + "\n".join(BLOCKS[name]()) + "\n" + m.group(4)
+    return BLOCK.sub(one, text)
+
+
+def block_names(text: str) -> list[str]:
+    return [m.group("name") for m in BLOCK.finditer(text)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 if README.md is not what the result files render")
+    parser.add_argument("--readme", type=Path, default=README)
+    args = parser.parse_args(argv)
+    old = args.readme.read_text()
+    new = render(old)
+    if args.check:
+        if new != old:
+            print(f"{args.readme}: generated blocks are stale; run python "
+                  f"scripts/readme_tables.py", file=sys.stderr)
+            return 1
+        return 0
+    if new != old:
+        args.readme.write_text(new)
+        print(f"readme_tables: rewrote {', '.join(block_names(new))} in {args.readme}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""How the engine tests (``tests/gpu/test_engine.py``) judge a workload: a correctness.json row.
+
+Three engines run the same workload with the oracle model (``tests/oracle_model.py``): the plugin
+on (FlashInfer wrapped), the plugin off with FlashInfer, and the plugin off with FlashAttention.
+The plugin is judged against plugin-off FlashInfer; the two plugin-off engines are two correct
+kernels, and their deviation on the same workload in the same run is the reference the plugin's
+must stay within (``agreement.agrees_with_reference``, ``agreement.beams_agree`` for beam
+search). Pure Python; the CPU tests in ``tests/test_engine_oracle.py`` cover it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_cascade_plugin import agreement
+
+CASCADE_WORKLOADS = ("a_", "b_", "c_", "d_")  # cascade must run on >= 90% of their decode steps
+MIN_CASCADE_STEPS = 0.9
+BEAM_METRIC = ("beam search: of the plugin-off FlashInfer run's finished beams, those the other "
+               "run found too (same tokens); |Δ cumulative logprob| per generated token")
+
+
+def _reference_ok(kernels: agreement.Deviation | agreement.BeamDeviation) -> bool:
+    """The two correct kernels themselves agree by the absolute rule: otherwise the model is too
+    sensitive for bf16 and the relative bound means nothing."""
+    return (kernels.fraction >= agreement.MIN_COMPARED and kernels.worst <= agreement.MAX_TOL
+            and kernels.mean <= agreement.MEAN_TOL)
+
+
+def judge(name: str, runner: str, on: dict, off: dict, reference: dict,
+          tp: int = 1) -> dict[str, Any]:
+    """One workload's row: ``on``, ``off`` and ``reference`` are engine_driver.py's results for
+    it (plugin on; plugin off, FlashInfer; plugin off, FlashAttention)."""
+    row: dict[str, Any] = {"workload": name, "runner": runner, "tensor_parallel_size": tp}
+    if "beams" in off:
+        plugin = agreement.compare_beams(on["beams"], off["beams"])
+        kernels = agreement.compare_beams(reference["beams"], off["beams"])
+        ok = agreement.beams_agree(plugin, kernels)
+        # Beam search runs each step as new one-token requests: prefills, no decode steps.
+        steps = on["steps_cascade"] / max(on["steps_planned"], 1)
+        row.update(metric=BEAM_METRIC, compared_beams=plugin.matched, beams=plugin.beams)
+    else:
+        plugin = agreement.measure(on["requests"], off["requests"])
+        kernels = agreement.measure(reference["requests"], off["requests"])
+        ok = agreement.agrees_with_reference(plugin, kernels)
+        steps = on["decode_steps_cascade"] / max(on["decode_steps_planned"], 1)
+        row.update(compared_tokens=plugin.compared, positions=plugin.positions)
+    if name.startswith(CASCADE_WORKLOADS):
+        ok = ok and steps >= MIN_CASCADE_STEPS
+    row.update(
+        max_abs_dlogprob=plugin.worst, mean_abs_dlogprob=plugin.mean,
+        compared_fraction=plugin.fraction,
+        reference_max_abs_dlogprob=kernels.worst, reference_mean_abs_dlogprob=kernels.mean,
+        reference_compared_fraction=kernels.fraction,
+        reference_outcome="pass" if _reference_ok(kernels) else "fail",
+        cascade_step_fraction=steps, fallbacks=on["fallbacks"],
+        outcome="pass" if ok else "fail")
+    return row
+
+
+def fails_widely(row: dict[str, Any]) -> bool:
+    """A corrupted plan's row: failed, and not narrowly: the comparison covers under half the
+    positions it must, or the compared ones are off by ten times the mean tolerance."""
+    return row["outcome"] == "fail" and (
+        row["compared_fraction"] < agreement.MIN_COMPARED / 2
+        or row["mean_abs_dlogprob"] >= 10 * agreement.MEAN_TOL)

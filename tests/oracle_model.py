@@ -1,0 +1,69 @@
+"""The engine oracle's model: a small random Llama whose outputs a one-page KV error visibly moves.
+
+The tiny Llama with transformers' plain initialisation (std 0.02) makes a poor oracle: its
+attention is nearly uniform and its logits nearly flat (the chosen token's logprob is about -8,
+the top-2 margin mostly below 0.1), so a plan with every page id shifted by one moved the
+engine comparison's mean |Δ logprob| to 0.0215 against a tolerance of 0.02, over a few percent of
+the positions. This model keeps the plain initialisation and changes three things:
+
+* ``q_proj`` and ``k_proj`` scaled by :data:`QK_SCALE`: attention logits spread with a standard
+  deviation of about 1.8 instead of 0.2, so a query's attention gathers on the few keys it
+  matches best and a page that holds them changes the output (sharper, 4x, was noisier between
+  two correct kernels for no more teeth);
+* ``lm_head`` scaled by :data:`LM_HEAD_SCALE`: logits spread (standard deviation about 2.7), the
+  chosen token's logprob is about -3 and the top-2 margin exceeds 0.1 at ~85% of positions;
+* a logit offset that softmax ignores: hidden dimension 0 holds the constant
+  :data:`OFFSET_INPUT` in every token's embedding (no layer writes to it) and every ``lm_head`` row
+  reads it with weight ``-OFFSET_WEIGHT``, so all logits of a position drop by the same amount and
+  the top one sits near 0..6 instead of ~10. vLLM computes logprobs from bf16 logits; one bf16
+  step of a logit in [8, 16) is 0.0625, of one in [2, 4) 0.0156: small logits keep a single
+  rounding flip far below the 0.1 per-token tolerance.
+
+``tests/test_oracle_model.py`` proves on the CPU that this model has teeth (a one-page KV error
+moves the chosen-token logprobs by more than ten times the tolerance, two correct attention
+computations stay well within it) and ``tests/gpu/conftest.py`` saves it for the engine tests.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+CONFIG: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512,
+    "intermediate_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 128, "vocab_size": 32000,
+    "max_position_embeddings": 16384, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
+    "hidden_act": "silu", "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+}
+SEED = 0
+QK_SCALE = 3.0
+LM_HEAD_SCALE = 6.0
+OFFSET_INPUT, OFFSET_WEIGHT = 0.05, 30.0
+PAGE_SIZE = 16  # vLLM's KV block size on the engine tests: one page is 16 tokens
+
+
+def build() -> Any:
+    """The model in bfloat16, as it is saved (deterministic: seeded initialisation)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(SEED)
+    model = LlamaForCausalLM(LlamaConfig(**CONFIG)).float().eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(QK_SCALE)
+            layer.self_attn.k_proj.weight.mul_(QK_SCALE)
+            # Nothing writes hidden dimension 0: it stays OFFSET_INPUT at every position.
+            layer.self_attn.o_proj.weight[0] = 0
+            layer.mlp.down_proj.weight[0] = 0
+        model.model.embed_tokens.weight[:, 0] = OFFSET_INPUT
+        model.lm_head.weight.mul_(LM_HEAD_SCALE)
+        model.lm_head.weight[:, 0] = -OFFSET_WEIGHT
+    return model.to(torch.bfloat16)
+
+
+def save(out: str | Path) -> str:
+    """Build the model and ``save_pretrained`` it (bf16 safetensors and config) into ``out``."""
+    build().save_pretrained(out)
+    return str(out)

@@ -1,0 +1,111 @@
+"""``vllm-cascade check`` with the arguments vLLM will start with: it reads them as vLLM does and
+names what keeps every step flat (the same reasons the builders log at startup)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from vllm_cascade_plugin import cli, support
+
+NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
+EAGLE = json.dumps({"method": "eagle", "model": "some/eagle", "num_speculative_tokens": 3})
+
+
+@pytest.fixture
+def plugin_on(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith("CASCADE_") or name == "VLLM_PLUGINS":
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("CASCADE_ATTENTION", "1")
+
+
+def test_check_reads_the_settings_it_judges_in_both_spellings():
+    values = support.read_engine_arguments(
+        ["my/model", "--port", "8000", "--kv_cache_dtype=fp8", "--no-enable-prefix-caching",
+         "--speculative-config", NGRAM, "--attention-backend", "FLASH_ATTN", "-tp", "2"])
+    assert values == {"attention_backend": "FLASH_ATTN", "kv_cache_dtype": "fp8",
+                      "enable_prefix_caching": False, "async_scheduling": None,
+                      "speculative_config": json.loads(NGRAM)}
+    assert support.read_engine_arguments([]) == dict.fromkeys(support.ENGINE_FIELDS)
+    for bad in (["--kv-cache-dtype"], ["--speculative-config", "{not json"]):
+        with pytest.raises(ValueError):
+            support.read_engine_arguments(bad)
+
+
+@pytest.mark.parametrize(("argv", "reasons"), [
+    ([], []),
+    (["--attention-backend", "FLASH_ATTN", "--kv-cache-dtype", "auto"], []),
+    (["--attention-backend", "flashinfer"], []),
+    (["--speculative-config", NGRAM], []),
+    (["--enable-prefix-caching"], []),
+    (["--no-enable-prefix-caching"], [support.PREFIX_CACHING_OFF]),
+    (["--kv-cache-dtype", "fp8_e5m2"], [support.kv_cache_dtype_reason("fp8_e5m2")]),
+    (["--speculative-config", NGRAM, "--async-scheduling"], [support.ASYNC_SPECULATIVE]),
+    (["--speculative-config", EAGLE], [support.speculative_reason("eagle", None)]),
+    (["--attention-backend", "TRITON_ATTN"], ["--attention-backend TRITON_ATTN: the plugin "
+                                              "extends FLASH_ATTN and FLASHINFER only; other "
+                                              "backends run as without it"]),
+])
+def test_check_names_every_setting_that_keeps_the_cascade_flat(argv, reasons):
+    assert support.engine_argument_reasons(support.read_engine_arguments(argv)) == reasons
+
+
+def test_the_reasons_for_fp8_and_speculative_decoding_say_why():
+    assert support.kv_cache_dtype_reason("auto") is None
+    assert support.kv_cache_dtype_reason("bfloat16") is None
+    assert "without its K/V scales" in support.kv_cache_dtype_reason("fp8")
+    assert support.speculative_reason("ngram", False) is None
+    assert support.speculative_reason("suffix", None) is None
+    assert "upper bounds" in support.speculative_reason("ngram", True)
+    assert "drafter" in support.speculative_reason("mtp", False)
+
+
+def test_vllms_own_parser_reads_these_flags_as_check_does():
+    """The flags check reads are EngineArgs fields vLLM parses to the same values (a CPU platform
+    stands in for the GPU; in a subprocess, so no other test sees it)."""
+    argv = ["--kv-cache-dtype", "fp8", "--no-enable-prefix-caching", "--speculative-config",
+            NGRAM, "--attention-backend", "FLASHINFER", "--no-async-scheduling"]
+    script = textwrap.dedent("""
+        import dataclasses, json, sys
+        import vllm.platforms
+        from vllm.platforms.cpu import CpuPlatform
+        vllm.platforms._current_platform = CpuPlatform()
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+        fields = [f.name for f in dataclasses.fields(EngineArgs)]
+        args = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(json.loads(sys.argv[1]))
+        names = json.loads(sys.argv[2])
+        print("PARSED" + json.dumps({"fields": [n for n in names if n in fields],
+                                     "values": {n: getattr(args, n) for n in names}},
+                                    default=lambda v: getattr(v, "name", str(v))))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script, json.dumps(argv),
+                           json.dumps(support.ENGINE_FIELDS)],
+                          capture_output=True, text=True, timeout=300)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("PARSED")), None)
+    assert line is not None, proc.stderr[-3000:]
+    parsed = json.loads(line[6:])
+    assert parsed["fields"] == list(support.ENGINE_FIELDS)
+    assert parsed["values"] == support.read_engine_arguments(argv)
+
+
+def test_check_with_arguments_that_keep_the_cascade_flat_says_so_and_exits_1(plugin_on,
+                                                                            capsys):
+    assert cli.main(["check", "--kv-cache-dtype", "fp8", "--no-enable-prefix-caching"]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "every step runs vLLM's flat attention and the plugin has nothing to do" in out
+    assert " ".join(support.PREFIX_CACHING_OFF.split()) in out
+    assert "FP8 KV cache (kv_cache_dtype=fp8)" in out
+
+
+def test_check_with_arguments_the_cascade_can_serve_exits_0(plugin_on, capsys):
+    assert cli.main(["check", "my/model", "--speculative-config", NGRAM]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "nothing keeps the cascade off" in out
+    assert "no --attention-backend, so vLLM picks it: FLASH_ATTN on Hopper" in out

@@ -1,0 +1,137 @@
+"""README.md: its measured figures are what scripts/readme_tables.py renders from the committed
+result files, it stays a user's document, and it lists every runtime patch and knob."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+
+
+def _tables():
+    spec = importlib.util.spec_from_file_location("readme_tables", REPO / "scripts" /
+                                                  "readme_tables.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["readme_tables"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+tables = _tables()
+
+
+def test_every_generated_block_is_what_the_committed_results_render():
+    text = README.read_text()
+    assert set(tables.block_names(text)) == set(tables.BLOCKS)
+    assert tables.render(text) == text, "run: python scripts/readme_tables.py"
+
+
+def test_the_check_mode_fails_on_a_stale_figure(tmp_path, capsys):
+    text = README.read_text()
+    stale = tmp_path / "README.md"
+    stale.write_text(text.replace("<!-- table:e2e -->\n", "<!-- table:e2e -->\n9.99 "))
+    assert tables.main(["--check", "--readme", str(stale)]) == 1
+    assert "stale" in capsys.readouterr().err
+    fresh = tmp_path / "fresh.md"
+    fresh.write_text(text)
+    assert tables.main(["--check", "--readme", str(fresh)]) == 0
+
+
+def test_an_unknown_block_is_an_error():
+    with pytest.raises(KeyError, match="nonesuch"):
+        tables.render("<!-- table:nonesuch -->\n<!-- /table -->\n")
+
+
+def test_readme_is_short_and_has_no_development_history():
+    text = README.read_text()
+    assert len(text.splitlines()) <= 300
+    for pattern in (r"\bsession ?\d", r"\b(start|final|round|part)\d", r"DESIGN\.md",
+                    r"\bnot re-run\b"):
+        assert not re.search(pattern, text, re.I), pattern
+    for word in re.findall(r"\b[0-9a-f]{7,40}\b", text):  # commit hashes
+        assert not (re.search(r"\d", word) and re.search(r"[a-f]", word)), word
+
+
+def test_every_path_the_readme_names_exists():
+    text = README.read_text()
+    serve = re.search(r"<!-- table:serve -->.*?<!-- /table -->", text, re.S)
+    assert serve is not None
+    rest = text.replace(serve.group(0), "")  # names serve.json before it exists
+    paths = re.findall(r"`((?:benchmarks|examples|scripts|tests|docs|src)/[^`\s]*)`", rest)
+    paths += re.findall(r"\]\(((?!https?:|#)[^)\s]+)\)", rest)
+    assert paths
+    for path in paths:
+        assert (REPO / path).exists(), path
+
+
+def test_every_knob_is_in_the_configuration_table():
+    knobs = set(re.findall(r'"(CASCADE_[A-Z_]+)"',
+                           (REPO / "src" / "vllm_cascade_plugin" / "config.py").read_text()))
+    rows = set(re.findall(r"^\| `(CASCADE_[A-Z_]+)` \|", README.read_text(), re.M))
+    assert knobs and rows == knobs
+
+
+def test_every_runtime_patch_of_vllm_is_listed():
+    pytest.importorskip("vllm")
+    from vllm_cascade_plugin import hooks
+
+    text = README.read_text()
+    listed = re.findall(r"^\| (V[12]) `(\w+)\.(\w+)` \|", text, re.M)
+    patched = []
+    for owner, name, _ in hooks.patch_targets():
+        runner = "V2" if ".worker.gpu." in owner.__module__ else "V1"
+        patched.append((runner, owner.__name__, name))
+    assert sorted(listed) == sorted(patched)
+    assert "register_backend(" in text  # the backend registration in __init__.py
+
+
+def test_the_kernel_tables_plugin_column_is_the_shipped_cost_models_choice(tmp_path):
+    """kernel_bench.py --redecide (CPU) re-takes every row's choice with the shipped model."""
+    import shutil
+
+    from test_planner import run_python
+
+    for name in ("kernel_grid.json", "kernel_grid.meta.json", "kernel_grid.summary.json"):
+        shutil.copy(tables.H200 / name, tmp_path / name)
+    out = run_python(str(REPO / "benchmarks" / "kernel_bench.py"), "--redecide", "--out",
+                     str(tmp_path))
+    assert "changed: none" in out
+
+
+def _serve_row(config: str, rate: str | float, spec: str, scale: float) -> dict:
+    return {"workload": "prefix_8k_x4", "config": config, "request_rate": rate,
+            "rate_spec": spec, "tensor_parallel_size": 1, "output_tok_per_s": 1000 * scale,
+            "ttft_ms_p50": 100 / scale, "ttft_ms_p99": 400 / scale, "tpot_ms_p50": 20 / scale,
+            "tpot_ms_p99": 30 / scale, "itl_ms_p99": 40 / scale, "request_throughput": 4 * scale,
+            "cascade_step_fraction": 0.95 if config == "cascade" else None}
+
+
+def test_serve_block_says_not_measured_without_results(tmp_path, monkeypatch):
+    monkeypatch.setattr(tables, "H200", tmp_path)
+    assert "Not measured yet" in "\n".join(tables.block_serve())
+
+
+def test_serve_block_shows_the_plugin_against_flat_per_workload_and_rate(tmp_path, monkeypatch):
+    rows = [_serve_row("flashinfer", "burst", "burst", 1.0), _serve_row("cascade", "burst",
+                                                                         "burst", 2.0),
+            _serve_row("flashinfer", 2.0, "50%", 1.0), _serve_row("cascade", 2.0, "50%", 1.25),
+            _serve_row("flash_attn", 2.0, "50%", 0.9)]
+    (tmp_path / "serve.json").write_text(json.dumps(rows))
+    monkeypatch.setattr(tables, "H200", tmp_path)
+    monkeypatch.setattr(tables, "ROOT", tmp_path.parent)
+    lines = tables.block_serve()
+    table = [line for line in lines if line.startswith("| prefix_8k_x4")]
+    assert len(table) == 2
+    burst, half = table
+    x = tables.TIMES
+    assert "| burst |" in burst and f"1,000 → 2,000 (2.00{x})" in burst
+    assert f"100 → 50 (0.50{x})" in burst and "95%" in burst
+    assert "| 50% (2.0 req/s) |" in half and f"20.0 → 16.0 (0.80{x})" in half
