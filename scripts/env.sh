@@ -25,4 +25,9 @@ fi
 # The checkout itself: editable, without dependencies (they are pinned above), so a fresh clone
 # in another folder takes over the cached environment in seconds.
 "$VENV/bin/uv" pip install -q --python "$VENV/bin/python" --no-deps -e "$_root"
+# Bytecode caches: written, next to the environments (never into the clone), and read by every
+# later process, even where PYTHONDONTWRITEBYTECODE is set (compiling vLLM's import from source
+# costs each process ~18 s of CPU, ~7 s compiled).
+unset PYTHONDONTWRITEBYTECODE
+export PYTHONPYCACHEPREFIX="$_cache/pycache"
 export VENV PATH="$VENV/bin:$PATH"

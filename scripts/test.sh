@@ -1,52 +1,84 @@
 #!/usr/bin/env bash
 # The test command (what CI runs: .ci/run). Builds (or reuses) the pinned virtual environments
-# and runs, on CPU:
-#   1. vLLM 0.26.0 + FlashInfer 0.6.14: ruff, mypy and the test suite;
-#   2. vLLM 0.33.0 + FlashInfer 0.7.2.post1: the test suite;
-#   3. the FlashInfer matrix beside vLLM 0.26.0 (scripts/flashinfer_matrix.sh).
+# and the FlashInfer matrix's overlays, then runs these stages on CPU, side by side
+# (scripts/stages.sh: as many at a time as there are CPUs, up to 4):
+#   - ruff and mypy;
+#   - vLLM 0.26.0 + FlashInfer 0.6.14: the test suite in two runs. The tests not marked
+#     flashinfer run with FlashInfer unusable (tests/hide_flashinfer): one that touches it fails,
+#     so every test whose outcome can depend on the FlashInfer release beside the matrix's vLLM
+#     is marked. The marked ones run beside them, and are the FlashInfer matrix's cell for 0.6.14;
+#   - vLLM 0.33.0 + FlashInfer 0.7.2.post1: the test suite, in two runs side by side (unmarked,
+#     marked; FlashInfer usable in both: 0.33's own imports read FlashInfer's files);
+#   - the FlashInfer matrix's other cells beside vLLM 0.26.0: the marked tests under each
+#     release (scripts/flashinfer_matrix.sh, scripts/fi_cells.sh).
 # GPU tests (tests/gpu) skip without CUDA. Every stage runs; the command fails if any failed, and
-# a pytest run that collects no test counts as failed.
+# a pytest run that collects no test counts as failed. pytest args go to every pytest run.
 # Usage: bash scripts/test.sh [pytest args...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Environments first: failing to build one stops everything (nothing ran in the wrong one).
+# Environments first, side by side; failing to build one stops everything (nothing ran in the
+# wrong one). Sourcing env.sh again after a build only reinstalls this checkout (seconds).
+( source scripts/env.sh requirements/vllm-0.33.0.txt > /dev/null ) & build_033=$!
+source scripts/env.sh requirements/vllm-0.26.0.txt
+source scripts/fi_cells.sh
+fi_build_overlays
+wait "$build_033"
 source scripts/env.sh requirements/vllm-0.33.0.txt
 venv_033=$VENV
 source scripts/env.sh requirements/vllm-0.26.0.txt  # first on PATH: ruff, mypy, the matrix
 venv_026=$VENV
+source scripts/stages.sh
 
-suite() {  # requirements file, environment, then pytest args
-  local req=$1 python=$2/bin/python rc
-  shift 2
-  "$python" - "$req" <<'PY' || return 1
-import re, sys
-
-import flashinfer, torch, vllm
-
-pins = dict(re.findall(r"^([\w.-]+)==(\S+)", open(sys.argv[1]).read(), re.M))
-print(f"[test] vLLM {vllm.__version__}, FlashInfer {flashinfer.__version__}, torch {torch.__version__}")
-sys.exit(vllm.__version__ != pins["vllm"] or flashinfer.__version__ != pins["flashinfer-python"])
-PY
-  set +e
-  "$python" -m pytest "$@"
-  rc=$?
-  set -e
-  if [ "$rc" -eq 5 ]; then
-    echo "[test] pytest collected no tests: that is a failure" >&2
-  fi
-  return "$rc"
+lint() {
+  local failed=0
+  ruff check src tests benchmarks examples scripts || failed=1
+  mypy || failed=1
+  return "$failed"
 }
 
-failed=()
-ruff check src tests benchmarks examples scripts || failed+=("ruff")
-mypy || failed+=("mypy")
-suite requirements/vllm-0.26.0.txt "$venv_026" "$@" || failed+=("vLLM 0.26.0 suite")
-suite requirements/vllm-0.33.0.txt "$venv_033" "$@" || failed+=("vLLM 0.33.0 suite")
-bash scripts/flashinfer_matrix.sh "$@" || failed+=("FlashInfer matrix")
+pins() {  # requirements file, environment: the installed vLLM and FlashInfer are the pinned ones
+  "$2/bin/python" - "$1" <<'PY'
+import importlib.metadata as m, re, sys
 
-if [ "${#failed[@]}" -gt 0 ]; then
-  printf '[test] FAILED: %s\n' "${failed[@]}" >&2
+pins = dict(re.findall(r"^([\w.-]+)==(\S+)", open(sys.argv[1]).read(), re.M))
+have = {d: m.version(d) for d in ("vllm", "flashinfer-python", "torch")}
+print(f"[test] vLLM {have['vllm']}, FlashInfer {have['flashinfer-python']}, torch {have['torch']}")
+sys.exit(have["vllm"] != pins["vllm"] or have["flashinfer-python"] != pins["flashinfer-python"])
+PY
+}
+
+suite() {  # requirements file, environment, then pytest args
+  local req=$1 venv=$2
+  shift 2
+  pins "$req" "$venv" && pytest_run "$venv/bin/python" "$@"
+}
+
+unmarked() {  # requirements file, environment, then pytest args: with FlashInfer unusable
+  local req=$1 venv=$2
+  shift 2
+  pins "$req" "$venv" && PYTHONPATH=tests/hide_flashinfer${PYTHONPATH:+:$PYTHONPATH} \
+    pytest_run "$venv/bin/python" -m "not flashinfer" "$@"
+}
+
+# Longest first: the table at the end shows each stage's time.
+stage "vLLM 0.33.0 suite, tests not marked flashinfer" \
+  suite requirements/vllm-0.33.0.txt "$venv_033" -m "not flashinfer" "$@"
+stage "vLLM 0.26.0 suite, tests not marked flashinfer (FlashInfer unusable)" \
+  unmarked requirements/vllm-0.26.0.txt "$venv_026" "$@"
+stage "ruff and mypy" lint
+stage "vLLM 0.33.0 suite, tests marked flashinfer" \
+  suite requirements/vllm-0.33.0.txt "$venv_033" -m flashinfer "$@"
+for cell in "${fi_cells[@]}"; do
+  [ "${cell%% *}" = "$fi_base" ] && continue
+  stage "FlashInfer ${cell%% *} beside vLLM 0.26.0: tests marked flashinfer" fi_cell "$cell" "$@"
+done
+stage "vLLM 0.26.0 suite, tests marked flashinfer (FlashInfer $fi_base: its matrix cell)" \
+  suite requirements/vllm-0.26.0.txt "$venv_026" -m flashinfer "$@"
+
+if run_stages; then
+  echo "[test] all stages passed"
+else
+  echo "[test] FAILED: see the stages marked FAILED above" >&2
   exit 1
 fi
-echo "[test] all stages passed"

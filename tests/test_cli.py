@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from fresh_python import vllm_process
 from vllm_cascade_plugin import cli, demo, demo_engine
 from vllm_cascade_plugin.config import CascadeConfig
 
@@ -19,10 +20,14 @@ SMALL = ["--system-tokens", "64", "--documents", "2", "--document-tokens", "256"
          "--questions", "3", "--max-tokens", "20"]
 
 
-def run_cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+def run_cli(*args: str, forked: bool = False, **env: str) -> subprocess.CompletedProcess[str]:
+    """``python -m vllm_cascade_plugin.cli ARGS``; ``forked``: in a child of the fork server
+    (tests/fresh_python.py), which has imported vLLM already, as the command does first."""
     environ = {k: v for k, v in os.environ.items()
                if not k.startswith("CASCADE_") and k != "VLLM_PLUGINS"}
     environ.update(env)
+    if forked:
+        return vllm_process(environ).run_module("vllm_cascade_plugin.cli", list(args), environ)
     return subprocess.run([sys.executable, "-m", "vllm_cascade_plugin.cli", *args], env=environ,
                           capture_output=True, text=True, timeout=300)
 
@@ -35,8 +40,9 @@ def clean_env(monkeypatch):
     return monkeypatch
 
 
+@pytest.mark.flashinfer
 def test_check_with_the_plugin_on_registers_for_real_and_exits_0():
-    proc = run_cli("check", CASCADE_ATTENTION="1")
+    proc = run_cli("check", forked=True, CASCADE_ATTENTION="1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = " ".join(proc.stdout.split())
     for expected in ("Python", "torch", "GPU", "vLLM", "FlashInfer", "CASCADE_LOG_INTERVAL",
@@ -51,12 +57,14 @@ def test_check_with_the_plugin_on_registers_for_real_and_exits_0():
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.flashinfer
 def test_check_with_the_plugin_off_says_why_and_exits_1(clean_env, capsys):
     assert cli.main(["check"]) == 1
     out = capsys.readouterr().out
     assert "the plugin stays OFF" in out and "CASCADE_ATTENTION is off" in out
 
 
+@pytest.mark.flashinfer
 def test_check_names_the_plugins_filter(clean_env, capsys):
     clean_env.setenv("CASCADE_ATTENTION", "1")
     clean_env.setenv("VLLM_PLUGINS", "other")
@@ -65,6 +73,7 @@ def test_check_names_the_plugins_filter(clean_env, capsys):
     assert "VLLM_PLUGINS does not list 'cascade'" in out and "the plugin stays OFF" in out
 
 
+@pytest.mark.flashinfer
 def test_check_with_a_bad_knob_says_vllm_refuses_to_start_and_shows_the_other_knobs(clean_env,
                                                                                     capsys):
     """A bad knob makes register() raise in every vLLM process, so vLLM does not start (it does

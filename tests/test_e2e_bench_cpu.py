@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parents[1]
 
 
@@ -97,6 +99,7 @@ def test_worker_counters_report_this_process_plugin_state():
     assert isinstance(counters["executors"], list)
 
 
+@pytest.mark.flashinfer
 def test_worker_counters_sum_the_graph_counts_of_every_executor(monkeypatch):
     import torch
 

@@ -28,7 +28,8 @@ from hypothesis import strategies as st
 
 from test_planner import batches, limits, make_batch
 from test_reference import TOLERANCE, dense_attention, kv_cache
-from vllm_cascade_plugin import compat, decode_level, fa3_levels, kernels, stats
+from vllm_cascade_plugin import compat, decode_level, fa3_levels, stats
+from vllm_cascade_plugin.fa3_executor import FlashAttnCascadeExecutor
 from vllm_cascade_plugin.graphs import LayerGraphs
 from vllm_cascade_plugin.planner import CascadePlanner
 
@@ -96,7 +97,7 @@ TRITON_ON_CPU = (os.environ.get("TRITON_INTERPRET") == "1"
 
 def planned(plan, shape, executor=None, soft_cap=None, fused=True):
     num_heads, kv_heads, head_dim, dtype = shape
-    executor = executor or kernels.FlashAttnCascadeExecutor("NHD", max_levels=4,
+    executor = executor or FlashAttnCascadeExecutor("NHD", max_levels=4,
                                                             fused_decode=fused)
     executor.plan(plan, num_qo_heads=num_heads, num_kv_heads=kv_heads, head_dim=head_dim,
                   page_size=plan.page_size, sm_scale=head_dim**-0.5, logits_soft_cap=soft_cap,
@@ -173,14 +174,17 @@ def test_a_level_the_next_plan_keeps_is_not_uploaded_again(monkeypatch):
 
 def test_run_before_plan_and_hnd_are_refused():
     with pytest.raises(RuntimeError, match="NHD"):
-        kernels.FlashAttnCascadeExecutor("HND")
-    executor = kernels.FlashAttnCascadeExecutor("NHD")
+        FlashAttnCascadeExecutor("HND")
+    executor = FlashAttnCascadeExecutor("NHD")
     with pytest.raises(RuntimeError, match="before plan"):
         executor.run(torch.zeros(1, 1, 64), torch.zeros(1, 16, 1, 64), torch.zeros(1, 16, 1, 64),
                      torch.zeros(1, 1, 64))
 
 
+@pytest.mark.flashinfer  # vllm_cascade_plugin.kernels imports the FlashInfer executor
 def test_auto_takes_fa3_where_it_runs_and_flashinfer_elsewhere(monkeypatch):
+    from vllm_cascade_plugin import kernels
+
     assert kernels.choose_kernel("auto", "NHD")[0] == "fa3"
     assert kernels.choose_kernel("flashinfer", "NHD")[0] == "flashinfer"
     kind, line = kernels.choose_kernel("fa3", "HND")
@@ -276,7 +280,7 @@ def test_graphed_decode_steps_replay_with_each_steps_metadata(interleaved):
     per-request attention with that step's lengths (a replay that read a stale or
     fresh-per-step buffer would not)."""
     steps, layers, heads, kv_heads, d = 7, 2, 4, 2, 64
-    executor = kernels.FlashAttnCascadeExecutor("NHD", max_levels=4, cuda_graphs=True)
+    executor = FlashAttnCascadeExecutor("NHD", max_levels=4, cuda_graphs=True)
     executor.graphs.capture = replaying_capture
     planner = CascadePlanner()
     gen = torch.Generator().manual_seed(5)
@@ -309,7 +313,7 @@ def test_a_failed_capture_runs_eagerly_and_warns_once(caplog):
     def broken(fn):
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    executor = kernels.FlashAttnCascadeExecutor("NHD", max_levels=4, cuda_graphs=True)
+    executor = FlashAttnCascadeExecutor("NHD", max_levels=4, cuda_graphs=True)
     executor.graphs.capture = broken
     planner = CascadePlanner()
     k_cache, v_cache = kv_cache(48, 16, 2, 64, torch.float32, seed=1)
@@ -377,7 +381,7 @@ def test_non_decode_steps_and_graphs_off_run_eagerly():
     prefill = make_batch(table, [60, 60], [5, 5], page_size=16).plan()
     decode = make_batch(table, [60, 60], [1, 1], page_size=16).plan()
     shape = (4, 2, 64, torch.float32)
-    graphed = kernels.FlashAttnCascadeExecutor("NHD", max_levels=4, cuda_graphs=True)
+    graphed = FlashAttnCascadeExecutor("NHD", max_levels=4, cuda_graphs=True)
     graphed.graphs.capture = replaying_capture
     assert planned(prefill, shape, graphed)._step.graph_key is None
     assert (planned(decode, shape, graphed)._step.graph_key is not None) is TRITON_ON_CPU
@@ -432,7 +436,7 @@ def test_graphed_steps_of_a_changing_batch_replay_one_layout_per_padded_size():
     from vllm_cascade_plugin import graph_layout
 
     heads, kv_heads, d, padded, layers, steps = 4, 2, 64, 8, 2, 12
-    executor = kernels.FlashAttnCascadeExecutor("NHD", max_levels=4, cuda_graphs=True)
+    executor = FlashAttnCascadeExecutor("NHD", max_levels=4, cuda_graphs=True)
     executor.graphs.capture = replaying_capture
     planner = CascadePlanner()
     gen = torch.Generator().manual_seed(5)

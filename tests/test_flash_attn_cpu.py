@@ -310,6 +310,7 @@ def test_flash_attn_builder_takes_build_calls_without_common_prefix_len(fa_engin
     assert calls == [False, False, False, True]
 
 
+@pytest.mark.flashinfer
 def test_flashinfer_builder_takes_build_calls_without_common_prefix_len(
         engine, monkeypatch):  # noqa: F811
     from vllm.v1.attention.backends.flashinfer import FlashInferMetadataBuilder
@@ -354,6 +355,7 @@ def test_flash_attn_runs_cascade_on_fa3_only_and_says_which_backend_carries_it(
     assert isinstance(builder._executor(), kernels.FlashAttnCascadeExecutor)
 
 
+@pytest.mark.flashinfer
 def test_flashinfer_builder_says_which_backend_carries_it(
         tmp_path, monkeypatch, plugin_log):  # noqa: F811
     monkeypatch.setenv("CASCADE_ATTENTION", "1")
@@ -377,7 +379,7 @@ def fp8_capable(monkeypatch):
         monkeypatch.setattr(fa, "flash_attn_supports_kv_cache_dtype", lambda *a, **k: True)
 
 
-
+@pytest.mark.flashinfer  # FlashInfer's builder too
 @pytest.mark.parametrize(("engine_args", "reason"), [
     ({"enable_prefix_caching": False}, support.PREFIX_CACHING_OFF),
     ({"kv_cache_dtype": "fp8"}, support.kv_cache_dtype_reason("fp8")),

@@ -19,6 +19,8 @@ import vllm_cpu
 from vllm_cascade_plugin import reference, stats
 from vllm_cascade_plugin.step import session
 
+pytestmark = pytest.mark.flashinfer  # vLLM's FlashInfer backend, which imports FlashInfer
+
 PAGE, HEADS, KV_HEADS, DIM, BLOCKS = 16, 8, 2, 128, 64
 SCALE = DIM**-0.5
 TOL = 1e-5  # fp32 end to end: summation order only

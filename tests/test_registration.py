@@ -1,16 +1,21 @@
-"""The entry point as vLLM runs it: each case in a fresh interpreter, like a vLLM process.
+"""The entry point as vLLM runs it: each case in a process of its own, like a vLLM process.
 
 The plugin overrides two registry entries, FLASH_ATTN and FLASHINFER: these tests fail loudly when
-vLLM's registry or its class paths change under them."""
+vLLM's registry or its class paths change under them. Each case runs in a child of the fork server
+(``tests/fresh_python.py``: an interpreter that has imported vLLM, forked per case); one also in a
+new interpreter, which must see the same.
+"""
 
 import json
 import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
+from fresh_python import vllm_process
 from vllm_cascade_plugin import BACKEND_PATH, FLASH_ATTN_BACKEND_PATH
 from vllm_cascade_plugin.compat import flashinfer_api_problems
 
@@ -21,17 +26,17 @@ PROBE = """
 import json, sys
 from vllm.plugins import load_general_plugins
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
+heavy = ("flashinfer", "vllm.v1.attention.backends.flashinfer",
+         "vllm.v1.attention.backends.flash_attn", "vllm_cascade_plugin.backend",
+         "vllm_cascade_plugin.kernels", "vllm_cascade_plugin.flash_attn_backend")
 before = set(sys.modules)
 load_general_plugins()
-new = sorted(m for m in set(sys.modules) - before
-             if m.startswith(("flashinfer", "vllm.v1.attention.backends.flashinfer",
-                              "vllm.v1.attention.backends.flash_attn",
-                              "vllm_cascade_plugin.backend", "vllm_cascade_plugin.kernels",
-                              "vllm_cascade_plugin.flash_attn_backend")))
+new = sorted(m for m in set(sys.modules) - before if m.startswith(heavy))
 fi, fa = AttentionBackendEnum.FLASHINFER, AttentionBackendEnum.FLASH_ATTN
 print("RESULT" + json.dumps({"path": fi.get_path(), "overridden": fi.is_overridden(),
                              "fa_path": fa.get_path(), "fa_overridden": fa.is_overridden(),
-                             "heavy_imports": new}))
+                             "heavy_imports": new,
+                             "preloaded": sorted(m for m in before if m.startswith(heavy))}))
 """
 
 
@@ -45,21 +50,38 @@ if hasattr(vllm.logger, "configure_logging"):
 """
 
 
-def run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+def run_python(code: str, new_interpreter: bool = False,
+               **env: str) -> subprocess.CompletedProcess[str]:
     environ = {k: v for k, v in os.environ.items()
                if not k.startswith("CASCADE_") and k != "VLLM_PLUGINS"}
     environ.update(env)
-    return subprocess.run([sys.executable, "-c", VLLM_LOGGING + textwrap.dedent(code)],
-                          env=environ, capture_output=True, text=True, timeout=300)
+    code = VLLM_LOGGING + textwrap.dedent(code)
+    if new_interpreter:
+        return subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True,
+                              text=True, timeout=300)
+    return vllm_process(environ).run(code, environ)
 
 
-def probe(prelude: str = "", **env: str) -> tuple[dict, str]:
-    proc = run_python(prelude + PROBE, **env)
+def probe(prelude: str = "", new_interpreter: bool = False, **env: str) -> tuple[dict, str]:
+    proc = run_python(prelude + PROBE, new_interpreter, **env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
-    return json.loads(line[len("RESULT"):]), proc.stdout + proc.stderr
+    result = json.loads(line[len("RESULT"):])
+    assert result["preloaded"] == [], "the heavy-import check would see nothing"
+    return result, proc.stdout + proc.stderr
 
 
+def test_a_forked_case_sees_what_a_new_interpreter_sees():
+    """The fork server's premise (tests/fresh_python.py), checked on this vLLM."""
+    new, new_log = probe(new_interpreter=True)
+    forked, forked_log = probe()
+    assert new == forked == {"path": VLLM_DEFAULT, "overridden": False,
+                             "fa_path": VLLM_FLASH_ATTN, "fa_overridden": False,
+                             "heavy_imports": [], "preloaded": []}
+    assert "cascade" not in new_log.lower() and "cascade" not in forked_log.lower()
+
+
+@pytest.mark.flashinfer
 def test_enabled_plugin_overrides_flash_attn_and_flashinfer_without_importing_them():
     result, log = probe(CASCADE_ATTENTION="1")
     assert result["path"] == BACKEND_PATH and result["overridden"]
@@ -68,6 +90,7 @@ def test_enabled_plugin_overrides_flash_attn_and_flashinfer_without_importing_th
     assert log.count("cascade attention on for the FLASH_ATTN and FLASHINFER backends") == 1
 
 
+@pytest.mark.flashinfer
 def test_registered_path_imports_our_subclasses():
     code = """
     from vllm.plugins import load_general_plugins
@@ -117,6 +140,7 @@ def test_bad_toggle_aborts_startup_with_an_actionable_message():
     assert "1/true/on or 0/false/off" in proc.stderr
 
 
+@pytest.mark.flashinfer
 @pytest.mark.parametrize(("distribution", "name", "version"), [
     ("flashinfer-python", "FlashInfer", "0.5.3"), ("flashinfer-python", "FlashInfer", "0.8.0"),
     ("vllm", "vLLM", "0.25.1"), ("vllm", "vLLM", "0.34.0")])
@@ -133,6 +157,7 @@ def test_unsupported_version_warns_once_and_stays_off(distribution, name, versio
     assert f"{name} {version} is outside the supported range" in log
 
 
+@pytest.mark.flashinfer
 def test_register_is_idempotent_within_a_process():
     code = """
     from vllm_cascade_plugin import BACKEND_PATH, FLASH_ATTN_BACKEND_PATH, register
@@ -147,6 +172,18 @@ def test_register_is_idempotent_within_a_process():
     assert (proc.stdout + proc.stderr).count("cascade attention on") == 1
 
 
+@pytest.mark.flashinfer
+def test_the_imported_flashinfer_is_the_installed_distribution():
+    """The matrix's cells check the distribution they find; this, that it is what imports."""
+    import flashinfer
+
+    from vllm_cascade_plugin.compat import _flashinfer_dir, installed_version
+
+    assert flashinfer.__version__ == installed_version("flashinfer-python")
+    assert Path(flashinfer.__file__).parent == _flashinfer_dir()
+
+
+@pytest.mark.flashinfer
 def test_installed_flashinfer_has_the_api_we_call():
     assert flashinfer_api_problems() == []
 

@@ -103,6 +103,7 @@ def test_plan_violations_names_each_broken_rule():
                                table, seq, q))
 
 
+@pytest.mark.flashinfer
 def test_flashinfer_planning_error_builds_plain_vllm_metadata(engine):  # noqa: F811
     _, builder, _ = engine
     stats.reset()
@@ -118,6 +119,7 @@ def test_flashinfer_planning_error_builds_plain_vllm_metadata(engine):  # noqa: 
     assert stats.snapshot().fallbacks["kernel planning error"] == 1
 
 
+@pytest.mark.flashinfer
 def test_out_of_range_block_id_is_caught_before_any_kernel_runs(engine, monkeypatch):  # noqa: F811
     from vllm.v1.attention.backends.flashinfer import FlashInferImpl
 
@@ -143,6 +145,7 @@ def test_out_of_range_block_id_is_caught_before_any_kernel_runs(engine, monkeypa
     assert stats.snapshot().fallbacks["block id out of range"] == 1
 
 
+@pytest.mark.flashinfer
 def test_steps_after_a_kernel_failure_run_cascade_again(engine):  # noqa: F811
     from vllm_cascade_plugin.step import session
 
@@ -238,6 +241,7 @@ def engine_with(config, path, value):
     ({"sliding_window": 128}, "sliding-window attention"),
     ({"alibi_slopes": [0.5] * 8}, "ALiBi"),
 ])
+@pytest.mark.flashinfer
 def test_unsupported_layer_is_detected(engine, change, reason):  # noqa: F811
     from vllm_cascade_plugin.backend import unsupported_reason
 
@@ -254,6 +258,7 @@ def test_unsupported_layer_is_detected(engine, change, reason):  # noqa: F811
     ("parallel_config.pipeline_parallel_size", 2, "pipeline parallelism"),
     ("model_config.is_encoder_decoder", True, "encoder-decoder model"),
 ])
+@pytest.mark.flashinfer
 def test_unsupported_engine_configuration_is_detected(engine, path, value, reason):  # noqa: F811
     from vllm_cascade_plugin.backend import unsupported_reason
 
@@ -262,6 +267,7 @@ def test_unsupported_engine_configuration_is_detected(engine, path, value, reaso
     assert unsupported_reason(changed, spec(), [impl(config)]) == reason
 
 
+@pytest.mark.flashinfer
 def test_fp8_kv_cache_spec_is_detected(engine):  # noqa: F811
     from vllm_cascade_plugin.backend import unsupported_reason
 
@@ -283,6 +289,7 @@ def test_unsupported_configuration_is_reported_once_at_info(caplog):
     assert session.plan_step(*batch()) is None and not session.active
 
 
+@pytest.mark.flashinfer
 def test_device_bytes_counts_the_executors_scratch_and_forgets_dead_executors():
     """The soak attributes memory growth with kernels.device_bytes(): it must add up exactly."""
     import gc

@@ -5,6 +5,8 @@ import pytest
 
 import vllm_cpu
 
+pytestmark = pytest.mark.flashinfer  # vLLM's FlashInfer impl, built from a real VllmConfig
+
 
 @pytest.fixture(scope="module")
 def config(tmp_path_factory):

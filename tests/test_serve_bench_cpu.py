@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -470,7 +471,8 @@ import http.server, json, os, subprocess, sys, time, urllib.request
 argv = sys.argv[1:]
 flag = lambda name, default=None: argv[argv.index(name) + 1] if name in argv else default
 if argv[0] == "serve":
-    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "fake-engine-core"])
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)",
+                      "fake-engine-core:" + os.path.abspath(__file__)])
     plugin = os.environ.get("CASCADE_ATTENTION") == "1"
     assert os.path.isdir(os.environ["PROMETHEUS_MULTIPROC_DIR"])
     state = {"requests": 0}
@@ -520,6 +522,19 @@ def _fake_vllm(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(sw, "VLLM", [sys.executable, str(script)])
 
 
+def _engine_core(tmp_path) -> str:
+    """What this test's fake engine core has on its command line (tests running at the same
+    time, as the test command's FlashInfer cells do, each have their own)."""
+    return "fake-engine-core:" + str(tmp_path / "fake_vllm.py")
+
+
+def _start_port() -> int:
+    """A free port from the OS to start looking from: runs at the same time start apart."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def _alive(marker: str) -> list[str]:
     found = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
@@ -536,14 +551,14 @@ def _alive(marker: str) -> list[str]:
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads Linux's /proc")
 def test_server_stops_with_its_child_processes_and_reports_an_early_exit(tmp_path, monkeypatch):
     _fake_vllm(tmp_path, monkeypatch)
-    port = sp.free_port(18400)
+    port = sp.free_port(_start_port())
     cmd = sb.server_command(sb.CONFIGS["cascade"], tmp_path, port, 1024, _args())
     env = sb.server_env(sb.CONFIGS["cascade"], tmp_path)
     with sp.Server(cmd, env, tmp_path / "log" / "s.log", port) as server:
         server.wait_healthy(30)
         assert server.reset_prefix_cache()
-        assert _alive("fake-engine-core")
-    assert not _alive("fake-engine-core") and not _alive(str(tmp_path / "fake_vllm.py"))
+        assert _alive(_engine_core(tmp_path))
+    assert not _alive(_engine_core(tmp_path)) and not _alive(str(tmp_path / "fake_vllm.py"))
     crash = [sys.executable, "-c", "print('no GPU here'); raise SystemExit(3)"]
     with (pytest.raises(RuntimeError, match=r"exited \(3\)[\s\S]*no GPU here"),
           sp.Server(crash, dict(os.environ), tmp_path / "c.log", port) as server):
@@ -551,6 +566,7 @@ def test_server_stops_with_its_child_processes_and_reports_an_early_exit(tmp_pat
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads Linux's /proc")
+@pytest.mark.flashinfer
 def test_whole_loop_writes_rows_after_each_run_and_merges(tmp_path, monkeypatch, capsys):
     pytest.importorskip("prometheus_client")
     _fake_vllm(tmp_path, monkeypatch)
@@ -558,7 +574,8 @@ def test_whole_loop_writes_rows_after_each_run_and_merges(tmp_path, monkeypatch,
     out = tmp_path / "res" / "serve.json"
     common = ["--model", str(TINY), "--out", str(out), "--work-dir", str(tmp_path / "work"),
               "--workloads", "prefix_2k_x4,tree_2k_4x8k", "--duration", "10",
-              "--port", str(sp.free_port(18500)), "--server-timeout", "60", "--run-timeout", "60"]
+              "--port", str(sp.free_port(_start_port())), "--server-timeout", "60",
+              "--run-timeout", "60"]
     assert sb.main([*common, "--configs", "cascade,flashinfer", "--plot"]) == 0
     rows = json.loads(out.read_text())
     assert [(r["config"], r["workload"], r["request_rate"]) for r in rows] == [
@@ -577,7 +594,7 @@ def test_whole_loop_writes_rows_after_each_run_and_merges(tmp_path, monkeypatch,
     assert meta["max_model_len"] == 10752 and meta["vllm"] and meta["gpu"]
     assert meta["command"].endswith("--configs cascade,flashinfer --plot")
     assert meta["command"].split()[1].endswith("serve_bench.py")
-    assert not _alive(str(tmp_path / "fake_vllm.py")) and not _alive("fake-engine-core")
+    assert not _alive(str(tmp_path / "fake_vllm.py")) and not _alive(_engine_core(tmp_path))
     # Later: cascade alone, its rates from the file's flashinfer bursts; flashinfer rows kept.
     assert sb.main([*common, "--configs", "cascade", "--rates", "burst,50%"]) == 0
     again = json.loads(out.read_text())

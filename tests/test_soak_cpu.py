@@ -362,6 +362,7 @@ def test_the_watchdog_stops_a_drive_whose_request_never_answers(tmp_path, monkey
     assert run["memory_after"] is None
 
 
+@pytest.mark.flashinfer
 def test_the_orchestrator_judges_the_phases_and_writes_soak_json_and_meta(tmp_path, monkeypatch,
                                                                          capsys):
     model = tmp_path / "model"
@@ -398,6 +399,7 @@ def test_child_phases_get_the_plugin_only_in_the_run(monkeypatch):
     assert not any(k.startswith("CASCADE_") for k in off)
 
 
+@pytest.mark.flashinfer
 def test_memory_readings_count_both_kinds_of_cuda_graphs(monkeypatch):
     """The soak's "graphs" reading holds the per-layer graphs (kernels) and the whole-step
     graphs (fullgraph) as each module counts them; None before either is imported."""

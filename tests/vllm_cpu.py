@@ -89,24 +89,26 @@ def make_layers(config: Any, scales: list[Any], sliding_window: int | None = Non
     ``sliding_window``: the layers attend to that many tokens back (Gemma-style local layers).
     ``backend``: the attention backend class (default: the plugin's FlashInfer backend).
     """
-    import vllm.v1.attention.backends.flashinfer as fi_module
     import vllm.v1.utils
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.attention import Attention
 
-    from vllm_cascade_plugin.backend import CascadeFlashInferBackend
-
-    backend = backend or CascadeFlashInferBackend
+    if backend is None:
+        from vllm_cascade_plugin.backend import CascadeFlashInferBackend as backend
     # Pinned host buffers need CUDA. vLLM reads the flag at import, from the platform it knew
     # then (a test may import vLLM before it sets the CPU platform); 0.33's CpuGpuBuffer pins
     # on every copy.
-    fi_module.PIN_MEMORY = vllm.v1.utils.PIN_MEMORY = False
-    if hasattr(fi_module, "_get_multi_ctas_kv_counter_buffer"):
-        # 0.33: every impl sizes a trtllm-gen counter by the GPU's SM count and allocates it on
-        # CUDA. Our path never reads it; a CPU buffer of the same size stands in.
-        fi_module.get_device_sm_count = lambda device: 132
-        fi_module._get_multi_ctas_kv_counter_buffer = (
-            lambda min_bytes, device: torch.zeros(min_bytes, dtype=torch.uint8))
+    vllm.v1.utils.PIN_MEMORY = False
+    if backend.get_name() == "FLASHINFER":  # only then import vLLM's FlashInfer module
+        import vllm.v1.attention.backends.flashinfer as fi_module
+
+        fi_module.PIN_MEMORY = False
+        if hasattr(fi_module, "_get_multi_ctas_kv_counter_buffer"):
+            # 0.33: every impl sizes a trtllm-gen counter by the GPU's SM count and allocates
+            # it on CUDA. Our path never reads it; a CPU buffer of the same size stands in.
+            fi_module.get_device_sm_count = lambda device: 132
+            fi_module._get_multi_ctas_kv_counter_buffer = (
+                lambda min_bytes, device: torch.zeros(min_bytes, dtype=torch.uint8))
     names = []
     with set_current_vllm_config(config):
         for scale in scales:
@@ -126,10 +128,10 @@ def make_builder(config: Any, layer_names: list[str], sliding_window: int | None
     from vllm.config import set_current_vllm_config
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from vllm_cascade_plugin.backend import CascadeFlashInferBackend
-
+    if backend is None:
+        from vllm_cascade_plugin.backend import CascadeFlashInferBackend as backend
     spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=128, dtype=dtype,
                              sliding_window=sliding_window)
     with set_current_vllm_config(config):
-        return (backend or CascadeFlashInferBackend).get_builder_cls()(
+        return backend.get_builder_cls()(
             spec, layer_names, config, torch.device("cpu"))

@@ -10,22 +10,33 @@ neither reads anything back from the GPU):
   kernel and replayed from CUDA graphs. Hopper only, NHD cache layout.
 
 :func:`make_executor` picks one (``CASCADE_KERNEL``). Only vLLM workers import this module (it
-imports torch and flashinfer).
+imports torch; FlashInfer only once its executor is asked for, so a FLASH_ATTN engine on FA3
+kernels never imports it).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from vllm_cascade_plugin.executor_common import EXECUTORS, KERNELS, unsupported_reason
 from vllm_cascade_plugin.fa3_executor import FlashAttnCascadeExecutor, fa3_unsupported_reason
-from vllm_cascade_plugin.fi_executor import FlashInferCascadeExecutor
+
+if TYPE_CHECKING:
+    from vllm_cascade_plugin.fi_executor import FlashInferCascadeExecutor
 
 __all__ = ["EXECUTORS", "KERNELS", "FlashAttnCascadeExecutor", "FlashInferCascadeExecutor",
            "choose_kernel", "device_bytes", "fa3_unsupported_reason", "graph_stats",
            "make_executor", "unsupported_reason"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "FlashInferCascadeExecutor":  # imports flashinfer
+        from vllm_cascade_plugin.fi_executor import FlashInferCascadeExecutor
+
+        return FlashInferCascadeExecutor
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def device_bytes() -> int:
@@ -74,5 +85,7 @@ def make_executor(kind: str, float_workspace: torch.Tensor, kv_layout: str,
         return FlashAttnCascadeExecutor(kv_layout, max_levels, fused_decode=fused_decode,
                                         cuda_graphs=cuda_graphs)
     if kind == "flashinfer":
+        from vllm_cascade_plugin.fi_executor import FlashInferCascadeExecutor
+
         return FlashInferCascadeExecutor(float_workspace, kv_layout, max_levels)
     raise ValueError(f"unknown cascade kernel {kind!r}; expected one of {KERNELS}")
