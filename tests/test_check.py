@@ -95,6 +95,7 @@ def test_vllms_own_parser_reads_these_flags_as_check_does():
     assert parsed["values"] == support.read_engine_arguments(argv)
 
 
+@pytest.mark.flashinfer  # check reports the installed FlashInfer
 def test_check_with_arguments_that_keep_the_cascade_flat_says_so_and_exits_1(plugin_on,
                                                                             capsys):
     assert cli.main(["check", "--kv-cache-dtype", "fp8", "--no-enable-prefix-caching"]) == 1
@@ -104,6 +105,7 @@ def test_check_with_arguments_that_keep_the_cascade_flat_says_so_and_exits_1(plu
     assert "FP8 KV cache (kv_cache_dtype=fp8)" in out
 
 
+@pytest.mark.flashinfer  # check reports the installed FlashInfer
 def test_check_with_arguments_the_cascade_can_serve_exits_0(plugin_on, capsys):
     assert cli.main(["check", "my/model", "--speculative-config", NGRAM]) == 0
     out = " ".join(capsys.readouterr().out.split())
