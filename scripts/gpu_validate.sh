@@ -20,6 +20,7 @@
 #   soak     benchmarks/soak.py
 #   demo     `vllm-cascade demo` and the three examples as a user runs them (demo.txt, examples.txt)
 #   tp       tensor_parallel_size=2 engine tests (needs the two-GPU machine)
+#   fp8      tests/gpu/test_kernels_fp8.py and test_engine.py -k fp8_kv_cache (FP8 KV cache)
 # Logs and JSON go to /tmp/gv/<part>/; each command ends by packing them into $OUT/gv.tar.xz
 # (unpack into benchmarks/results/h200/ what belongs there).
 set -uo pipefail
@@ -51,6 +52,12 @@ part_engine_graphs() { pytest_part engine_graphs 900 tests/gpu/test_engine.py -k
 part_engine_fa() { pytest_part engine_fa 900 tests/gpu/test_flash_attn_engine.py; }
 part_serving() { pytest_part serving 560 tests/gpu/test_serving.py; }
 part_tp() { pytest_part tp 900 tests/gpu/test_engine.py -k tensor_parallel; }
+# FP8 KV cache (CASCADE_FP8_KV=1): kernels against vLLM's flat FP8 FA3 / FlashInfer and fp32 on
+# the dequantised cache; engines with --kv-cache-dtype fp8, both backends (~6 engines).
+part_fp8() {
+  pytest_part fp8_kernels 420 tests/gpu/test_kernels_fp8.py
+  pytest_part fp8_engine 900 tests/gpu/test_engine.py -k fp8_kv_cache
+}
 
 part_e2e() {
   mkdir -p "$res/e2e"
@@ -103,7 +110,7 @@ wait_parts() {  # until the detached list is done or $1 seconds have passed
   tail -40 "$res/parts.log" 2>/dev/null
 }
 
-case ${1:?"a part (kernels, engine, engine_graphs, engine_fa, serving, e2e, e2e_fa, serve, soak, demo, tp), start PARTS..., or wait"} in
+case ${1:?"a part (kernels, engine, engine_graphs, engine_fa, serving, e2e, e2e_fa, serve, soak, demo, tp, fp8), start PARTS..., or wait"} in
 start)
   shift
   rm -f "$res/done"

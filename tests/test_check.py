@@ -59,7 +59,9 @@ def test_check_names_every_setting_that_keeps_the_cascade_flat(argv, reasons):
 def test_the_reasons_for_fp8_and_speculative_decoding_say_why():
     assert support.kv_cache_dtype_reason("auto") is None
     assert support.kv_cache_dtype_reason("bfloat16") is None
-    assert "without its K/V scales" in support.kv_cache_dtype_reason("fp8")
+    assert "CASCADE_FP8_KV=1" in support.kv_cache_dtype_reason("fp8")
+    assert support.kv_cache_dtype_reason("fp8", fp8_kv=True) is None
+    assert "not supported" in support.kv_cache_dtype_reason("fp8_e5m2", fp8_kv=True)
     assert support.speculative_reason("ngram", False) is None
     assert support.speculative_reason("suffix", None) is None
     assert "upper bounds" in support.speculative_reason("ngram", True)

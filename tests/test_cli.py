@@ -52,7 +52,9 @@ def test_check_with_the_plugin_on_registers_for_real_and_exits_0():
                      "vllm_cascade_plugin.backend.CascadeFlashInferBackend for the FLASHINFER "
                      "backend", "FLASH_ATTN, vLLM's default on Hopper",
                      "--attention-backend FLASHINFER", "prefix caching off (nothing is shared: "
-                     "the plugin has nothing to do)", "a quantised (FP8) KV cache"):
+                     "the plugin has nothing to do)",
+                     "a quantised KV cache (FP8 e4m3 with per-layer scales runs cascade with "
+                     "CASCADE_FP8_KV=1: off"):
         assert expected in out
     assert "Traceback" not in proc.stderr
 

@@ -123,3 +123,96 @@ def test_warm_up_runs_the_kernel_on_a_tiny_input(softcap):
                                     softcap=softcap)
     assert out.shape == (1, 8, 64) and lse.shape == (8, 1)
     assert torch.equal(out, torch.zeros_like(out)) and torch.equal(lse, torch.zeros_like(lse))
+
+
+def fp8_case(rows, heads, kv_heads, dim, page, lens, q_dtype, seed):
+    """``case`` with the cache quantised to e4m3 as vLLM writes it (``x / scale``, saturated
+    to the format's range) under per-layer scales far from 1, and the query quantised too when
+    ``q_dtype`` is FP8 (vLLM's FlashAttention path). Returns the kernel's inputs, the scales
+    and the dequantised q, K and V the reference reads."""
+    q, k, v, table, kv_lens, state, state_lse = case(rows, heads, kv_heads, dim, page, lens,
+                                                     torch.float32, seed)
+    fp8 = torch.float8_e4m3fn
+    scales = tuple(torch.tensor(s, dtype=torch.float32) for s in (0.011, 0.0031, 0.0027))
+    q = q * 1.5  # logits of a few units: a softmax that is neither flat nor one-hot
+
+    def quantise(x, scale):
+        return (x / scale).clamp(-448.0, 448.0).to(fp8)
+
+    packed = torch.cat([quantise(k, scales[1]), quantise(v, scales[2])], dim=-1)
+    k8, v8 = packed.split(dim, dim=-1)  # strided halves, as vLLM's packed cache
+    if q_dtype == fp8:
+        q_in = quantise(q, scales[0])
+        q_deq = q_in.float() * scales[0]
+    else:
+        q_in = q.to(q_dtype)
+        q_deq = q_in.float()
+    return (q_in, k8, v8, table, kv_lens, state, state_lse, scales, q_deq,
+            k8.float() * scales[1], v8.float() * scales[2])
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "page", "lens"), [
+    (4, 1, 64, 16, [1, 16, 17, 150]),
+    (8, 2, 128, 16, [40, 3]),
+    (32, 2, 64, 16, [70]),
+])
+@pytest.mark.parametrize(("q_dtype", "out_dtype"), [
+    (torch.float8_e4m3fn, torch.bfloat16),  # vLLM's FlashAttention path: FP8 query, bf16 out
+    (torch.float8_e4m3fn, torch.float16),
+    (torch.float16, torch.float16),  # a 16-bit query against the FP8 cache
+])
+@pytest.mark.parametrize("softcap", [0.0, 5.0])
+def test_fp8_cache_equals_softmax_on_the_dequantised_values(heads, kv_heads, dim, page, lens,
+                                                            q_dtype, out_dtype, softcap):
+    """The kernel on e4m3 K/V (and query) with per-layer scales against the float64 reference
+    on the dequantised values. The kernel's products are exact (e4m3 values are exact in
+    fp16, and accumulate in fp32), so what differs is one rounding of the probabilities to
+    fp16 before P @ V (relative 2**-11) and of the output to its dtype: outputs are convex
+    mixes of values below 1 in magnitude, so fp16 is held to 2e-3 as in the test above and
+    bf16 (ulp 2**-8 below 1) to 1e-2; the LSE is fp32 throughout (1e-4)."""
+    (q, k, v, table, kv_lens, state, state_lse, scales, q_deq, k_deq,
+     v_deq) = fp8_case(len(lens), heads, kv_heads, dim, page, lens, q_dtype, seed=len(lens))
+    state = state.to(out_dtype)
+    state_lse[0, 0] = -math.inf
+    out = torch.full_like(state, math.nan)
+    out_lse = torch.full_like(state_lse, math.nan)
+    scale = dim ** -0.5
+    decode_level.decode_level(q, k, v, table, kv_lens, state, state_lse, out, out_lse,
+                              sm_scale=scale, softcap=softcap, scales=scales)
+    want, want_lse = reference(q_deq, k_deq, v_deq, table, kv_lens, state, state_lse, scale,
+                               softcap)
+    tol = 2e-3 if out_dtype == torch.float16 else 1e-2
+    torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+    torch.testing.assert_close(out_lse.double(), want_lse, atol=1e-4, rtol=1e-4)
+    if softcap:  # unit scales make logits of thousands, whose tanh overflows in numpy
+        return
+    # The scales matter: the same bytes read as unit-scale values give another answer.
+    unscaled = torch.empty_like(out)
+    ones = tuple(torch.ones((), dtype=torch.float32) for _ in range(3))
+    decode_level.decode_level(q, k, v, table, kv_lens, state, state_lse, unscaled,
+                              torch.empty_like(out_lse), sm_scale=scale, softcap=softcap,
+                              scales=ones)
+    assert (unscaled.double() - want).abs().max() > 10 * tol
+
+
+def test_an_fp8_cache_without_scales_or_a_mixed_one_is_refused():
+    q, k, v, table, kv_lens, state, state_lse, scales, *_ = fp8_case(
+        2, 4, 1, 64, 16, [3, 4], torch.float8_e4m3fn, 1)
+    state = state.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="needs its scales"):
+        decode_level.decode_level(q, k, v, table, kv_lens, state, state_lse, state, state_lse,
+                                  sm_scale=0.125)
+    with pytest.raises(ValueError, match="FP8 together"):
+        decode_level.decode_level(q, k, v.to(torch.bfloat16), table, kv_lens, state,
+                                  state_lse, state, state_lse, sm_scale=0.125, scales=scales)
+    per_head = (scales[0], torch.full((1,), 0.1).expand(2), scales[2])
+    with pytest.raises(ValueError, match="per-layer"):
+        decode_level.decode_level(q, k, v, table, kv_lens, state, state_lse, state, state_lse,
+                                  sm_scale=0.125, scales=per_head)
+
+
+def test_warm_up_compiles_the_fp8_variant():
+    out, lse = decode_level.warm_up(8, 2, 64, 16, torch.bfloat16, torch.device("cpu"),
+                                    kv_dtype=torch.float8_e4m3fn)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, torch.zeros_like(out)) and torch.equal(lse, torch.zeros_like(lse))

@@ -38,26 +38,37 @@ CALLS: list[dict] = []
 
 def fake_flash_attn_varlen_func(*, q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k,
                                 max_seqlen_k, softmax_scale, causal, window_size, block_table,
-                                softcap, return_softmax_lse, fa_version):
-    """FA3's varlen call with a block table, in plain torch (fp32 math)."""
+                                softcap, return_softmax_lse, fa_version, q_descale=None,
+                                k_descale=None, v_descale=None):
+    """FA3's varlen call with a block table, in plain torch (fp32 math). FP8 as FA3 takes it:
+    q, K and V all e4m3, descales of shape (sequences, KV heads) multiplying each sequence's
+    q, K and V per KV head, output bf16."""
     assert fa_version == 3 and return_softmax_lse and window_size == [-1, -1]
     assert cu_seqlens_q.dtype == seqused_k.dtype == block_table.dtype == torch.int32
     assert block_table.stride(-1) == 1 and out.is_contiguous()
-    CALLS.append({"causal": causal, "rows": int(cu_seqlens_q[-1])})
+    assert q.dtype == k.dtype == v.dtype, "FA3 takes q, K and V in one dtype"
+    fp8 = q.dtype == torch.float8_e4m3fn
+    assert (fp8 and out.dtype == torch.bfloat16) or (not fp8 and out.dtype == q.dtype)
+    CALLS.append({"causal": causal, "rows": int(cu_seqlens_q[-1]), "fp8": fp8})
     num_heads, kv_heads = q.shape[1], k.shape[2]
     kv_head_of = torch.arange(num_heads) // (num_heads // kv_heads)
     lse = torch.empty(num_heads, q.shape[0], dtype=torch.float32)
     cu = cu_seqlens_q.tolist()
+    ones = torch.ones(len(cu) - 1, kv_heads)
+    descales = [ones if d is None else d for d in (q_descale, k_descale, v_descale)]
+    assert all(d.shape == (len(cu) - 1, kv_heads) for d in descales)
+    assert fp8 or (q_descale is None and k_descale is None and v_descale is None)
     assert max(b - a for a, b in itertools.pairwise(cu)) <= max_seqlen_q
     for s in range(len(cu) - 1):
         n_kv = int(seqused_k[s])
         assert n_kv <= max_seqlen_k
         pages = block_table[s, : -(-n_kv // k.shape[1])].long()
-        keys = k[pages].reshape(-1, kv_heads, k.shape[-1])[:n_kv, kv_head_of].float()
-        values = v[pages].reshape(-1, kv_heads, v.shape[-1])[:n_kv, kv_head_of].float()
+        q_d, k_d, v_d = (d[s, kv_head_of].float()[:, None] for d in descales)  # [H, 1]
+        keys = k[pages].reshape(-1, kv_heads, k.shape[-1])[:n_kv, kv_head_of].float() * k_d
+        values = v[pages].reshape(-1, kv_heads, v.shape[-1])[:n_kv, kv_head_of].float() * v_d
         rows = slice(cu[s], cu[s + 1])
         n_q = cu[s + 1] - cu[s]
-        scores = torch.einsum("qhd,khd->hqk", q[rows].float(), keys) * softmax_scale
+        scores = torch.einsum("qhd,khd->hqk", q[rows].float() * q_d, keys) * softmax_scale
         if softcap:
             scores = softcap * torch.tanh(scores / softcap)
         if causal:  # bottom-right aligned, as FlashAttention documents

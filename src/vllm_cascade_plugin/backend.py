@@ -29,6 +29,8 @@ from .builder_common import (
     KernelArgs,
     check_scales,
     default_scale,
+    fp8_kv,
+    kv_dtype,
     layer_impls,
     unsupported_reason,
     usable_scale,
@@ -81,11 +83,20 @@ class CascadeFlashInferMetadataBuilder(CascadeBuilder, FlashInferMetadataBuilder
         check_scales(vllm_config, layer_names)
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         impls = [i for i in layer_impls(vllm_config, layer_names).values() if i is not None]
+        fp8 = fp8_kv(vllm_config, kv_cache_spec)
+        # FP8: the query reaches the impl in the model's dtype (vLLM quantises it inside
+        # FlashInfer's forward), except where the layer quantises it (SM100, refused below).
+        q_dtype = vllm_config.model_config.dtype if fp8 else self.q_data_type_decode
         args = KernelArgs(self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size,
-                          self.sm_scale, self.logits_soft_cap, self.q_data_type_decode,
-                          kv_cache_spec.dtype, window_left=self.window_left)
-        self._setup_cascade(kv_cache_spec, layer_names, vllm_config, args,
-                            unsupported_reason(vllm_config, kv_cache_spec, impls))
+                          self.sm_scale, self.logits_soft_cap, q_dtype,
+                          kv_dtype(vllm_config, kv_cache_spec), window_left=self.window_left)
+        reason = unsupported_reason(vllm_config, kv_cache_spec, impls, layer_names)
+        if reason is None and fp8 and any(getattr(i, "supports_quant_query_input", False)
+                                          for i in impls):
+            reason = ("FP8 KV cache with a query the layers quantise to FP8 (FlashInfer's "
+                      "TRT-LLM path, SM100): the cascade's FlashInfer levels take a 16-bit "
+                      "query only")
+        self._setup_cascade(kv_cache_spec, layer_names, vllm_config, args, reason)
 
     def _choose_cascade_kernel(self, requested: str) -> tuple[str | None, str]:
         try:
@@ -162,7 +173,7 @@ class CascadeFlashInferImpl(CascadeImpl, FlashInferImpl):
     def forward(self, layer: Any, query: Any, key: Any, value: Any, kv_cache: Any,
                 attn_metadata: Any, output: Any, output_scale: Any = None,
                 output_block_scale: Any = None) -> Any:
-        if self._run_cascade(query, kv_cache, attn_metadata, output, output_scale,
+        if self._run_cascade(layer, query, kv_cache, attn_metadata, output, output_scale,
                              output_block_scale):
             return output
         if isinstance(attn_metadata, CascadeFlashInferMetadata):

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import torch
 from vllm.config import get_layers_from_vllm_config
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
@@ -67,8 +68,45 @@ def check_scales(vllm_config: Any, layer_names: list[str]) -> None:
                 int(getattr(impl, "head_size", 0)))
 
 
-def _reasons(vllm_config: Any, kv_cache_spec: Any, impls: list[Any]) -> Iterator[str | None]:
+def fp8_kv(vllm_config: Any, kv_cache_spec: Any) -> bool:
+    """Whether this KV-cache group stores vLLM's FP8 e4m3 (as bytes: uint8) under
+    ``CASCADE_FP8_KV``; a group vLLM leaves unquantised (``kv_cache_dtype_skip_layers``) is
+    not."""
+    cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
+    return (load_config().fp8_kv and cache_dtype in support.FP8_KV
+            and kv_cache_spec.dtype in (torch.uint8, torch.float8_e4m3fn))
+
+
+def kv_dtype(vllm_config: Any, kv_cache_spec: Any) -> Any:
+    """The dtype the executors read the cache as: e4m3 for an FP8 group, else the spec's."""
+    return torch.float8_e4m3fn if fp8_kv(vllm_config, kv_cache_spec) else kv_cache_spec.dtype
+
+
+def fp8_layer_reason(vllm_config: Any, layer_names: list[str]) -> str | None:
+    """Why the FP8 cascade cannot serve these layers' scales, or None: it reads one scale per
+    layer for each of q, K and V, fixed before serving."""
+    if compat.dynamic_kv_scales(vllm_config):
+        return ("FP8 KV cache with --calculate-kv-scales: vLLM computes the scales in the first "
+                "forward pass; the cascade is set up for fixed scales (from the checkpoint, or "
+                "1.0): drop --calculate-kv-scales to run it")
+    layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, layer_names)  # type: ignore[type-abstract]
+    for name, layer in layers.items():
+        for scale in ("_q_scale", "_k_scale", "_v_scale"):
+            value = getattr(layer, scale, None)
+            if value is None or getattr(value, "numel", lambda: 0)() != 1:
+                shape = None if value is None else tuple(value.shape)
+                return (f"FP8 KV cache with {scale} of shape {shape} on layer {name}: the "
+                        "cascade reads per-layer (scalar) scales only; per-head or per-token "
+                        "scales are not supported")
+            if getattr(layer, f"{scale}_float", None) is None:
+                return f"FP8 KV cache: layer {name} keeps no host copy {scale}_float"
+    return None
+
+
+def _reasons(vllm_config: Any, kv_cache_spec: Any, impls: list[Any],
+             layer_names: list[str]) -> Iterator[str | None]:
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    fp8 = load_config().fp8_kv
     if not getattr(vllm_config.cache_config, "enable_prefix_caching", True):
         yield support.PREFIX_CACHING_OFF
     speculative = vllm_config.speculative_config
@@ -76,10 +114,11 @@ def _reasons(vllm_config: Any, kv_cache_spec: Any, impls: list[Any]) -> Iterator
         yield support.speculative_reason(
             getattr(speculative, "method", None),
             getattr(vllm_config.scheduler_config, "async_scheduling", None))
-    yield support.kv_cache_dtype_reason(getattr(vllm_config.cache_config, "cache_dtype", None))
-    yield next(filter(None, (support.kv_cache_dtype_reason(getattr(i, "kv_cache_dtype", None))
-                             for i in impls)), None)
-    if kv_cache_spec.dtype != model.dtype:
+    yield support.kv_cache_dtype_reason(getattr(vllm_config.cache_config, "cache_dtype", None),
+                                        fp8)
+    yield next(filter(None, (support.kv_cache_dtype_reason(getattr(i, "kv_cache_dtype", None),
+                                                           fp8) for i in impls)), None)
+    if kv_cache_spec.dtype != model.dtype and not fp8_kv(vllm_config, kv_cache_spec):
         yield f"quantised KV cache ({kv_cache_spec.dtype})"
     for applies, reason in (
         (getattr(parallel, "decode_context_parallel_size", 1) > 1, "decode context parallelism"),
@@ -108,11 +147,15 @@ def _reasons(vllm_config: Any, kv_cache_spec: Any, impls: list[Any]) -> Iterator
     ):
         if applies:
             yield reason
+    if fp8_kv(vllm_config, kv_cache_spec):
+        yield fp8_layer_reason(vllm_config, layer_names)
 
 
-def unsupported_reason(vllm_config: Any, kv_cache_spec: Any, impls: list[Any]) -> str | None:
+def unsupported_reason(vllm_config: Any, kv_cache_spec: Any, impls: list[Any],
+                       layer_names: list[str] | None = None) -> str | None:
     """Why cascade cannot serve these layers in this engine configuration, or None."""
-    return next(filter(None, _reasons(vllm_config, kv_cache_spec, impls)), None)
+    return next(filter(None, _reasons(vllm_config, kv_cache_spec, impls, layer_names or [])),
+                None)
 
 
 @dataclass(frozen=True)
@@ -210,6 +253,10 @@ class CascadeBuilder:
         (logger.warning if fell_back else logger.info)(
             "vllm-cascade-plugin: the %s backend carries cascade attention; %s",
             self.backend_name, line)
+        if kernel == "fa3" and args.kv_dtype == torch.float8_e4m3fn \
+                and args.q_dtype != torch.bfloat16:
+            return (f"FP8 KV cache with a {args.q_dtype} model: FlashAttention 3 writes FP8 "
+                    "attention's output in bf16 only")
         if kernel == "fa3" and config.fused_decode:
             self._warm_up_decode_level(args.kv_dtype)
         return None
@@ -245,8 +292,6 @@ class CascadeBuilder:
     def _warm_up_decode_level(self, kv_dtype: Any) -> None:
         """Compile the FA3 executor's fused decode kernel now rather than in the first cascade
         decode step (a stall while Triton compiles, which vLLM's JIT monitor warns about)."""
-        import torch
-
         if torch.device(self.device).type != "cuda":
             return
         args = self._kernel_args
@@ -255,9 +300,12 @@ class CascadeBuilder:
 
             if decode_level.unsupported_reason(args.num_qo_heads, args.num_kv_heads,
                                                args.head_dim) is None:
+                fp8 = kv_dtype == torch.float8_e4m3fn
                 decode_level.warm_up(args.num_qo_heads, args.num_kv_heads, args.head_dim,
-                                     args.page_size, kv_dtype, torch.device(self.device),
-                                     softcap=args.logits_soft_cap or 0.0)
+                                     args.page_size, args.q_dtype if fp8 else kv_dtype,
+                                     torch.device(self.device),
+                                     softcap=args.logits_soft_cap or 0.0,
+                                     kv_dtype=kv_dtype if fp8 else None)
         except Exception as exc:  # the first decode step compiles it instead
             logger.warning("vllm-cascade-plugin: compiling the fused decode kernel at startup "
                            "failed (%s: %s); the first cascade decode step compiles it",
@@ -281,10 +329,11 @@ class CascadeImpl:
     def _make_kv_views(self, kv_cache: Any, attn_metadata: Any) -> tuple[Any, Any]:
         raise NotImplementedError
 
-    def _run_cascade(self, query: Any, kv_cache: Any, attn_metadata: Any, output: Any,
-                     output_scale: Any, output_block_scale: Any) -> bool:
+    def _run_cascade(self, layer: Any, query: Any, kv_cache: Any, attn_metadata: Any,
+                     output: Any, output_scale: Any, output_block_scale: Any) -> bool:
         """Run the step's executor into ``output``; False: the layer runs vLLM's attention
-        (no cascade this step, or a failure, counted)."""
+        (no cascade this step, or a failure, counted). An FP8 cache is read as e4m3 with
+        ``layer``'s scales (taken each call: vLLM keeps them on the layer)."""
         executor = getattr(attn_metadata, "cascade", None)
         if executor is None or output_scale is not None or output_block_scale is not None:
             return False
@@ -297,6 +346,11 @@ class CascadeImpl:
             elif n > query.shape[0] or n > output.shape[0]:
                 stats.record_fallback("padded rows beyond the step's tensors",
                                       f"{n} rows planned, {query.shape[0]} given")
+            elif k_cache.dtype == torch.float8_e4m3fn:
+                from .executor_common import KvScales
+
+                executor.run(query[:n], k_cache, v_cache, output[:n], KvScales.of_layer(layer))
+                return True
             else:
                 executor.run(query[:n], k_cache, v_cache, output[:n])
                 return True
@@ -309,6 +363,10 @@ class CascadeImpl:
                getattr(attn_metadata, "kv_cache_layout", None))
         cached = self._cascade_kv_views
         if cached is None or cached[0] != key:
-            cached = (key, *self._make_kv_views(kv_cache, attn_metadata))
+            k, v = self._make_kv_views(kv_cache, attn_metadata)
+            if k.dtype == torch.uint8 and str(getattr(self, "kv_cache_dtype", "")) \
+                    in support.FP8_KV:  # vLLM stores FP8 as bytes and reads it as e4m3
+                k, v = k.view(torch.float8_e4m3fn), v.view(torch.float8_e4m3fn)
+            cached = (key, k, v)
             self._cascade_kv_views = cached
         return cached[1], cached[2]

@@ -130,7 +130,7 @@ def check(vllm_args: Sequence[str] = ()) -> int:
         return 1
     assert config is not None
     _startup_lines(config)
-    return _engine_arguments(list(vllm_args))
+    return _engine_arguments(list(vllm_args), config.fp8_kv)
 
 
 def _startup_lines(config: CascadeConfig) -> None:
@@ -155,14 +155,16 @@ def _startup_lines(config: CascadeConfig) -> None:
         f"  Each worker logs its cascade statistics {interval}; Prometheus metrics reach "
         f"/metrics {metrics}.",
         "  Runs flat, with one line at startup saying why: prefix caching off (nothing is "
-        "shared: the plugin has nothing to do), a quantised (FP8) KV cache, speculative "
+        "shared: the plugin has nothing to do), a quantised KV cache (FP8 e4m3 with "
+        "per-layer scales runs cascade with CASCADE_FP8_KV=1: "
+        f"{'on' if config.fp8_kv else 'off'}, not yet verified on a GPU), speculative "
         f"decoding other than {' or '.join(support.SPECULATIVE_METHODS)} or with asynchronous "
         "scheduling, and the models listed in the README. Check the arguments vLLM will start "
         "with: vllm-cascade check MODEL --kv-cache-dtype ... (as for vllm serve).",
     ])
 
 
-def _engine_arguments(argv: list[str]) -> int:
+def _engine_arguments(argv: list[str], fp8_kv: bool = False) -> int:
     """What the plugin does with the vLLM arguments ``argv``; 0 unless they keep it flat."""
     if not argv:
         return 0
@@ -171,7 +173,7 @@ def _engine_arguments(argv: list[str]) -> int:
     except ValueError as exc:
         say([f"With the vLLM arguments given: cannot read them ({exc})."])
         return 1
-    reasons = support.engine_argument_reasons(values)
+    reasons = support.engine_argument_reasons(values, fp8_kv)
     backend = values["attention_backend"]
     where = (f"--attention-backend {backend}" if backend is not None
              else "no --attention-backend, so vLLM picks it: FLASH_ATTN on Hopper")

@@ -378,3 +378,10 @@ def dataclass_values(cls: type, known: dict[str, Any],
         elif required:
             return None
     return values
+
+
+def dynamic_kv_scales(vllm_config: Any) -> bool:
+    """Whether vLLM computes the KV scales in the first forward pass (``--calculate-kv-scales``:
+    ``cache_config.calculate_kv_scales`` in 0.26, gone by 0.33, where scales come from the
+    checkpoint or are 1.0)."""
+    return bool(getattr(vllm_config.cache_config, "calculate_kv_scales", False))

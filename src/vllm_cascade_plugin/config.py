@@ -101,6 +101,9 @@ KNOBS: tuple[Knob, ...] = (
          "How often each worker logs its cascade statistics."),
     Knob("CASCADE_DEBUG", "debug", False, _bool, "1/true/on or 0/false/off",
          "Check every plan's invariants before a kernel reads memory (slower)."),
+    Knob("CASCADE_FP8_KV", "fp8_kv", False, _bool, "1/true/on or 0/false/off",
+         "Cascade with an FP8 KV cache (--kv-cache-dtype fp8 / fp8_e4m3, per-layer scales); "
+         "tested on CPU only, not yet verified on a GPU. Off: such a cache runs flat."),
 )
 
 
@@ -116,6 +119,7 @@ class CascadeConfig:
     min_shared_pages: int = 1
     log_interval_s: float = 60.0
     debug: bool = False
+    fp8_kv: bool = False
 
 
 

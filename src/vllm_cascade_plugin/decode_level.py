@@ -28,6 +28,8 @@ BLOCK_N = 64  # key tokens per inner iteration
 NUM_WARPS = 4
 NUM_STAGES = 2
 MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows: a KV head's query heads are padded to this
+# The FP8 format vLLM's fp8/fp8_e4m3 KV cache holds (fp8_e5m2 runs flat: support.py).
+FP8_DTYPES = (torch.float8_e4m3fn,)
 
 
 def unsupported_reason(num_qo_heads: int, num_kv_heads: int, head_dim: int) -> str | None:
@@ -66,6 +68,7 @@ def _kernel() -> Any:
     @triton.jit(do_not_specialize=["stride_bt", "stride_slh", "stride_olh"])
     def decode_level_kernel(
         q, k, v, block_table, kv_lens, state, state_lse, out, out_lse,
+        q_scale, k_scale, v_scale,
         sm_scale, softcap,
         stride_qt, stride_qh,
         stride_kb, stride_kp, stride_kh,
@@ -74,7 +77,8 @@ def _kernel() -> Any:
         stride_st, stride_sh, stride_slh,
         stride_ot, stride_oh, stride_olh,
         GQA: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-        BLOCK: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+        BLOCK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FP8_Q: tl.constexpr,
+        FP8_KV: tl.constexpr,
     ):
         r = tl.program_id(0)  # the request, also its query row (one query per request)
         kvh = tl.program_id(1)
@@ -86,6 +90,17 @@ def _kernel() -> Any:
         n_keys = tl.load(kv_lens + r)
         qv = tl.load(q + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
                      mask=live[:, None], other=0.0)
+        # FP8 operands are widened before the dots: e4m3 values are exact in fp16 (and in a
+        # 16-bit query's dtype), so the products are those of the dequantised values up to
+        # the scales, applied in fp32: q_scale * k_scale on the logits, v_scale on the output.
+        qk_scale = sm_scale
+        if FP8_Q:
+            qv = qv.to(tl.float16)
+            qk_scale = qk_scale * tl.load(q_scale)
+        out_scale = 1.0
+        if FP8_KV:
+            qk_scale = qk_scale * tl.load(k_scale)
+            out_scale = tl.load(v_scale)
         # The state is read up front: its loads overlap the keys' (nothing depends on them).
         prev_lse = tl.load(state_lse + heads * stride_slh + row, mask=live, other=float("-inf"))
         prev = tl.load(state + row * stride_st + heads[:, None] * stride_sh + d[None, :],
@@ -103,7 +118,10 @@ def _kernel() -> Any:
                          + kvh * stride_kh + d[None, :], mask=valid[:, None], other=0.0)
             vt = tl.load(v + page[:, None] * stride_vb + slot[:, None] * stride_vp
                          + kvh * stride_vh + d[None, :], mask=valid[:, None], other=0.0)
-            s = tl.dot(qv, tl.trans(kt)) * sm_scale  # float32 [G_PAD, BLOCK], natural units
+            if FP8_KV:
+                kt = kt.to(qv.dtype)
+                vt = vt.to(qv.dtype)
+            s = tl.dot(qv, tl.trans(kt)) * qk_scale  # float32 [G_PAD, BLOCK], natural units
             if HAS_SOFTCAP:  # softcap * tanh(s / softcap), tanh through exp (no libdevice)
                 s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
             s = tl.where(valid[None, :], s * 1.4426950408889634, float("-inf"))
@@ -116,7 +134,7 @@ def _kernel() -> Any:
         has_keys = total > 0
         own_lse = tl.where(has_keys, m + tl.log2(tl.where(has_keys, total, 1.0)),
                            float("-inf"))  # base 2
-        own = acc / tl.where(has_keys, total, 1.0)[:, None]
+        own = acc * (out_scale / tl.where(has_keys, total, 1.0))[:, None]
         # The shared levels' state: natural-log LSE (+inf, FA2's empty row, read as -inf).
         prev_lse = tl.where(prev_lse == float("inf"), float("-inf"), prev_lse)
         prev_lse = prev_lse * 1.4426950408889634
@@ -140,8 +158,10 @@ def _kernel() -> Any:
 def decode_level(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_table: torch.Tensor, kv_lens: torch.Tensor, state: torch.Tensor,
                  state_lse: torch.Tensor, out: torch.Tensor, out_lse: torch.Tensor, *,
-                 sm_scale: float, softcap: float = 0.0, block_n: int = BLOCK_N,
-                 num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES) -> None:
+                 sm_scale: float, softcap: float = 0.0,
+                 scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                 block_n: int = BLOCK_N, num_warps: int = NUM_WARPS,
+                 num_stages: int = NUM_STAGES) -> None:
     """Attend request ``r``'s query (row ``r`` of ``q``) to its own pages and merge the result
     with ``state``/``state_lse``, into ``out``/``out_lse``.
 
@@ -155,6 +175,11 @@ def decode_level(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     state, state_lse : what the shared levels computed for row ``r``: ``[R, heads, head_dim]``
         and float32 ``[heads, R]``, natural log (``-inf``: nothing yet).
     out, out_lse : written, same shapes; may be ``state``/``state_lse`` themselves.
+    scales : ``(q_scale, k_scale, v_scale)``, float32 one-element tensors on the device
+        (vLLM's per-layer ``_q_scale``, ``_k_scale``, ``_v_scale``): required with an FP8
+        (e4m3) cache, whose values are ``k_cache * k_scale`` and ``v_cache * v_scale``; an
+        FP8 ``q`` (vLLM's FlashAttention path quantises it) is ``q * q_scale``. Read on the
+        device when the kernel runs, so a CUDA graph replays with the layer's current scales.
     """
     num_rows, num_qo_heads, head_dim = q.shape
     num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
@@ -164,11 +189,21 @@ def decode_level(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             raise ValueError(f"{name}'s last dimension must be contiguous")
     if state_lse.stride(1) != 1 or out_lse.stride(1) != 1:
         raise ValueError("state_lse and out_lse must be contiguous along the rows")
+    fp8_q, fp8_kv = q.dtype in FP8_DTYPES, k_cache.dtype in FP8_DTYPES
+    if fp8_kv != (v_cache.dtype in FP8_DTYPES) or (fp8_q and not fp8_kv):
+        raise ValueError(f"q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}: "
+                         "an FP8 query needs an FP8 cache, and K and V are FP8 together")
+    if fp8_kv and scales is None:
+        raise ValueError("an FP8 KV cache needs its scales (q_scale, k_scale, v_scale)")
+    if scales is not None and any(t.numel() != 1 for t in scales):
+        raise ValueError("the scales must be per-layer (one element each)")
     if num_rows == 0:
         return
+    q_scale, k_scale, v_scale = scales if scales is not None else (kv_lens, kv_lens, kv_lens)
     gqa = num_qo_heads // num_kv_heads
     _kernel()[(num_rows, num_kv_heads)](
         q, k_cache, v_cache, block_table, kv_lens, state, state_lse, out, out_lse,
+        q_scale, k_scale, v_scale,
         float(sm_scale), float(softcap or 1.0),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -177,24 +212,33 @@ def decode_level(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         state.stride(0), state.stride(1), state_lse.stride(0),
         out.stride(0), out.stride(1), out_lse.stride(0),
         GQA=gqa, G_PAD=max(MIN_DOT_ROWS, 1 << (gqa - 1).bit_length()), HEAD_DIM=head_dim,
-        PAGE=page, BLOCK=block_n, HAS_SOFTCAP=bool(softcap), num_warps=num_warps,
-        num_stages=num_stages)
+        PAGE=page, BLOCK=block_n, HAS_SOFTCAP=bool(softcap), FP8_Q=fp8_q, FP8_KV=fp8_kv,
+        num_warps=num_warps, num_stages=num_stages)
 
 
 def warm_up(num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
-            dtype: torch.dtype, device: torch.device,
-            softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+            dtype: torch.dtype, device: torch.device, softcap: float = 0.0,
+            kv_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Compile the kernel for this model before serving: one request with one key, laid out as
     vLLM lays out the real arguments (the query a view of the fused QKV output, K and V halves
     of one packed cache), so the real calls find the same compiled variant. Returns the output
-    and LSE: all zeros (one zero key, zero values, no state)."""
-    qkv = torch.zeros(1, num_qo_heads + 2 * num_kv_heads, head_dim, dtype=dtype, device=device)
-    cache = torch.zeros(2, page_size, num_kv_heads, 2 * head_dim, dtype=dtype, device=device)
+    and LSE: all zeros (one zero key, zero values, no state). ``dtype``: the output's (the
+    model's); ``kv_dtype``: an FP8 cache's, whose steps get an FP8 query too (unit scales)."""
+    kv_dtype = kv_dtype or dtype
+    q_dtype = kv_dtype if kv_dtype in FP8_DTYPES else dtype
+    qkv = torch.zeros(1, num_qo_heads + 2 * num_kv_heads, head_dim, dtype=q_dtype,
+                      device=device)
+    cache = torch.zeros(2, page_size, num_kv_heads, 2 * head_dim, dtype=kv_dtype,
+                        device=device)
     k, v = cache.split(head_dim, dim=-1)
+    scales = None
+    if kv_dtype in FP8_DTYPES:
+        one = torch.ones((), dtype=torch.float32, device=device)
+        scales = (one, one, one)
     table = torch.ones(1, 1, dtype=torch.int32, device=device)
     lens = torch.ones(1, dtype=torch.int32, device=device)
     out = torch.zeros(1, num_qo_heads, head_dim, dtype=dtype, device=device)
     lse = torch.full((num_qo_heads, 1), float("-inf"), dtype=torch.float32, device=device)
     decode_level(qkv[:, :num_qo_heads], k, v, table, lens, out, lse, out, lse,
-                 sm_scale=head_dim ** -0.5, softcap=softcap)
+                 sm_scale=head_dim ** -0.5, softcap=softcap, scales=scales)
     return out, lse

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -15,6 +16,40 @@ from vllm_cascade_plugin.planner import CascadePlan
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+# The FP8 cache format the executors read with per-layer scales (vLLM's fp8 / fp8_e4m3).
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3 value: vLLM's FP8 quantisation saturates to it
+
+
+@dataclass(frozen=True)
+class KvScales:
+    """One layer's FP8 scales, as vLLM keeps them on its Attention layer: the stored value
+    times its scale is the real one (``k = k_cache * k``). Tensors: float32, one element, on
+    the device (``layer._q_scale`` ...; FlashAttention's descales, read when a kernel runs);
+    floats: the same values on the host (``layer._q_scale_float`` ..., FlashInfer's)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    q_float: float
+    k_float: float
+    v_float: float
+
+    @classmethod
+    def of_layer(cls, layer: Any) -> KvScales:
+        return cls(layer._q_scale, layer._k_scale, layer._v_scale,
+                   float(layer._q_scale_float), float(layer._k_scale_float),
+                   float(layer._v_scale_float))
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.q, self.k, self.v
+
+
+def quantise_fp8(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``x / scale`` saturated to e4m3's range and rounded into ``out`` (FP8), as vLLM's static
+    per-tensor ``QuantFP8`` quantises a query for FlashAttention."""
+    out.copy_((x.float() / scale).clamp_(-FP8_MAX, FP8_MAX))
+    return out
 # merge_state_in_place launches blockDim = (head_dim / vec, num_qo_heads); CUDA allows 1024.
 MAX_MERGE_THREADS = 1024
 
@@ -40,8 +75,8 @@ def unsupported_reason(
         return f"num_qo_heads {num_qo_heads} is not a multiple of num_kv_heads {num_kv_heads}"
     if q_dtype not in SUPPORTED_DTYPES:
         return f"query dtype {q_dtype} not in {SUPPORTED_DTYPES} (merge kernel)"
-    if kv_dtype != q_dtype:
-        # run() applies no k/v scales, so a quantized cache would be read unscaled.
+    if kv_dtype != q_dtype and kv_dtype != FP8_KV_DTYPE:
+        # run() applies scales to an e4m3 cache only; any other would be read unscaled.
         return f"KV cache dtype {kv_dtype} differs from query dtype {q_dtype}"
     vec = max(16 // q_dtype.itemsize, head_dim // 32)
     threads = num_qo_heads * head_dim // vec

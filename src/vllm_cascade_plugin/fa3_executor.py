@@ -13,7 +13,15 @@ import numpy as np
 import torch
 
 from vllm_cascade_plugin import compat, decode_level, graph_layout, stats
-from vllm_cascade_plugin.executor_common import EXECUTORS, LOG2_E, Scratch, check_plan
+from vllm_cascade_plugin.executor_common import (
+    EXECUTORS,
+    FP8_KV_DTYPE,
+    LOG2_E,
+    KvScales,
+    Scratch,
+    check_plan,
+    quantise_fp8,
+)
 from vllm_cascade_plugin.fa3_levels import FaLevel, upload_levels, write_static
 from vllm_cascade_plugin.graphs import LayerGraphs
 from vllm_cascade_plugin.planner import CascadeLevel, CascadePlan
@@ -40,6 +48,9 @@ class _FaStep:
     # merge in one Triton kernel (``decode_level``) instead of an FA3 call and a merge.
     fused_decode: bool
     rows: int  # query rows run() takes: the plan's tokens, or a graphed step's padded rows
+    # FP8 cache: where a 16-bit query is quantised for FA3 (FA3 takes q, K and V in one dtype;
+    # vLLM's FlashAttention layers hand an FP8 query already). None: a 16-bit cache.
+    q_fp8: torch.Tensor | None
     # Graphed (fused decode, CUDA graphs on): what a captured layer bakes in besides its
     # tensors' addresses (bucketed level sizes, static buffers, scratch views, scale); None:
     # eager.
@@ -104,6 +115,7 @@ class FlashAttnCascadeExecutor:
         self._step: _FaStep | None = None
         self._sm_scale = 1.0
         self._softcap = 0.0
+        self._scales: KvScales | None = None  # the running layer's (FP8 caches)
         self._lse: torch.Tensor | None = None
         self._graphed_counted = False
         self.runs = 0  # run() calls: a whole-step graph checks every layer ran here
@@ -137,11 +149,16 @@ class FlashAttnCascadeExecutor:
     ) -> None:
         """Same contract as :meth:`FlashInferCascadeExecutor.plan`; ``padded_rows``: the rows of
         the step's query and output tensors (vLLM's CUDA-graph padding), which a graphed decode
-        step runs whole (:attr:`rows`)."""
+        step runs whole (:attr:`rows`). With an FP8 ``kv_dtype`` (e4m3) ``q_dtype`` is the
+        output's, which FA3 writes in bf16 only for FP8 input; :meth:`run` then needs the
+        layer's scales."""
         self._step = None
         self._graphed_counted = False
         check_plan(plan, page_size, self._max_levels)
-        del kv_dtype  # FlashAttention reads it from the tensors
+        fp8 = kv_dtype == FP8_KV_DTYPE
+        if fp8 and q_dtype != torch.bfloat16:
+            raise RuntimeError(f"FlashAttention 3 writes FP8 attention's output in bf16, not "
+                               f"{q_dtype}")
         last_level = plan.levels[-1]
         # Fused: the first shared level writes the state itself when it spans the batch.
         fused = (self._fused_decode and plan.num_levels > 1
@@ -166,23 +183,26 @@ class FlashAttnCascadeExecutor:
         # same buffers and run() looks nothing up.
         take = self._scratch.take
 
-        def view(name: str, n: int) -> torch.Tensor:
-            return take(name, (n, num_qo_heads, head_dim), q_dtype, device)
+        def view(name: str, n: int, dtype: torch.dtype = q_dtype) -> torch.Tensor:
+            return take(name, (n, num_qo_heads, head_dim), dtype, device)
+
+        query_dtype = FP8_KV_DTYPE if fp8 else q_dtype  # what FA3 reads
 
         widest = max((fl.rows for fl in shared), default=0)
         gathers = any(fl.index is not None for fl in shared)
         for name in ("level_out", *(("gather_q", "gather_out") if gathers else ())):
             if widest:
-                view(name, widest)
+                view(name, widest, query_dtype if name == "gather_q" else q_dtype)
         identity_merges = sum(fl.index is None for fl in shared)
         if fused and shared[0].index is None:
             identity_merges -= 1
         fa_shared = tuple(_FaShared(
             level=fl, out=view("level_out", fl.rows),
-            gather_q=None if fl.index is None else view("gather_q", fl.rows),
+            gather_q=None if fl.index is None else view("gather_q", fl.rows, query_dtype),
             gather_out=None if fl.index is None else view("gather_out", fl.rows))
             for fl in shared)
         spare = view("fa_state", last.rows) if identity_merges else None
+        q_fp8 = view("q_fp8", rows, FP8_KV_DTYPE) if fp8 else None
         self._sm_scale = float(sm_scale)
         self._softcap = float(logits_soft_cap or 0.0)
         key = None
@@ -190,11 +210,11 @@ class FlashAttnCascadeExecutor:
             def ptr(t: torch.Tensor | None) -> int:
                 return 0 if t is None else t.data_ptr()
 
-            key = (static_key, self._sm_scale, self._softcap, ptr(spare),
+            key = (static_key, self._sm_scale, self._softcap, ptr(spare), ptr(q_fp8),
                    *((ptr(s.out), ptr(s.gather_q), ptr(s.gather_out)) for s in fa_shared))
         self._step = _FaStep(last=last, shared=fa_shared, spare=spare,
                              start_in_spare=identity_merges % 2 == 1, fused_decode=fused,
-                             rows=rows, graph_key=key)
+                             rows=rows, q_fp8=q_fp8, graph_key=key)
 
     def _upload_changed(self, plan: CascadePlan, page_size: int,
                         device: torch.device) -> tuple[FaLevel, ...]:
@@ -212,11 +232,19 @@ class FlashAttnCascadeExecutor:
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fl: FaLevel,
                 out: torch.Tensor, causal: bool) -> torch.Tensor:
+        descales = {}
+        if self._scales is not None:
+            # As vLLM's FlashAttention forward passes them: the layer's one-element scales
+            # expanded to (sequences, KV heads), here a level's groups.
+            shape = (fl.kv_lens.shape[0], k.shape[2])
+            descales = {"q_descale": self._scales.q.expand(shape),
+                        "k_descale": self._scales.k.expand(shape),
+                        "v_descale": self._scales.v.expand(shape)}
         _, lse = self._attention(
             q=q, k=k, v=v, out=out, cu_seqlens_q=fl.cu_q, max_seqlen_q=fl.max_q,
             seqused_k=fl.kv_lens, max_seqlen_k=fl.max_k, softmax_scale=self._sm_scale,
             causal=causal, window_size=[-1, -1], block_table=fl.block_table,
-            softcap=self._softcap, return_softmax_lse=True, fa_version=3)
+            softcap=self._softcap, return_softmax_lse=True, fa_version=3, **descales)
         return lse  # float32 [num_heads, rows], natural log
 
     @property
@@ -228,20 +256,30 @@ class FlashAttnCascadeExecutor:
         return self._lse.t() * LOG2_E
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            out: torch.Tensor) -> None:
+            out: torch.Tensor, scales: KvScales | None = None) -> None:
         """Same contract as :meth:`FlashInferCascadeExecutor.run` (NHD caches only), with
         :attr:`rows` query rows (more than the plan's tokens in a padded graphed step: the
-        extra rows' output is written and meaningless)."""
+        extra rows' output is written and meaningless). An FP8 cache (planned so) takes the
+        layer's ``scales`` and an FP8 query (as vLLM's FlashAttention layers hand it, ``q *
+        scales.q`` its value) or a 16-bit one, quantised here with ``scales.q`` as vLLM's
+        FlashAttention layers would."""
         step = self._step
         if step is None:
             raise RuntimeError("run() before plan()")
         if q.shape[0] != step.rows or out.shape[0] != step.rows:
             raise ValueError(f"planned for {step.rows} query rows, given {q.shape[0]}")
+        if (step.q_fp8 is not None) != (scales is not None) or (
+                step.q_fp8 is not None and k_cache.dtype != FP8_KV_DTYPE):
+            raise ValueError(f"planned for {'an FP8' if step.q_fp8 is not None else 'a 16-bit'}"
+                             f" cache, given a {k_cache.dtype} cache and "
+                             f"{'no ' if scales is None else ''}scales")
+        self._scales = scales
         self.runs += 1
         if step.graph_key is not None and self.graphs is not None:
-            key = (step.graph_key, q.data_ptr(), q.shape, q.stride(), k_cache.data_ptr(),
-                   k_cache.stride(), v_cache.data_ptr(), v_cache.stride(), out.data_ptr(),
-                   out.stride())
+            key = (step.graph_key, q.data_ptr(), q.shape, q.stride(), q.dtype,
+                   k_cache.data_ptr(), k_cache.stride(), v_cache.data_ptr(), v_cache.stride(),
+                   out.data_ptr(), out.stride(),
+                   *(() if scales is None else (t.data_ptr() for t in scales.tensors())))
             replays = self.graphs.replays
             self._lse = self.graphs.run(
                 key, lambda: self._run_fused(q, k_cache, v_cache, out, step))
@@ -252,6 +290,7 @@ class FlashAttnCascadeExecutor:
         if step.fused_decode:
             self._lse = self._run_fused(q, k_cache, v_cache, out, step)
             return
+        q = self._fp8_query(q, step)
         # Identity merges alternate between ``out`` and ``spare``; the start is chosen so that
         # the last one lands in ``out`` (gathered merges update the state in place).
         first = step.spare if step.start_in_spare else out
@@ -264,11 +303,21 @@ class FlashAttnCascadeExecutor:
     def _run_fused(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    out: torch.Tensor, step: _FaStep) -> torch.Tensor:
         """A fused decode step's layer: shared levels, then ``decode_level``; returns the LSE."""
+        q = self._fp8_query(q, step)
         state, lse = self._merge_shared(q, k_cache, v_cache, step, out, None, None)
         last = step.last
-        decode_level.decode_level(q, k_cache, v_cache, last.block_table, last.kv_lens, state,
-                                  lse, out, lse, sm_scale=self._sm_scale, softcap=self._softcap)
+        decode_level.decode_level(
+            q, k_cache, v_cache, last.block_table, last.kv_lens, state, lse, out, lse,
+            sm_scale=self._sm_scale, softcap=self._softcap,
+            scales=None if self._scales is None else self._scales.tensors())
         return lse
+
+    def _fp8_query(self, q: torch.Tensor, step: _FaStep) -> torch.Tensor:
+        """The query FA3 reads: with an FP8 cache, FP8 (quantised here if it came 16-bit)."""
+        if step.q_fp8 is None or q.dtype == FP8_KV_DTYPE:
+            return q
+        assert self._scales is not None
+        return quantise_fp8(q, self._scales.q, step.q_fp8)
 
     def _merge_shared(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       step: _FaStep, out: torch.Tensor, state: torch.Tensor | None,
@@ -287,7 +336,7 @@ class FlashAttnCascadeExecutor:
                     # first level always): attend in group order and scatter back, no state to
                     # merge with yet.
                     assert fl.index is not None
-                    torch.index_select(q, 0, fl.index, out=sh.gather_q)
+                    _gather_rows(q, fl.index, sh.gather_q)
                     level_lse = self._attend(sh.gather_q, k_cache, v_cache, fl, sh.out,
                                              causal=False)
                     out.index_copy_(0, fl.index, sh.out)
@@ -309,7 +358,7 @@ class FlashAttnCascadeExecutor:
                 state, lse = target, merged
                 continue
             assert fl.index is not None
-            torch.index_select(q, 0, fl.index, out=sh.gather_q)
+            _gather_rows(q, fl.index, sh.gather_q)
             level_lse = self._attend(sh.gather_q, k_cache, v_cache, fl, sh.out, causal=False)
             torch.index_select(state, 0, fl.index, out=sh.gather_out)
             merged_out = torch.empty_like(sh.gather_out)
@@ -320,6 +369,13 @@ class FlashAttnCascadeExecutor:
             lse.index_copy_(1, fl.index, merged_lse)
         assert state is not None and lse is not None
         return state, lse
+
+
+def _gather_rows(q: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[i] = q[index[i]]``; an FP8 query moved as its bytes (a copy, exact)."""
+    if q.dtype == FP8_KV_DTYPE:
+        q, out = q.view(torch.uint8), out.view(torch.uint8)
+    torch.index_select(q, 0, index, out=out)
 
 
 def fa3_unsupported_reason(kv_layout: str) -> str | None:

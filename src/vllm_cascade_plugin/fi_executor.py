@@ -12,6 +12,8 @@ import torch
 
 from vllm_cascade_plugin.executor_common import (
     EXECUTORS,
+    FP8_KV_DTYPE,
+    KvScales,
     Scratch,
     check_plan,
     device_index,
@@ -43,6 +45,7 @@ class _Step:
     last: flashinfer.BatchPrefillWithPagedKVCacheWrapper  # the causal per-request level
     shared: tuple[_SharedLevel, ...]
     lse: torch.Tensor  # float32 [num_tokens, num_qo_heads], base 2: the running merged LSE
+    fp8: bool  # an FP8 (e4m3) cache: run() takes the layer's scales
 
 
 
@@ -115,7 +118,10 @@ class FlashInferCascadeExecutor:
         logits_soft_cap : float or None
             ``cap * tanh(logit / cap)`` when set (pointwise, so exact under cascade).
         q_dtype, kv_dtype : torch.dtype
-            Query/output and KV-cache dtypes of the following :meth:`run` calls.
+            Query/output and KV-cache dtypes of the following :meth:`run` calls. An FP8
+            ``kv_dtype`` (e4m3, vLLM's fp8) is planned as vLLM plans it (``kv_data_type``);
+            the query stays 16-bit (FlashInfer's mixed-precision prefill), and :meth:`run`
+            takes the layer's scales.
         device : torch.device
             The GPU the caches live on.
         padded_rows : int
@@ -154,6 +160,7 @@ class FlashInferCascadeExecutor:
                 self._shared_level(wrapper, level, num_qo_heads, head_dim, q_dtype, device)
                 for wrapper, level in zip(wrappers[:-1], shared_levels, strict=True)),
             lse=self._scratch.take("lse", (num_tokens, num_qo_heads), torch.float32, device),
+            fp8=kv_dtype == FP8_KV_DTYPE,
         )
 
     def _shared_level(
@@ -200,7 +207,7 @@ class FlashInferCascadeExecutor:
         return self._step.lse
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            out: torch.Tensor) -> None:
+            out: torch.Tensor, scales: KvScales | None = None) -> None:
         """Cascade attention for one layer, written into ``out``.
 
         Parameters
@@ -215,6 +222,11 @@ class FlashInferCascadeExecutor:
         out : torch.Tensor
             ``[num_tokens, num_qo_heads, head_dim]``, ``q_dtype``, contiguous (the merge kernel
             requires it); overwritten.
+        scales : KvScales or None
+            An FP8 cache's per-layer scales (required with one, refused without): passed to
+            every level's ``run`` as vLLM's FlashInfer forward passes them (``k_scale`` folded
+            into the softmax scale, so the LSE is the dequantised logits'; ``v_scale``
+            multiplying the level's output), so the merges see exact partial states.
 
         Notes
         -----
@@ -224,18 +236,27 @@ class FlashInferCascadeExecutor:
         step = self._step
         if step is None:
             raise RuntimeError("run() before plan()")
+        if step.fp8 != (scales is not None) or (step.fp8 and q.dtype == FP8_KV_DTYPE):
+            raise ValueError(f"planned for {'an FP8' if step.fp8 else 'a 16-bit'} cache with a "
+                             f"16-bit query, given a {q.dtype} query and "
+                             f"{'no ' if scales is None else ''}scales")
         kv = (k_cache, v_cache)
         lse = step.lse
-        step.last.run(q, kv, out=out, lse=lse, return_lse=True)
+        k_scale = None if scales is None else scales.k_float  # None: FlashInfer's 1.0
+        v_scale = None if scales is None else scales.v_float
+        step.last.run(q, kv, out=out, lse=lse, return_lse=True,
+                          k_scale=k_scale, v_scale=v_scale)
         # Levels run one after another, which is what lets them share scratch buffers.
         for level in step.shared:
             g = level.gather
             if g is None:
-                level.wrapper.run(q, kv, out=level.out, lse=level.lse, return_lse=True)
+                level.wrapper.run(q, kv, out=level.out, lse=level.lse, return_lse=True,
+                          k_scale=k_scale, v_scale=v_scale)
                 flashinfer.merge_state_in_place(out, lse, level.out, level.lse)
                 continue
             torch.index_select(q, 0, g.index, out=g.q)
-            level.wrapper.run(g.q, kv, out=level.out, lse=level.lse, return_lse=True)
+            level.wrapper.run(g.q, kv, out=level.out, lse=level.lse, return_lse=True,
+                          k_scale=k_scale, v_scale=v_scale)
             torch.index_select(out, 0, g.index, out=g.out)
             torch.index_select(lse, 0, g.index, out=g.lse)
             flashinfer.merge_state_in_place(g.out, g.lse, level.out, level.lse)

@@ -29,6 +29,7 @@ from .builder_common import (
     CascadeBuilder,
     CascadeImpl,
     KernelArgs,
+    kv_dtype,
     layer_impls,
     unsupported_reason,
     usable_scale,
@@ -50,14 +51,15 @@ class CascadeFlashAttentionMetadata(FlashAttentionMetadata):
     cascade_rows: int = 0  # query rows the executor runs (a graphed decode step: padded)
 
 
-def flash_attn_reason(vllm_config: Any, kv_cache_spec: Any, impls: list[Any]) -> str | None:
+def flash_attn_reason(vllm_config: Any, kv_cache_spec: Any, impls: list[Any],
+                      layer_names: list[str] | None = None) -> str | None:
     """Why cascade cannot serve these FlashAttention layers, or None."""
     if not impls:
         return "no attention layers with an impl"
     if not all(usable_scale(getattr(i, "scale", None)) for i in impls):
         # vLLM's FlashAttention takes the scale as given (the flat path stays vLLM's own).
         return "a layer without a usable softmax scale"
-    return unsupported_reason(vllm_config, kv_cache_spec, impls)
+    return unsupported_reason(vllm_config, kv_cache_spec, impls, layer_names)
 
 
 class CascadeFlashAttentionMetadataBuilder(CascadeBuilder, FlashAttentionMetadataBuilder):
@@ -80,10 +82,12 @@ class CascadeFlashAttentionMetadataBuilder(CascadeBuilder, FlashAttentionMetadat
             sm_scale=float(getattr(first, "scale", 1.0)),
             # vLLM's FlashAttention impl keeps "no soft-cap" as 0.
             logits_soft_cap=float(getattr(first, "logits_soft_cap", 0) or 0) or None,
-            q_dtype=vllm_config.model_config.dtype, kv_dtype=kv_cache_spec.dtype,
+            # An FP8 cache: its query arrives FP8 (the layer quantises it) or 16-bit (FA4's
+            # SM90 path in 0.33); the executor takes either, and this is the output's dtype.
+            q_dtype=vllm_config.model_config.dtype, kv_dtype=kv_dtype(vllm_config, kv_cache_spec),
             window_left=-1 if window is None else int(window) - 1)
         self._setup_cascade(kv_cache_spec, layer_names, vllm_config, args,
-                            flash_attn_reason(vllm_config, kv_cache_spec, impls))
+                            flash_attn_reason(vllm_config, kv_cache_spec, impls, layer_names))
 
     def _choose_cascade_kernel(self, requested: str) -> tuple[str | None, str]:
         if requested == "flashinfer":
@@ -149,7 +153,7 @@ class CascadeFlashAttentionImpl(CascadeImpl, FlashAttentionImpl):
     def forward(self, layer: Any, query: Any, key: Any, value: Any, kv_cache: Any,
                 attn_metadata: Any, output: Any, output_scale: Any = None,
                 output_block_scale: Any = None) -> Any:
-        if self._run_cascade(query, kv_cache, attn_metadata, output, output_scale,
+        if self._run_cascade(layer, query, kv_cache, attn_metadata, output, output_scale,
                              output_block_scale):
             return output
         return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,

@@ -36,14 +36,24 @@ ASYNC_SPECULATIVE = (
     "--no-async-scheduling)")
 
 
-def kv_cache_dtype_reason(kv_cache_dtype: str | None) -> str | None:
-    """Why a KV cache of ``kv_cache_dtype`` (vLLM's ``--kv-cache-dtype``) runs flat, or None."""
+# The FP8 layouts the cascade can read (e4m3 with per-layer scales), with CASCADE_FP8_KV.
+FP8_KV = ("fp8", "fp8_e4m3")
+
+
+def kv_cache_dtype_reason(kv_cache_dtype: str | None, fp8_kv: bool = False) -> str | None:
+    """Why a KV cache of ``kv_cache_dtype`` (vLLM's ``--kv-cache-dtype``) runs flat, or None;
+    ``fp8_kv``: ``CASCADE_FP8_KV`` is on."""
     if kv_cache_dtype is None or str(kv_cache_dtype) in UNQUANTISED_KV:
         return None
-    if str(kv_cache_dtype).startswith("fp8"):
-        return (f"FP8 KV cache (kv_cache_dtype={kv_cache_dtype}): the cascade kernels would read "
-                "the cache without its K/V scales, and no FP8 cascade path has been verified")
-    return f"quantised KV cache (kv_cache_dtype={kv_cache_dtype})"
+    if str(kv_cache_dtype) in FP8_KV:
+        if fp8_kv:
+            return None
+        return (f"FP8 KV cache (kv_cache_dtype={kv_cache_dtype}): runs flat by default; "
+                "CASCADE_FP8_KV=1 runs the cascade on it (e4m3 with per-layer scales; tested "
+                "on CPU only, not yet verified on a GPU)")
+    return (f"quantised KV cache (kv_cache_dtype={kv_cache_dtype}): the cascade reads "
+            f"{' or '.join(FP8_KV)} (e4m3) with per-layer scales only (CASCADE_FP8_KV=1); "
+            "this layout is not supported")
 
 
 def speculative_reason(method: str | None, async_scheduling: bool | None) -> str | None:
@@ -99,9 +109,9 @@ def _dashed(arg: str) -> str:
     return flag.replace("_", "-") + equals + value
 
 
-def engine_argument_reasons(values: dict[str, Any]) -> list[str]:
+def engine_argument_reasons(values: dict[str, Any], fp8_kv: bool = False) -> list[str]:
     """Why an engine started with these settings (:func:`read_engine_arguments`) runs every
-    step flat; empty: the cascade can run."""
+    step flat; empty: the cascade can run. ``fp8_kv``: ``CASCADE_FP8_KV`` is on."""
     reasons = []
     backend = values.get("attention_backend")
     if backend is not None and str(backend).upper() not in BACKENDS:
@@ -109,7 +119,7 @@ def engine_argument_reasons(values: dict[str, Any]) -> list[str]:
                        "FLASHINFER only; other backends run as without it")
     if values.get("enable_prefix_caching") is False:
         reasons.append(PREFIX_CACHING_OFF)
-    if (reason := kv_cache_dtype_reason(values.get("kv_cache_dtype"))) is not None:
+    if (reason := kv_cache_dtype_reason(values.get("kv_cache_dtype"), fp8_kv)) is not None:
         reasons.append(reason)
     speculative = values.get("speculative_config")
     if speculative is not None:

@@ -241,6 +241,7 @@ def main() -> int:
     parser.add_argument("--corrupt-one-page", action="store_true")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--backend", default="FLASHINFER", choices=("FLASHINFER", "FLASH_ATTN"))
+    parser.add_argument("--kv-cache-dtype", default="auto", help="vLLM's --kv-cache-dtype")
     parser.add_argument("--ngram", type=int, default=0, metavar="K",
                         help="ngram speculative decoding with K draft tokens")
     args = parser.parse_args()
@@ -268,7 +269,7 @@ def main() -> int:
     llm = LLM(model=args.model, skip_tokenizer_init=True, attention_backend=args.backend,
               enable_prefix_caching=True, max_model_len=9216, max_num_batched_tokens=2048,
               max_num_seqs=128, num_gpu_blocks_override=NUM_BLOCKS, gpu_memory_utilization=0.5,
-              seed=0, enable_flashinfer_autotune=False,
+              seed=0, enable_flashinfer_autotune=False, kv_cache_dtype=args.kv_cache_dtype,
               tensor_parallel_size=args.tp, **tp_args)
     chosen = [w for w in args.workloads.split(",") if w]
     results = {}

@@ -124,6 +124,27 @@ def test_layer_graphs_match_flat_engine(sharp_model_dir, tmp_path, runner):
         assert on["graph_replays"] > 0, {k: on[k] for k in GRAPH_KEYS}
 
 
+@pytest.mark.parametrize("backend", ["FLASHINFER", FLASH_ATTN])
+def test_fp8_kv_cache_engine_matches_flat_fp8_engine(sharp_model_dir, tmp_path, backend):
+    """``--kv-cache-dtype fp8`` on both sides: the plugin with CASCADE_FP8_KV=1 against the
+    plugin off, same backend, same FP8 cache (unit scales: the dummy checkpoint has none), by
+    the engine comparison's rule; every step that could ran as cascade, with no fallback."""
+    extra = ("--kv-cache-dtype", "fp8")
+    on = run_engine(sharp_model_dir, tmp_path / "on.json", plugin=True, runner="v2",
+                    extra=extra, knobs=(("CASCADE_FP8_KV", "1"),), backend=backend)
+    off = run_engine(sharp_model_dir, tmp_path / "off.json", plugin=False, runner="v2",
+                     extra=extra, backend=backend)
+    reference = run_engine(sharp_model_dir, tmp_path / "ref.json", plugin=False, runner="v2",
+                           extra=extra, backend=FLASH_ATTN if backend != FLASH_ATTN
+                           else "FLASHINFER")
+    rows = [{**engine_oracle.judge(name, "v2", on["workloads"][name], off["workloads"][name],
+                                   reference["workloads"][name]), "kv_cache_dtype": "fp8",
+             "backend": backend} for name in on["workloads"]]
+    check(rows)
+    assert any(w["steps_cascade"] > 0 for w in on["workloads"].values()), on["workloads"]
+    assert not any(w["fallbacks"] for w in on["workloads"].values()), on["workloads"]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                     reason="tensor parallelism needs two GPUs")
 @pytest.mark.parametrize("runner", ["v2", "v1"])
