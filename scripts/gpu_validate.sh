@@ -11,6 +11,8 @@
 #   engine   tests/gpu/test_engine.py: plugin on vs off (and FlashAttention off, the reference),
 #            both runners, whole-step graphs; the corrupted plans (~8 engines)
 #   engine_graphs  the same with CASCADE_FULL_GRAPHS=0 (per-layer graphs; ~6 engines)
+#   sliding  tests/gpu/test_sliding_window_engine.py: a model of sliding-window and full layers,
+#            plugin on vs off (FLASH_ATTN; TRITON_ATTN the reference), both KV-cache layouts (4 engines)
 #   engine_fa  tests/gpu/test_flash_attn_engine.py: the same through vLLM's default FLASH_ATTN
 #            backend, a no-sharing workload, a corrupted plan, ngram speculative decoding
 #   serving  tests/gpu/test_serving.py: the engine as `vllm serve` runs it, a changing batch
@@ -49,6 +51,7 @@ part_engine() {
   pytest_part engine 900 tests/gpu/test_engine.py -k "cascade_engine_matches or corrupted or one_page"
 }
 part_engine_graphs() { pytest_part engine_graphs 900 tests/gpu/test_engine.py -k layer_graphs; }
+part_sliding() { pytest_part sliding 900 tests/gpu/test_sliding_window_engine.py; }
 part_engine_fa() { pytest_part engine_fa 900 tests/gpu/test_flash_attn_engine.py; }
 part_serving() { pytest_part serving 560 tests/gpu/test_serving.py; }
 part_tp() { pytest_part tp 900 tests/gpu/test_engine.py -k tensor_parallel; }
@@ -110,7 +113,7 @@ wait_parts() {  # until the detached list is done or $1 seconds have passed
   tail -40 "$res/parts.log" 2>/dev/null
 }
 
-case ${1:?"a part (kernels, engine, engine_graphs, engine_fa, serving, e2e, e2e_fa, serve, soak, demo, tp, fp8), start PARTS..., or wait"} in
+case ${1:?"a part (kernels, engine, engine_graphs, sliding, engine_fa, serving, e2e, e2e_fa, serve, soak, demo, tp, fp8), start PARTS..., or wait"} in
 start)
   shift
   rm -f "$res/done"
@@ -124,7 +127,7 @@ start)
 wait)
   wait_parts "${2:-540}"
   ;;
-kernels|engine|engine_graphs|engine_fa|serving|e2e|e2e_fa|serve|soak|demo|tp)
+kernels|engine|engine_graphs|sliding|engine_fa|serving|e2e|e2e_fa|serve|soak|demo|tp|fp8)
   "part_$1"
   ;;
 *)

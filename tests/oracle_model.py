@@ -22,10 +22,13 @@ the positions. This model keeps the plain initialisation and changes three thing
 ``tests/test_oracle_model.py`` proves on the CPU that this model has teeth (a one-page KV error
 moves the chosen-token logprobs by more than ten times the tolerance, two correct attention
 computations stay well within it) and ``tests/gpu/conftest.py`` saves it for the engine tests.
+:func:`build_mixed` makes a sliding-window variant the same way; its teeth (the window ignored
+on its sliding layers) are proven by ``tests/test_sliding_window_model.py``.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -43,13 +46,11 @@ OFFSET_INPUT, OFFSET_WEIGHT = 0.05, 30.0
 PAGE_SIZE = 16  # vLLM's KV block size on the engine tests: one page is 16 tokens
 
 
-def build() -> Any:
-    """The model in bfloat16, as it is saved (deterministic: seeded initialisation)."""
+def _sharpen(model: Any) -> Any:
+    """The three changes above, in place, on a float32 Llama-family model (Llama, Ministral:
+    same module names); returned in bfloat16, as it is saved."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(SEED)
-    model = LlamaForCausalLM(LlamaConfig(**CONFIG)).float().eval()
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.q_proj.weight.mul_(QK_SCALE)
@@ -63,7 +64,52 @@ def build() -> Any:
     return model.to(torch.bfloat16)
 
 
+def build() -> Any:
+    """The model in bfloat16, as it is saved (deterministic: seeded initialisation)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(SEED)
+    return _sharpen(LlamaForCausalLM(LlamaConfig(**CONFIG)).float().eval())
+
+
 def save(out: str | Path) -> str:
     """Build the model and ``save_pretrained`` it (bf16 safetensors and config) into ``out``."""
     build().save_pretrained(out)
+    return str(out)
+
+
+# The sliding-window oracle: the same shape and sharpening, four layers of which the even ones
+# attend to the last WINDOW tokens only and the odd ones to all (Ministral / Gemma-2 style:
+# ``layer_types`` and ``sliding_window`` in the config). transformers runs it as
+# MinistralForCausalLM; vLLM as its MistralForCausalLM (the Llama code, which reads
+# ``layer_types``): the saved config names that architecture, model_type "ministral".
+WINDOW = 512  # tokens: 32 pages; the engine test's shared prefix is four times longer
+MIXED_CONFIG: dict[str, Any] = {
+    **{k: v for k, v in CONFIG.items() if k not in ("architectures", "model_type")},
+    "num_hidden_layers": 4, "sliding_window": WINDOW,
+    "layer_types": ["sliding_attention", "full_attention"] * 2,
+}
+MIXED_ARCHITECTURE = "MistralForCausalLM"  # vLLM's class for it (it has no Ministral class)
+
+
+def build_mixed(window: bool = True) -> Any:
+    """The sliding-window oracle in bfloat16 (seeded); ``window=False``: the same weights with
+    every layer attending to all tokens (what a sliding layer run without its window computes)."""
+    import torch
+    from transformers import MinistralConfig, MinistralForCausalLM
+
+    config = dict(MIXED_CONFIG)
+    if not window:
+        config["layer_types"] = ["full_attention"] * config["num_hidden_layers"]
+    torch.manual_seed(SEED)
+    return _sharpen(MinistralForCausalLM(MinistralConfig(**config)).float().eval())
+
+
+def save_mixed(out: str | Path) -> str:
+    """Build the sliding-window oracle and save it into ``out`` as vLLM loads it."""
+    build_mixed().save_pretrained(out)
+    path = Path(out) / "config.json"
+    saved = json.loads(path.read_text())
+    path.write_text(json.dumps({**saved, "architectures": [MIXED_ARCHITECTURE]}, indent=1))
     return str(out)

@@ -40,9 +40,11 @@ def _bf16(x: torch.Tensor) -> torch.Tensor:
 def flash_attention(tile: int, rounded: bool = True):
     """A transformers attention function: FlashAttention's algorithm, with bf16 rounding where
     the GPU kernels round (``rounded``) or none. Causal, bottom-right aligned (the queries are
-    the last positions of the keys), no padding."""
+    the last positions of the keys), no padding; a layer given a ``sliding_window`` W (as
+    transformers passes it) reads the last W keys of each query, its own included."""
 
-    def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+               sliding_window=None, **kwargs):
         del module, attention_mask, dropout, kwargs
         heads, n_q, n_k = query.shape[1], query.shape[2], key.shape[2]
         q = _bf16(query)
@@ -56,7 +58,10 @@ def flash_attention(tile: int, rounded: bool = True):
         for start in range(0, n_k, tile):
             logits = (q @ k[:, :, start:start + tile].transpose(-1, -2)) * scale
             k_pos = torch.arange(start, min(n_k, start + tile))[None, :]
-            logits = logits.masked_fill(k_pos > q_pos, -math.inf)
+            masked = k_pos > q_pos
+            if sliding_window is not None:
+                masked = masked | (k_pos <= q_pos - sliding_window)
+            logits = logits.masked_fill(masked, -math.inf)
             new_max = torch.maximum(row_max, logits.amax(-1, keepdim=True))
             shift = torch.where(torch.isfinite(new_max), new_max, torch.zeros_like(new_max))
             p = torch.exp(logits - shift)

@@ -43,3 +43,13 @@ def sharp_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     import oracle_model
 
     return oracle_model.save(tmp_path_factory.mktemp("oracle-model"))
+
+
+@pytest.fixture(scope="session")
+def sliding_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The sliding-window oracle (``oracle_model.save_mixed``: layers 0 and 2 attend to the last
+    512 tokens, 1 and 3 to all; its teeth and vLLM's layout of it are checked on the CPU by
+    tests/test_sliding_window_model.py), saved once."""
+    import oracle_model
+
+    return oracle_model.save_mixed(tmp_path_factory.mktemp("sliding-oracle"))

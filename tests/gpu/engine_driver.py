@@ -1,7 +1,8 @@
 """One vLLM engine, the correctness workloads, per-token logprobs out (run as a subprocess).
 
 Usage: python engine_driver.py MODEL_DIR OUT_JSON [--workloads a,b,...] [--tp N]
-    [--corrupt | --corrupt-one-page] [--backend FLASHINFER|FLASH_ATTN] [--ngram K]
+    [--corrupt | --corrupt-one-page] [--backend FLASHINFER|FLASH_ATTN|TRITON_ATTN] [--ngram K]
+    [--no-hybrid-kv-cache]
 
 The plugin is on or off by the caller's ``CASCADE_ATTENTION``; the runner by
 ``VLLM_USE_V2_MODEL_RUNNER``; vLLM's attention backend by ``--backend`` (FLASH_ATTN with the
@@ -19,6 +20,9 @@ plugin's per-step code (planner, executor plan and run) runs under
 (they live in the worker processes when ``--tp`` > 1). ``--ngram K``: vLLM's ``ngram``
 speculative decoding with K draft tokens; the steps whose rows have 1 to 1 + K query tokens, some
 more than one (verification steps), are counted, and how many ran cascade.
+``--no-hybrid-kv-cache``: vLLM's ``disable_hybrid_kv_cache_manager`` (a model with sliding-window
+and full layers then keeps one KV-cache group); TRITON_ATTN with the plugin off is the second
+correct kernel where FlashInfer cannot run the model (sliding windows on SM90).
 """
 
 from __future__ import annotations
@@ -85,6 +89,9 @@ def workloads(seed: int = 0) -> dict[str, tuple[list[list[int]], dict]]:
     phrase = _tokens(rng, 64)
     w["x_ngram_repetitive_2k_prefix_x32"] = (
         [phrase * 32 + _tokens(rng, 16) for _ in range(32)], {**greedy, "max_tokens": 64})
+    # For the sliding-window oracle (window 512): a cached 2K prefix, four windows long.
+    shared = _tokens(rng, 2048)
+    w["x_sliding_2k_prefix_x32"] = ([shared + _tokens(rng, 16) for _ in range(32)], greedy)
     return w
 
 
@@ -240,10 +247,13 @@ def main() -> int:
     parser.add_argument("--corrupt", action="store_true")
     parser.add_argument("--corrupt-one-page", action="store_true")
     parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--backend", default="FLASHINFER", choices=("FLASHINFER", "FLASH_ATTN"))
+    parser.add_argument("--backend", default="FLASHINFER",
+                        choices=("FLASHINFER", "FLASH_ATTN", "TRITON_ATTN"))
     parser.add_argument("--kv-cache-dtype", default="auto", help="vLLM's --kv-cache-dtype")
     parser.add_argument("--ngram", type=int, default=0, metavar="K",
                         help="ngram speculative decoding with K draft tokens")
+    parser.add_argument("--no-hybrid-kv-cache", action="store_true",
+                        help="disable_hybrid_kv_cache_manager=True")
     args = parser.parse_args()
     if args.corrupt or args.corrupt_one_page:
         _corrupt_planner(one_page=args.corrupt_one_page)
@@ -263,6 +273,8 @@ def main() -> int:
         os.environ.setdefault("VLLM_FLASHINFER_ALLREDUCE_BACKEND", "trtllm")
         tp_args = {"disable_custom_all_reduce": True,
                    "compilation_config": {"pass_config": {"fuse_allreduce_rms": False}}}
+    if args.no_hybrid_kv_cache:
+        tp_args["disable_hybrid_kv_cache_manager"] = True
     if args.ngram:
         tp_args["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.ngram,
                                          "prompt_lookup_max": 4, "prompt_lookup_min": 2}

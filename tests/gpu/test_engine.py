@@ -70,7 +70,9 @@ def _run_engine(model_dir: str, out: Path, *, plugin: bool, runner: str,
         (Path(results) / f"engine-{name.replace(',', '')}.log").write_text(log)
     assert proc.returncode == 0, log[-6000:]
     assert "Traceback" not in log, log[-6000:]
-    return json.loads(out.read_text())
+    # The plugin's own log lines (what it said it does, and why), for the tests to read.
+    plugin_lines = [line for line in log.splitlines() if "vllm-cascade-plugin:" in line]
+    return {**json.loads(out.read_text()), "plugin_log": plugin_lines}
 
 
 def judged(model_dir: str, tmp_path: Path, on: dict, runner: str, extra: tuple[str, ...] = (),

@@ -1,0 +1,100 @@
+"""Engine level with a model that mixes sliding-window and full-attention layers: no layer the
+cascade cannot serve runs it, in either KV-cache layout vLLM gives such a model, and the answers
+are plugin-off vLLM's.
+
+The model is the sliding-window oracle (``oracle_model.save_mixed``): the oracle's shape and
+sharpening, four layers, 0 and 2 attending to the last 512 tokens, 1 and 3 to all; vLLM runs it
+as its MistralForCausalLM. The workload shares a cached 2K prefix, four windows long, over 32
+requests: a sliding layer run as a windowless cascade would read 1.5K tokens it must not, which
+moves the chosen-token logprobs by ~70 times the mean tolerance (measured in transformers on the
+CPU by ``tests/test_sliding_window_model.py``, which also checks the layouts below).
+
+vLLM 0.26 lays out such a model's KV cache one of two ways (checked on the CPU):
+
+* without the hybrid KV cache manager (``--no-hybrid-kv-cache``): one KV-cache group and one
+  attention group, so one metadata builder for all four layers, its spec carrying the window.
+  The plugin must run all four flat (its builder holds sliding-window layers), saying so once;
+* with it (vLLM's default on a GPU): a group of the sliding layers and one of the full layers.
+  The sliding layers' builder runs flat (said once) and every step runs flat because the step has
+  two KV-cache groups (counted as a fallback): the plugin was live and saw the steps.
+
+So in neither layout does vLLM 0.26 give the full-attention layers a builder of their own in the
+sliding layers' KV-cache group, and no step may run cascade: the test asserts that, so that a
+change in either (vLLM's layout, the plugin's choice) shows here. The engines run vLLM's
+FLASH_ATTN backend: its FlashInfer backend refuses sliding-window layers on SM90 (vLLM 0.26,
+``FlashInferMetadataBuilder``). Three engines judge the plugin by ``engine_oracle.judge``: the
+plugin on, and two correct kernels with it off, FLASH_ATTN (the comparison) and TRITON_ATTN;
+a fourth runs the plugin in the hybrid layout, judged against the same two. V1 model runner.
+Written on a CPU machine; not yet run on a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import engine_oracle
+from gpu.test_engine import run_engine
+
+WORKLOAD = "x_sliding_2k_prefix_x32"
+ONLY = ("--workloads", WORKLOAD)
+UNIFIED = (*ONLY, "--no-hybrid-kv-cache")
+RUNNER = "v1"
+ATTN = "model.layers.{}.self_attn.attn"
+RESULTS: list[dict] = []
+
+
+def _judged(model_dir: str, tmp_path: Path, on: dict, layout: str) -> dict:
+    off = run_engine(model_dir, tmp_path / "off.json", plugin=False, runner=RUNNER,
+                     extra=UNIFIED, backend="FLASH_ATTN")
+    reference = run_engine(model_dir, tmp_path / "triton.json", plugin=False, runner=RUNNER,
+                           extra=UNIFIED, backend="TRITON_ATTN")
+    row = engine_oracle.judge(WORKLOAD, RUNNER, on["workloads"][WORKLOAD],
+                              off["workloads"][WORKLOAD], reference["workloads"][WORKLOAD])
+    row = {**row, "backend": "FLASH_ATTN", "reference_backend": "TRITON_ATTN",
+           "kv_cache_layout": layout}
+    RESULTS.append(row)
+    # Two correct kernels must agree first: otherwise the model, not the plugin, is at fault.
+    assert row["reference_outcome"] == "pass", json.dumps(row, indent=1)
+    assert row["outcome"] == "pass", json.dumps(row, indent=1)
+    return row
+
+
+def _flat_lines(on: dict) -> list[str]:
+    """The plugin's lines saying which layers run flat for their sliding windows."""
+    return [line for line in on["plugin_log"]
+            if "cascade attention is off for" in line and "sliding-window attention" in line]
+
+
+def test_one_kv_cache_group_runs_every_layer_flat_and_matches_vllm(sliding_model_dir, tmp_path):
+    on = run_engine(sliding_model_dir, tmp_path / "on.json", plugin=True, runner=RUNNER,
+                    extra=UNIFIED, backend="FLASH_ATTN")
+    row = _judged(sliding_model_dir, tmp_path, on, "one KV-cache group")
+    counts = on["workloads"][WORKLOAD]
+    assert counts["steps_cascade"] == 0, (counts, row)
+    assert on["sync_violations"] == [], on["sync_violations"]
+    [line] = _flat_lines(on)  # once, naming the one builder's four layers
+    assert "for 4 attention layer(s)" in line and ATTN.format(0) in line, line
+    assert "vLLM's flat FLASH_ATTN attention" in line, line
+
+
+def test_hybrid_kv_cache_runs_sliding_layers_flat_and_matches_vllm(sliding_model_dir, tmp_path):
+    on = run_engine(sliding_model_dir, tmp_path / "on-hybrid.json", plugin=True, runner=RUNNER,
+                    extra=ONLY, backend="FLASH_ATTN")
+    row = _judged(sliding_model_dir, tmp_path, on, "hybrid: sliding and full groups")
+    counts = on["workloads"][WORKLOAD]
+    assert counts["steps_cascade"] == 0, (counts, row)
+    assert counts["fallbacks"].get("more than one KV cache group", 0) > 0, counts
+    assert on["sync_violations"] == [], on["sync_violations"]
+    [line] = _flat_lines(on)  # once, for the sliding layers' builder alone
+    assert "for 2 attention layer(s)" in line, line
+    assert ATTN.format(0) in line and ATTN.format(2) in line, line
+    assert ATTN.format(1) not in line and ATTN.format(3) not in line, line
+
+
+def teardown_module() -> None:
+    out = os.environ.get("CASCADE_RESULTS_DIR")
+    if out and RESULTS:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "correctness_sliding_window.json").write_text(json.dumps(RESULTS, indent=1))
