@@ -51,13 +51,14 @@ _ALL: weakref.WeakSet[StepGraphs] = weakref.WeakSet()
 
 
 def graph_stats() -> dict[str, int]:
-    """Whole-step graphs in this process: captured, replayed and evicted so far, held now, and
-    the bytes of their memory pools."""
+    """Whole-step graphs in this process: captured, replayed and evicted so far, held now,
+    captures skipped for want of free GPU memory, and the bytes of their memory pools."""
     graphs = list(_ALL)
     return {"full_graph_captures": sum(g.captures for g in graphs),
             "full_graph_replays": sum(g.replays for g in graphs),
             "full_graph_evictions": sum(g.evictions for g in graphs),
             "full_graphs_held": sum(len(g) for g in graphs),
+            "full_graph_captures_skipped": sum(g.skipped for g in graphs),
             "full_graph_pool_bytes": sum(g.pool_bytes() for g in graphs)}
 
 

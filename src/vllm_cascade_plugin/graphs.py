@@ -10,6 +10,11 @@ until its memory is freed, and the next capture into the same pool id fails insi
 ``vllm serve``: many step layouts filled the cache, which dropped every graph and captured again.
 So each cache keeps an *anchor*, a one-kernel graph captured into its pool first and never
 destroyed, and when full it destroys only the graph replayed longest ago.
+
+vLLM sizes its KV cache without the plugin's graphs, so their pools grow into the memory left
+beside it. A capture is skipped (that step runs eagerly, as before its graph existed) while the
+GPU has less than ``MIN_FREE_BYTES`` free, so the pools never take what vLLM's own allocations
+need; one warning says so.
 """
 
 from __future__ import annotations
@@ -27,6 +32,15 @@ __all__ = ["GraphCache", "LayerGraphs", "capture_cuda", "new_pool"]
 
 _log = logging.getLogger("vllm.cascade_plugin")
 _CACHES: weakref.WeakSet[GraphCache] = weakref.WeakSet()  # every cache of this process
+
+MIN_FREE_BYTES = 1 << 30  # below this much free GPU memory no graph is captured
+LOW_MEMORY_RECHECK_S = 10.0  # once low, free memory is read again after this long
+_warned_low_memory = False
+
+
+def cuda_free_bytes() -> int:
+    """Free memory of the current CUDA device (``cudaMemGetInfo``; it waits for no kernel)."""
+    return int(torch.cuda.mem_get_info()[0])
 
 
 def new_pool(stream: torch.cuda.Stream) -> tuple[Any, Any]:
@@ -69,7 +83,9 @@ class GraphCache:
     first graph of a cache is captured only after one eager run of any key, so that whatever
     its kernels initialise lazily (workspaces, autotuning) happens outside a capture.
     ``capture`` is :func:`capture_cuda` on a GPU; tests pass a stand-in
-    ``capture(fn) -> (replay, result)``.
+    ``capture(fn) -> (replay, result)``. ``free_memory``: how many bytes the GPU has free
+    (:func:`cuda_free_bytes` on a GPU, None with a stand-in: not checked); a capture due while
+    that is below ``MIN_FREE_BYTES`` is skipped (counted in ``skipped``).
     """
 
     def __init__(self, capture: Callable[..., Any] | None, capture_after: int, max_graphs: int,
@@ -81,6 +97,9 @@ class GraphCache:
         self.captures = 0
         self.replays = 0
         self.evictions = 0
+        self.skipped = 0  # captures due but skipped for want of free GPU memory
+        self.free_memory: Callable[[], int] | None = cuda_free_bytes if capture is None else None
+        self._low_memory_until = 0.0
         self._graphs: OrderedDict[tuple[Any, ...], Callable[[], Any]] = OrderedDict()
         self._seen: dict[tuple[Any, ...], int] = {}
         self._warm = False
@@ -116,11 +135,38 @@ class GraphCache:
                 self._seen.clear()
             self._seen[key] = seen
             return False
+        if not self._memory_allows():
+            return False
         self._seen.pop(key, None)
         while len(self._graphs) >= self.max_graphs:
             self._graphs.popitem(last=False)
             self.evictions += 1
         return True
+
+    def _memory_allows(self) -> bool:
+        """Whether the GPU has ``MIN_FREE_BYTES`` free for a capture; once it has not, it is
+        read again only after ``LOW_MEMORY_RECHECK_S`` (until then every capture is skipped)."""
+        global _warned_low_memory
+        if self.free_memory is None:
+            return True
+        now = time.monotonic()
+        if now >= self._low_memory_until:
+            try:
+                free = self.free_memory()
+            except Exception:  # cannot tell: capture as without the check
+                return True
+            if free >= MIN_FREE_BYTES:
+                return True
+            self._low_memory_until = now + LOW_MEMORY_RECHECK_S
+            if not _warned_low_memory:
+                _warned_low_memory = True
+                _log.warning(
+                    "vllm-cascade-plugin: %.2f GiB of GPU memory free, less than the %.0f GiB a "
+                    "CUDA graph capture needs left; cascade steps without a graph run eagerly "
+                    "until memory frees up (lower --gpu-memory-utilization to leave room for the "
+                    "plugin's graphs).", free / 2**30, MIN_FREE_BYTES / 2**30)
+        self.skipped += 1
+        return False
 
     def _keep(self, key: tuple[Any, ...], replay: Callable[[], Any]) -> None:
         self._graphs[key] = replay

@@ -50,12 +50,14 @@ def device_bytes() -> int:
 
 def graph_stats() -> dict[str, int]:
     """The FA3 executors' per-layer CUDA graphs in this process: captured, replayed and evicted
-    so far, held now, and the bytes of their memory pools."""
+    so far, held now, captures skipped for want of free GPU memory, and the bytes of their
+    memory pools."""
     graphs = [g for g in (getattr(e, "graphs", None) for e in list(EXECUTORS)) if g is not None]
     return {"graph_captures": sum(g.captures for g in graphs),
             "graph_replays": sum(g.replays for g in graphs),
             "graph_evictions": sum(g.evictions for g in graphs),
             "graphs_held": sum(len(g) for g in graphs),
+            "graph_captures_skipped": sum(g.skipped for g in graphs),
             "graph_pool_bytes": sum(g.pool_bytes() for g in graphs)}
 
 
