@@ -16,6 +16,7 @@
 #   engine_fa  tests/gpu/test_flash_attn_engine.py: the same through vLLM's default FLASH_ATTN
 #            backend, a no-sharing workload, a corrupted plan, ngram speculative decoding
 #   serving  tests/gpu/test_serving.py: the engine as `vllm serve` runs it, a changing batch
+#            (also with gpu_memory_utilization=0.92: the graphs fit beside the KV cache)
 #   e2e      benchmarks/e2e_bench.py: the offline end-to-end table (e2e.json)
 #   e2e_fa   the same workloads, flash_attn vs cascade_flash_attn (the plugin in FLASH_ATTN)
 #   serve    benchmarks/serve_bench.py, 8K x 4 prefixes, flashinfer vs cascade (serve.json)
@@ -53,7 +54,7 @@ part_engine() {
 part_engine_graphs() { pytest_part engine_graphs 900 tests/gpu/test_engine.py -k layer_graphs; }
 part_sliding() { pytest_part sliding 900 tests/gpu/test_sliding_window_engine.py; }
 part_engine_fa() { pytest_part engine_fa 900 tests/gpu/test_flash_attn_engine.py; }
-part_serving() { pytest_part serving 560 tests/gpu/test_serving.py; }
+part_serving() { pytest_part serving 900 tests/gpu/test_serving.py; }
 part_tp() { pytest_part tp 900 tests/gpu/test_engine.py -k tensor_parallel; }
 # FP8 KV cache (CASCADE_FP8_KV=1): kernels against vLLM's flat FP8 FA3 / FlashInfer and fp32 on
 # the dequantised cache; engines with --kv-cache-dtype fp8, both backends (~6 engines).

@@ -229,7 +229,19 @@ def _worker_counters(worker) -> dict:
             **{k: graphs.get(k, 0) for k in ("graph_captures", "graph_replays",
                                               "full_graph_captures", "full_graph_replays",
                                               "full_graphs_held", "full_graph_pool_bytes",
-                                              "graph_pool_bytes")}}
+                                              "graph_pool_bytes", "graph_captures_skipped",
+                                              "full_graph_captures_skipped")},
+            "device_free_bytes": _free_bytes()}
+
+
+def _free_bytes() -> int:
+    """The GPU's free memory as this worker sees it (0 where it cannot be read)."""
+    try:
+        import torch
+
+        return int(torch.cuda.mem_get_info()[0])
+    except Exception:
+        return 0
 
 
 def _counters(llm) -> dict:

@@ -1,6 +1,7 @@
 """vLLM's engine as ``vllm serve`` runs it, with requests arriving and finishing every step.
 
 Usage: python serving_driver.py MODEL_DIR OUT_JSON [--requests N] [--seed S]
+                                 [--gpu-memory-utilization F]
 
 The engine core runs in its own process (vLLM's default multiprocessing) with async scheduling,
 as under ``vllm serve``; the caller's ``CASCADE_ATTENTION`` turns the plugin on or off. Requests
@@ -48,6 +49,9 @@ def main() -> int:
     parser.add_argument("out")
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5,
+                        help="vLLM's: the share of GPU memory its weights, activations and KV "
+                             "cache take (the plugin's graphs come out of the rest)")
     args = parser.parse_args()
 
     import cloudpickle
@@ -60,8 +64,8 @@ def main() -> int:
 
     llm = LLM(model=args.model, skip_tokenizer_init=True, attention_backend="FLASHINFER",
               enable_prefix_caching=True, max_model_len=2048, max_num_seqs=128,
-              gpu_memory_utilization=0.5, seed=0, enable_flashinfer_autotune=False,
-              async_scheduling=True)
+              gpu_memory_utilization=args.gpu_memory_utilization, seed=0,
+              enable_flashinfer_autotune=False, async_scheduling=True)
     engine = llm.llm_engine
     before = _counters(llm)
     pending = arrivals(args.requests, args.seed)
@@ -93,6 +97,11 @@ def main() -> int:
         json.dump({"plugin": os.environ.get("CASCADE_ATTENTION", ""), "engine_steps": step,
                    "requests": [results[i] for i in range(len(ids))], **delta,
                    "full_graphs_held": after.get("full_graphs_held", 0),
+                   "gpu_memory_utilization": args.gpu_memory_utilization,
+                   **{k: after.get(k, 0) for k in ("graph_pool_bytes", "full_graph_pool_bytes",
+                                                   "graph_captures_skipped",
+                                                   "full_graph_captures_skipped",
+                                                   "device_free_bytes")},
                    "fallbacks": after["fallbacks"]}, f)
     return 0
 
