@@ -30,8 +30,8 @@ the subset's chosen-token logprobs agree with the replay within 0.02 on average 
 memory after the drive is within 1% of a baseline taken after its first minute (both read idle,
 after ``torch.cuda.empty_cache()``, so the allocator's cache is not mistaken for a leak); neither
 log has an ERROR line, a traceback or a CUDA error; aborts, preemptions, ``n`` > 1 and cascade
-steps all happened; the plugin caught no error of its own (a fallback for an error); both phases
-exited 0.
+steps all happened; no CUDA-graph capture failed; the plugin caught no error of its own (a
+fallback for an error); both phases exited 0.
 
 The model is ``--model``'s weights, or, for a folder with a ``config.json`` only (the default,
 ``examples/models/llama-tiny``), transformers' random initialisation (std 0.02, bf16, seed 0):
@@ -254,6 +254,8 @@ def judge(run: dict | None, replay: dict | None, settings: dict[str, Any],
     if hang is None and exit_codes.get("run") == -signal.SIGKILL:
         hang = "the run phase was killed (its time limit, or out of memory)"
     n_errors = sum(len(lines) for lines in errors.values())
+    graphs = after.get("graphs") or {}
+    graph_replays = graphs.get("graph_replays", 0) + graphs.get("full_graph_replays", 0)
     checks = [
         ("requests", requests >= settings["min_requests"],
          f"{requests:,} submitted, at least {settings['min_requests']:,} required"),
@@ -280,6 +282,10 @@ def judge(run: dict | None, replay: dict | None, settings: dict[str, Any],
          and run.get("kinds", {}).get("sampling", 0) > 0,
          f"{aborts} aborts, {preemptions} preemptions, {cascade:,} cascade decode steps, "
          f"{run.get('kinds', {}).get('sampling', 0)} n>1 requests (each must be > 0)"),
+        ("capture_failures", bool(counters) and counters.get("graph_capture_failures", 0) == 0,
+         f"{counters.get('graph_capture_failures', 0)} CUDA-graph captures failed; "
+         f"{graph_replays:,} graph replays" if counters
+         else "the plugin's counters could not be read"),
         ("plugin_errors", not plugin_errors and bool(counters),
          f"fallbacks caused by errors: {plugin_errors}" if counters
          else "the plugin's counters could not be read"),
@@ -297,6 +303,9 @@ def judge(run: dict | None, replay: dict | None, settings: dict[str, Any],
         "max_abs_dlogprob": worst if compared else None,
         "duration_s": round(duration, 1),
         "outcome": "fail" if reasons else "pass",
+        "graph_replays": graph_replays,  # per-layer and whole-step, in the drive
+        "capture_failures": counters.get("graph_capture_failures", 0),
+        "date": datetime.date.today().isoformat(),
         "reasons": reasons,
         "criteria": criteria,
         "mean_abs_dlogprob": mean if compared else None,

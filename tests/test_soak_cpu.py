@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import importlib.util
 import json
 import subprocess
@@ -208,8 +209,16 @@ def test_a_good_run_passes_with_the_issue_fields_filled_in():
     assert result["max_abs_dlogprob"] == 0.0 and result["compared_tokens"] == 2 * 64
     assert result["memory_change_fraction"] == pytest.approx(20 / 3000)
     assert result["fallbacks"] == {"plan does not match the batch": 2}
+    assert (result["graph_replays"], result["capture_failures"]) == (0, 0)
+    assert result["date"] == datetime.date.today().isoformat()
     assert all(c["ok"] for c in result["criteria"].values())
     json.dumps(result)  # plain data
+
+
+def test_graph_replays_add_per_layer_and_whole_step_graphs():
+    run = good_run()
+    run["memory_after"]["graphs"] = {"graph_replays": 5, "full_graph_replays": 7}
+    assert judge(run)["graph_replays"] == 12
 
 
 def _replace(path: str, value: Any) -> dict:
@@ -235,8 +244,9 @@ def _replace(path: str, value: Any) -> dict:
     ({"exercised"}, _replace("counters.decode_steps_cascade", 0)),
     ({"plugin_errors"}, _replace("counters.fallbacks", {"kernel error": 1})),
     ({"plugin_errors"}, _replace("counters.fallbacks", {"plan invariant violated": 1})),
-    ({"exercised", "plugin_errors"}, _replace("counters", None)),
+    ({"exercised", "capture_failures", "plugin_errors"}, _replace("counters", None)),
     ({"phases"}, _replace("failures", ["the engine died"])),
+    ({"capture_failures"}, _replace("counters.graph_capture_failures", 1)),
 ])
 def test_each_failed_criterion_fails_the_outcome_and_says_why(failed, run):
     result = judge(run)
