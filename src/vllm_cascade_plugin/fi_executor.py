@@ -242,21 +242,22 @@ class FlashInferCascadeExecutor:
                              f"{'no ' if scales is None else ''}scales")
         kv = (k_cache, v_cache)
         lse = step.lse
-        k_scale = None if scales is None else scales.k_float  # None: FlashInfer's 1.0
+        # None: FlashInfer's default of 1.0 (the keyword exists in every supported release).
+        k_scale = None if scales is None else scales.k_float
         v_scale = None if scales is None else scales.v_float
-        step.last.run(q, kv, out=out, lse=lse, return_lse=True,
-                          k_scale=k_scale, v_scale=v_scale)
+        step.last.run(q, kv, out=out, lse=lse, return_lse=True, k_scale=k_scale,
+                      v_scale=v_scale)
         # Levels run one after another, which is what lets them share scratch buffers.
         for level in step.shared:
             g = level.gather
             if g is None:
                 level.wrapper.run(q, kv, out=level.out, lse=level.lse, return_lse=True,
-                          k_scale=k_scale, v_scale=v_scale)
+                                  k_scale=k_scale, v_scale=v_scale)
                 flashinfer.merge_state_in_place(out, lse, level.out, level.lse)
                 continue
             torch.index_select(q, 0, g.index, out=g.q)
             level.wrapper.run(g.q, kv, out=level.out, lse=level.lse, return_lse=True,
-                          k_scale=k_scale, v_scale=v_scale)
+                              k_scale=k_scale, v_scale=v_scale)
             torch.index_select(out, 0, g.index, out=g.out)
             torch.index_select(lse, 0, g.index, out=g.lse)
             flashinfer.merge_state_in_place(g.out, g.lse, level.out, level.lse)
