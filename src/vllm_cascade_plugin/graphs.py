@@ -13,8 +13,8 @@ destroyed, and when full it destroys only the graph replayed longest ago.
 
 vLLM sizes its KV cache without the plugin's graphs, so their pools grow into the memory left
 beside it. A capture is skipped (that step runs eagerly, as before its graph existed) while the
-GPU has less than ``MIN_FREE_BYTES`` free, so the pools never take what vLLM's own allocations
-need; one warning says so.
+GPU has less than ``MIN_FREE_BYTES`` free, so the pools stop growing before they crowd out
+vLLM's own allocations; one warning says so.
 """
 
 from __future__ import annotations
