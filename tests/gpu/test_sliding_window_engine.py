@@ -67,26 +67,30 @@ def _flat_lines(on: dict) -> list[str]:
             if "cascade attention is off for" in line and "sliding-window attention" in line]
 
 
-def test_one_kv_cache_group_runs_every_layer_flat_and_matches_vllm(sliding_model_dir, tmp_path):
-    on = run_engine(sliding_model_dir, tmp_path / "on.json", plugin=True, runner=RUNNER,
-                    extra=UNIFIED, backend="FLASH_ATTN")
-    row = _judged(sliding_model_dir, tmp_path, on, "one KV-cache group")
+def _flat_run(model_dir: str, tmp_path: Path, name: str, extra: tuple[str, ...],
+              layout: str) -> tuple[dict, dict]:
+    """The plugin-on engine in ``layout``, judged; no step ran cascade, none waited for the
+    GPU. Returns its result and the workload's counters."""
+    on = run_engine(model_dir, tmp_path / name, plugin=True, runner=RUNNER, extra=extra,
+                    backend="FLASH_ATTN")
+    row = _judged(model_dir, tmp_path, on, layout)
     counts = on["workloads"][WORKLOAD]
     assert counts["steps_cascade"] == 0, (counts, row)
     assert on["sync_violations"] == [], on["sync_violations"]
+    return on, counts
+
+
+def test_one_kv_cache_group_runs_every_layer_flat_and_matches_vllm(sliding_model_dir, tmp_path):
+    on, _ = _flat_run(sliding_model_dir, tmp_path, "on.json", UNIFIED, "one KV-cache group")
     [line] = _flat_lines(on)  # once, naming the one builder's four layers
     assert "for 4 attention layer(s)" in line and ATTN.format(0) in line, line
     assert "vLLM's flat FLASH_ATTN attention" in line, line
 
 
 def test_hybrid_kv_cache_runs_sliding_layers_flat_and_matches_vllm(sliding_model_dir, tmp_path):
-    on = run_engine(sliding_model_dir, tmp_path / "on-hybrid.json", plugin=True, runner=RUNNER,
-                    extra=ONLY, backend="FLASH_ATTN")
-    row = _judged(sliding_model_dir, tmp_path, on, "hybrid: sliding and full groups")
-    counts = on["workloads"][WORKLOAD]
-    assert counts["steps_cascade"] == 0, (counts, row)
+    on, counts = _flat_run(sliding_model_dir, tmp_path, "on-hybrid.json", ONLY,
+                           "hybrid: sliding and full groups")
     assert counts["fallbacks"].get("more than one KV cache group", 0) > 0, counts
-    assert on["sync_violations"] == [], on["sync_violations"]
     [line] = _flat_lines(on)  # once, for the sliding layers' builder alone
     assert "for 2 attention layer(s)" in line, line
     assert ATTN.format(0) in line and ATTN.format(2) in line, line
