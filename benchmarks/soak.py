@@ -26,9 +26,10 @@ from the environment and is never switched inside a process:
 It passes when: at least ``--min-requests`` were submitted over at least ``--duration`` s; every
 request that was not aborted finished with ``length`` (all its tokens) or ``stop``, ``n`` times;
 the subset's chosen-token logprobs agree with the replay within 0.02 on average and 0.1 at most
-(``vllm_cascade_plugin.agreement``, the engine tests' rule); the watchdog never fired; device
-memory after the drive is within 1% of a baseline taken after its first minute (both read idle,
-after ``torch.cuda.empty_cache()``, so the allocator's cache is not mistaken for a leak); neither
+(``vllm_cascade_plugin.agreement``, the engine tests' rule); the watchdog never fired; the engine
+process's device memory after the drive is within 1% of a baseline taken after its first minute
+(both read idle, after ``torch.cuda.empty_cache()``, so the allocator's cache is not mistaken for
+a leak; the process's own figure, so other work on the GPU does not count); neither
 log has an ERROR line, a traceback or a CUDA error; aborts, preemptions, ``n`` > 1 and cascade
 steps all happened; no CUDA-graph capture failed; the plugin caught no error of its own (a
 fallback for an error); both phases exited 0.
@@ -92,8 +93,11 @@ GREEDY = {"temperature": 0.0, "max_tokens": 24, "logprobs": 2, "ignore_eos": Tru
 # The engine: as tests/gpu/engine_driver.py, with a smaller KV cache and max_model_len.
 ENGINE = {"skip_tokenizer_init": True, "attention_backend": "FLASHINFER",
           "enable_prefix_caching": True, "max_model_len": 8192, "max_num_batched_tokens": 2048,
-          "max_num_seqs": 128, "gpu_memory_utilization": 0.3, "seed": 0,
-          "enable_flashinfer_autotune": False}
+          "max_num_seqs": 128, "seed": 0, "enable_flashinfer_autotune": False,
+          # A fixed KV cache and a small share of the GPU: the soak can run beside other work
+          # (scripts/gpu_validate.sh), and vLLM skips its memory profiling, which that work
+          # would disturb. --num-gpu-blocks sets the cache's size within these bytes.
+          "gpu_memory_utilization": 0.05, "kv_cache_memory_bytes": 1 << 30}
 PLUGIN_ENV = {"CASCADE_ATTENTION": "1", "CASCADE_POLICY": "always", "CASCADE_DEBUG": "1"}
 
 # Judging (logprobs: vllm_cascade_plugin.agreement, the rule of tests/gpu/test_engine.py).
@@ -385,14 +389,34 @@ def _device_memory(worker: object) -> dict[str, Any]:
     import torch
 
     torch.cuda.synchronize()
-    free, total = torch.cuda.mem_get_info()
-    raw = total - free
+    raw, _ = _process_used_mib()
     torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info()
-    return {"used_mib": (total - free) / 2**20, "used_raw_mib": raw / 2**20,
-            "total_mib": total / 2**20, "allocated_mib": torch.cuda.memory_allocated() / 2**20,
+    used, source = _process_used_mib()
+    return {"used_mib": used, "used_raw_mib": raw, "used_source": source,
+            "total_mib": torch.cuda.mem_get_info()[1] / 2**20,
+            "allocated_mib": torch.cuda.memory_allocated() / 2**20,
             "plugin_mib": _plugin_mib(), "gpu": torch.cuda.get_device_name(),
             "executors": _executors(), "graphs": _graphs()}
+
+
+def _process_used_mib() -> tuple[float, str]:
+    """This (engine) process's device memory, whatever else runs on the GPU: the driver's
+    per-process figure (NVML: the CUDA context, every allocation, CUDA graphs) where it lists
+    this process (it does not where the process ids are a container's own), else what torch's
+    allocator holds (tensors and CUDA-graph pools). Returns (MiB, which of the two)."""
+    import torch
+
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            if proc.pid == os.getpid() and proc.usedGpuMemory:
+                return proc.usedGpuMemory / 2**20, "nvml process"
+    except Exception:  # no NVML here: the allocator's figure below
+        pass
+    return torch.cuda.memory_reserved() / 2**20, "torch reserved"
 
 
 def _graphs() -> dict[str, int] | None:

@@ -1,66 +1,134 @@
 #!/usr/bin/env bash
-# The GPU runs behind benchmarks/results/h200/, on the H200 device machine. Every device command
-# starts with `source .devb/setup_device.sh` (carry .devb). One command may run 10 minutes, so a
-# list of parts runs detached and later commands wait for it:
+# Every GPU check of the plugin, on the H200 device machine. Every device command starts with
+# `source .devb/setup_device.sh` (carry .devb). One command may run 10 minutes, so the pipeline
+# runs detached and later commands wait for it:
 #
-#   source .devb/setup_device.sh && bash scripts/gpu_validate.sh start kernels serving e2e
+#   source .devb/setup_device.sh && CASCADE_COMMIT=<sha> bash scripts/gpu_validate.sh start all
 #   source .devb/setup_device.sh && bash scripts/gpu_validate.sh wait [SECONDS]   # repeat
 #
-# or one short part in the foreground: `bash scripts/gpu_validate.sh kernels`. Parts:
-#   kernels  tests/gpu/test_kernels.py (FA3 executor, graphed decode steps) and test_graphs.py
-#   engine   tests/gpu/test_engine.py: plugin on vs off (and FlashAttention off, the reference),
-#            both runners, whole-step graphs; the corrupted plans (~8 engines)
-#   engine_graphs  the same with CASCADE_FULL_GRAPHS=0 (per-layer graphs; ~6 engines)
-#   sliding  tests/gpu/test_sliding_window_engine.py: a model of sliding-window and full layers,
-#            plugin on vs off (FLASH_ATTN; TRITON_ATTN the reference), both KV-cache layouts (4 engines)
-#   engine_fa  tests/gpu/test_flash_attn_engine.py: the same through vLLM's default FLASH_ATTN
-#            backend, a no-sharing workload, a corrupted plan, ngram speculative decoding
-#   serving  tests/gpu/test_serving.py: the engine as `vllm serve` runs it, a changing batch
-#            (also with gpu_memory_utilization=0.92: the graphs fit beside the KV cache)
-#   e2e      benchmarks/e2e_bench.py: the offline end-to-end table (e2e.json)
-#   e2e_fa   the same workloads, flash_attn vs cascade_flash_attn (the plugin in FLASH_ATTN)
-#   serve    benchmarks/serve_bench.py, 8K x 4 prefixes, flashinfer vs cascade (serve.json)
-#   soak     benchmarks/soak.py
-#   demo     `vllm-cascade demo` and the three examples as a user runs them (demo.txt, examples.txt)
-#   tp       tensor_parallel_size=2 engine tests (needs the two-GPU machine)
-#   fp8      tests/gpu/test_kernels_fp8.py and test_engine.py -k fp8_kv_cache (FP8 KV cache)
-# Logs and JSON go to /tmp/gv/<part>/; each command ends by packing them into $OUT/gv.tar.xz
-# (unpack into benchmarks/results/h200/ what belongs there).
+# Each waiting command packs what has finished into $OUT (gv.tar.xz; the compiled-kernel caches
+# once the run is done), so a run cut short keeps its finished parts. `start PART...` runs the
+# named parts one after another instead; `PART` alone runs one in the foreground.
+#
+# `all` runs, in the order users meet the paths, first side by side on the one GPU (the tests'
+# engines take a small share of it each, at most CASCADE_ENGINE_SLOTS at a time, and every
+# engine configuration runs once for all the tests that need it: tests/gpu/engines.py):
+#   engine_flash_attn  tests/gpu/test_flash_attn_engine.py: the plugin in vLLM's default
+#                      FLASH_ATTN backend vs FLASH_ATTN off (FlashInfer the second kernel), both
+#                      runners, a no-sharing workload, a corrupted plan
+#   engine_flashinfer  tests/gpu/test_engine.py: the same in FLASHINFER, both runners, whole-step
+#                      graphs; a corrupted plan and a one-page error must fail
+#   engine_graphs      the same with CASCADE_FULL_GRAPHS=0 (the per-layer graphs)
+#   kernels            tests/gpu/test_kernels.py, test_graphs.py: executors vs flat attention
+#                      and an fp32 reference; graphed decode steps; the graph pools
+#   serving            tests/gpu/test_serving.py: the engine as `vllm serve` runs it, a batch
+#                      that changes every step (graphs replay, outputs agree)
+#   fp8                tests/gpu/test_kernels_fp8.py and the FP8 engine tests (CASCADE_FP8_KV=1)
+#   speculative        ngram speculative decoding, plugin on vs off (V1 runner)
+#   sliding            tests/gpu/test_sliding_window_engine.py: sliding-window layers run flat
+#   soak               tests/gpu/test_soak.py: benchmarks/soak.py shortened to SOAK_SECONDS
+# then alone (they take most of the GPU, or time what they run):
+#   serving_memory     tests/gpu/test_serving.py at gpu_memory_utilization=0.92
+#   demo               `vllm-cascade demo` (Llama-3-8B shapes, plugin off vs on)
+#   examples           the three examples as a user runs them (llama-tiny: they check that it
+#                      runs; their speed is the demo's and the benchmarks' business)
+# Each part's outcome becomes a row of gpu_validate.json (scripts/gpu_validate_rows.py); logs
+# and result JSON go to /tmp/gv/<part>/ (unpack into benchmarks/results/h200/ what belongs there).
+# Other parts, each alone: e2e, e2e_fa (offline end-to-end tables), serve (the serving
+# benchmark), tp (tensor parallelism: two GPUs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-res=/tmp/gv
+res=${CASCADE_GV_DIR:-/tmp/gv}
+export CASCADE_GV_DIR=$res CASCADE_ENGINE_CACHE=$res/engines CASCADE_MODEL_CACHE=$res/models
+export CASCADE_ENGINE_SLOTS=${CASCADE_ENGINE_SLOTS:-12}
 mkdir -p "$res"
-stamp() { echo "[gpu_validate $(date +%T)] $*"; }
+SIDE_BY_SIDE="engine_flash_attn engine_flashinfer engine_graphs kernels serving fp8 speculative sliding soak"
+ALONE="serving_memory demo examples"
+ORDER="engine_flash_attn engine_flashinfer engine_graphs kernels serving serving_memory fp8 speculative sliding soak demo examples"
+SOAK_SECONDS=${SOAK_SECONDS:-150}
 E2E_WORKLOADS=b128_16k_prefix_64_own,8_prefixes_8k_x16_interleaved,n16_sampling_32_prompts_4k,no_sharing_256_random_2k
+stamp() { echo "[gpu_validate $(date +%T)] $*"; }
+row() { python3 scripts/gpu_validate_rows.py row "$@"; }
 
-pytest_part() {  # name, timeout, pytest args...
-  local name=$1 limit=$2
+pytest_part() {  # name, time limit (s), pytest args...
+  local name=$1 limit=$2 rc start=$SECONDS
   shift 2
   mkdir -p "$res/$name"
-  CASCADE_RESULTS_DIR="$res/$name" timeout "$limit" python3 -m pytest -q -p no:cacheprovider \
-    --tb=short "$@" > "$res/$name/pytest.log" 2>&1
-  stamp "$name rc=$?"; tail -5 "$res/$name/pytest.log"
+  stamp "$name: started"
+  CASCADE_RESULTS_DIR="$res/$name" timeout -k 20 "$limit" python3 -m pytest -q \
+    -p no:cacheprovider --tb=short --durations=15 --junitxml="$res/$name/junit.xml" "$@" \
+    > "$res/$name/pytest.log" 2>&1
+  rc=$?
+  python3 scripts/gpu_validate_rows.py join "$res/$name" > /dev/null
+  row "$name" $((SECONDS - start)) --junit "$res/$name/junit.xml" --rc "$rc"
+  stamp "$name: exit status $rc"; tail -3 "$res/$name/pytest.log"
 }
 
+part_engine_flash_attn() {
+  pytest_part engine_flash_attn 900 -n 4 tests/gpu/test_flash_attn_engine.py -k "not ngram"
+}
+part_engine_flashinfer() {
+  pytest_part engine_flashinfer 900 -n 4 tests/gpu/test_engine.py \
+    -k "cascade_engine_matches or corrupted or one_page"
+}
+part_engine() { part_engine_flashinfer; }
+part_engine_graphs() { pytest_part engine_graphs 900 -n 2 tests/gpu/test_engine.py -k layer_graphs; }
 part_kernels() {
-  pytest_part kernels 420 tests/gpu/test_graphs.py tests/gpu/test_kernels.py \
+  pytest_part kernels 600 -n 4 tests/gpu/test_graphs.py tests/gpu/test_kernels.py \
     -k "graphs or fa3 or fp32_reference or graphed or corrupted"
 }
-
-# Each engine run takes ~45 s: detached parts (`start engine engine_graphs`) get 15 minutes.
-part_engine() {
-  pytest_part engine 900 tests/gpu/test_engine.py -k "cascade_engine_matches or corrupted or one_page"
-}
-part_engine_graphs() { pytest_part engine_graphs 900 tests/gpu/test_engine.py -k layer_graphs; }
-part_sliding() { pytest_part sliding 900 tests/gpu/test_sliding_window_engine.py; }
-part_engine_fa() { pytest_part engine_fa 900 tests/gpu/test_flash_attn_engine.py; }
-part_serving() { pytest_part serving 900 tests/gpu/test_serving.py; }
-part_tp() { pytest_part tp 900 tests/gpu/test_engine.py -k tensor_parallel; }
-# FP8 KV cache (CASCADE_FP8_KV=1): kernels against vLLM's flat FP8 FA3 / FlashInfer and fp32 on
-# the dequantised cache; engines with --kv-cache-dtype fp8, both backends (~6 engines).
+part_serving() { pytest_part serving 900 tests/gpu/test_serving.py -k changing_batch; }
+part_serving_memory() { pytest_part serving_memory 600 tests/gpu/test_serving.py -k 0_92; }
+# FP8 KV cache (CASCADE_FP8_KV=1): kernels against the fp32 reference on the dequantised cache
+# (flat FP8 FA3 the yardstick), engines with --kv-cache-dtype fp8 on both backends.
 part_fp8() {
-  pytest_part fp8_kernels 420 tests/gpu/test_kernels_fp8.py
-  pytest_part fp8_engine 900 tests/gpu/test_engine.py -k fp8_kv_cache
+  pytest_part fp8 900 -n 4 tests/gpu/test_kernels_fp8.py tests/gpu/test_engine.py -k fp8
+}
+part_speculative() {
+  pytest_part speculative 900 tests/gpu/test_flash_attn_engine.py -k ngram
+}
+part_sliding() { pytest_part sliding 900 -n 2 tests/gpu/test_sliding_window_engine.py; }
+part_soak() {
+  CASCADE_SOAK_SECONDS=$SOAK_SECONDS CASCADE_SOAK_REQUESTS=$(( SOAK_SECONDS * 4 )) \
+    pytest_part soak $(( 2 * SOAK_SECONDS + 600 )) tests/gpu/test_soak.py
+}
+part_tp() { pytest_part tp 900 tests/gpu/test_engine.py -k tensor_parallel; }
+
+part_demo() {
+  local start=$SECONDS rc
+  mkdir -p "$res/demo"
+  stamp "demo: started"
+  CASCADE_ATTENTION=1 timeout -k 20 420 python3 -m vllm_cascade_plugin.cli demo \
+    > "$res/demo/demo.txt" 2>&1
+  rc=$?
+  row demo $((SECONDS - start)) --checks $((rc == 0)) $((rc != 0)) --rc "$rc"
+  stamp "demo: exit status $rc"; tail -4 "$res/demo/demo.txt"
+}
+
+part_examples() {  # each example as its docstring says to run it, on the tiny model
+  local start=$SECONDS passed=0 failed=0 rc tiny=examples/models/llama-tiny
+  mkdir -p "$res/examples"
+  stamp "examples: started"
+  for ex in "examples/offline_shared_prompt.py --model $tiny --system-tokens 2048" \
+            "examples/grpo_rollouts.py --model $tiny"; do
+    echo "## python3 $ex"
+    # shellcheck disable=SC2086  # the example's arguments
+    CASCADE_ATTENTION=1 timeout -k 20 300 python3 $ex 2>&1 | grep -v ' INFO \| WARNING '
+    rc=${PIPESTATUS[0]}
+    echo "## exit status $rc"
+    if [ "$rc" -eq 0 ]; then passed=$((passed + 1)); else failed=$((failed + 1)); fi
+  done >> "$res/examples/examples.txt"
+  {
+    echo "## MODEL=$tiny bash examples/serve/serve.sh"
+    MODEL=$tiny WORK=/tmp/gv-serve VLLM="python3 -m vllm.entrypoints.cli.main" \
+      timeout -k 20 400 bash examples/serve/serve.sh 2>&1
+    rc=$?
+    echo "## exit status $rc"
+    cp /tmp/gv-serve/server.log "$res/examples/serve-server.log" 2>/dev/null
+  } >> "$res/examples/examples.txt"
+  if [ "$rc" -eq 0 ]; then passed=$((passed + 1)); else failed=$((failed + 1)); fi
+  row examples $((SECONDS - start)) --checks "$passed" "$failed"
+  stamp "examples: $passed passed, $failed failed"
 }
 
 part_e2e() {
@@ -77,7 +145,7 @@ part_e2e_fa() {
   stamp "e2e_fa rc=$?"; grep -h '"workload"' "$res/e2e_fa/e2e.log" | cut -c1-140
 }
 
-part_serve() {  # a server start takes ~3.5 min: run it detached (`start serve`)
+part_serve() {  # a server start takes ~3.5 min on a fresh machine: run it detached
   mkdir -p "$res/serve"
   timeout 1500 python3 benchmarks/serve_bench.py --model examples/models/llama3-8b \
     --workloads prefix_8k_x4 --configs flashinfer,cascade --duration 30 \
@@ -85,55 +153,68 @@ part_serve() {  # a server start takes ~3.5 min: run it detached (`start serve`)
   stamp "serve rc=$?"; tail -20 "$res/serve/serve.log"
 }
 
-part_demo() {
-  mkdir -p "$res/demo"
-  (CASCADE_ATTENTION=1 timeout 400 python3 -m vllm_cascade_plugin.cli demo > "$res/demo/demo.txt" 2>&1; stamp "demo rc=$?"
-   for ex in examples/offline_shared_prompt.py examples/grpo_rollouts.py; do
-     echo "## python3 $ex"; CASCADE_ATTENTION=1 timeout 300 python3 "$ex" 2>&1 | grep -v ' INFO \| WARNING '
-   done
-   echo "## bash examples/serve/serve.sh"
-   VLLM="python3 -m vllm.entrypoints.cli.main" timeout 400 bash examples/serve/serve.sh 2>&1
-  ) > "$res/demo/examples.txt" 2>&1
-  stamp "examples rc=$?"; tail -5 "$res/demo/demo.txt"
+part_all() {
+  local p
+  for p in $SIDE_BY_SIDE; do "part_$p" & sleep 2; done
+  wait
+  for p in $ALONE; do "part_$p"; done
+  python3 scripts/gpu_validate_rows.py table "$res/gpu_validate.json" $ORDER
 }
 
-part_soak() {
-  mkdir -p "$res/soak"
-  timeout 1500 python3 benchmarks/soak.py --out "$res/soak" > "$res/soak/soak.log" 2>&1
-  stamp "soak rc=$?"; tail -5 "$res/soak/soak.log"
+restore_caches() {  # compiled kernels and graphs from an earlier machine (.devb/*-cache.tar.xz)
+  [ -f .devb/vllm-compile-cache.tar.xz ] && [ ! -d "$HOME/.cache/vllm/torch_compile_cache" ] &&
+    mkdir -p "$HOME/.cache" && xz -dc .devb/vllm-compile-cache.tar.xz | tar -C "$HOME" -xf -
+  return 0
 }
 
-pack() {
-  tar -C "$res" -cJf "${OUT:-/tmp}/gv.tar.xz" --exclude='*.safetensors' --exclude='*.bin' .
-  ls -la "${OUT:-/tmp}"
+save_caches() {  # for the next fresh machine: .devb/ (see ../shared/device/README.md)
+  mkdir -p "$res/caches"
+  tar -C "$HOME" -cf - .cache/flashinfer 2>/dev/null | xz -T0 -6 > "$res/caches/fi-jit-cache.tar.xz"
+  tar -C "$HOME" -cf - .triton/cache 2>/dev/null | xz -T0 -6 > "$res/caches/triton-cache.tar.xz"
+  tar -C "$HOME" -cf - .cache/vllm 2>/dev/null | xz -T0 -6 > "$res/caches/vllm-compile-cache.tar.xz"
+  du -sh "$HOME/.cache/flashinfer" "$HOME/.triton/cache" "$HOME/.cache/vllm" \
+    /tmp/torchinductor_* "$res/caches"/* 2>/dev/null
 }
 
-wait_parts() {  # until the detached list is done or $1 seconds have passed
+pack() {  # what has finished, into $OUT
+  [ -n "${OUT:-}" ] || return 0
+  python3 scripts/gpu_validate_rows.py table "$res/gpu_validate.json" $ORDER > /dev/null
+  tar -C "$res" -cJf "$OUT/gv.tar.xz" --exclude=./engines --exclude=./models --exclude=./caches \
+    --exclude='*.safetensors' --exclude='*.bin' .
+  [ -e "$res/done" ] && cp "$res"/caches/*.tar.xz "$OUT"/ 2>/dev/null
+  ls -la "$OUT"
+}
+
+wait_parts() {  # until the detached run is done or $1 seconds have passed
   local deadline=$((SECONDS + ${1:-540}))
   while [ $SECONDS -lt $deadline ] && [ ! -e "$res/done" ]; do sleep 5; done
-  tail -40 "$res/parts.log" 2>/dev/null
+  grep -h "gpu_validate\|\"part\"" "$res/parts.log" 2>/dev/null | tail -40
 }
 
-case ${1:?"a part (kernels, engine, engine_graphs, sliding, engine_fa, serving, e2e, e2e_fa, serve, soak, demo, tp, fp8), start PARTS..., or wait"} in
+PARTS="all engine engine_flash_attn engine_flashinfer engine_graphs kernels serving serving_memory fp8 speculative sliding soak demo examples tp e2e e2e_fa serve"
+case ${1:?"a part ($PARTS), start PARTS..., or wait [SECONDS]"} in
 start)
   shift
   rm -f "$res/done"
-  export -f stamp pytest_part pack "${@/#/part_}"
-  export res E2E_WORKLOADS
-  setsid nohup bash -c "for p in $*; do part_\$p; done > \"\$res/parts.log\" 2>&1; touch \"\$res/done\"" \
-    < /dev/null > /dev/null 2>&1 &
+  restore_caches
+  setsid nohup bash "$0" run "$@" < /dev/null > "$res/pipeline.log" 2>&1 &
   stamp "started: $*"
   wait_parts 520
+  ;;
+run)  # the detached list (`start`)
+  shift
+  for p in "$@"; do "part_$p"; done >> "$res/parts.log" 2>&1
+  save_caches >> "$res/parts.log" 2>&1
+  touch "$res/done"
+  exit 0
   ;;
 wait)
   wait_parts "${2:-540}"
   ;;
-kernels|engine|engine_graphs|sliding|engine_fa|serving|e2e|e2e_fa|serve|soak|demo|tp|fp8)
-  "part_$1"
-  ;;
 *)
-  echo "unknown part $1" >&2
-  exit 2
+  [[ " $PARTS " == *" $1 "* ]] || { echo "unknown part $1" >&2; exit 2; }
+  restore_caches
+  "part_$1"
   ;;
 esac
 pack

@@ -1,7 +1,15 @@
-"""Every test in tests/gpu is marked ``gpu`` and skipped where CUDA is unavailable (CI, laptops)."""
+"""Every test in tests/gpu is marked ``gpu`` and skipped where CUDA is unavailable (CI, laptops).
+
+The test models are saved once: in ``CASCADE_MODEL_CACHE`` when set (shared, under a lock, by
+the pytest processes that ``scripts/gpu_validate.sh`` runs side by side, so that their engine
+runs are the same runs: ``tests/gpu/engines.py``), else in the session's temporary folder.
+"""
 
 from __future__ import annotations
 
+import fcntl
+import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,6 +29,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(skip)
 
 
+def _saved(name: str, tmp_path_factory: pytest.TempPathFactory,
+           save: Callable[[Path], object]) -> str:
+    """The folder of model ``name``, saved by ``save(folder)`` unless it already was."""
+    shared = os.environ.get("CASCADE_MODEL_CACHE")
+    if not shared:
+        folder = tmp_path_factory.mktemp(name)
+        save(folder)
+        return str(folder)
+    folder = Path(shared) / name
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / ".saved").exists():
+            folder.mkdir(exist_ok=True)
+            save(folder)
+            (folder / ".saved").touch()
+    return str(folder)
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The tiny Llama config with transformers' normal random initialisation (std 0.02), saved
@@ -28,11 +55,12 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     unnoticed."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    out = tmp_path_factory.mktemp("llama-tiny-std002")
-    torch.manual_seed(0)
-    config = LlamaConfig.from_pretrained(TINY_CONFIG.parent)
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
-    return str(out)
+    def save(out: Path) -> None:
+        torch.manual_seed(0)
+        config = LlamaConfig.from_pretrained(TINY_CONFIG.parent)
+        LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
+
+    return _saved("llama-tiny-std002", tmp_path_factory, save)
 
 
 @pytest.fixture(scope="session")
@@ -42,7 +70,7 @@ def sharp_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     error moves the chosen-token logprobs far beyond the tolerance."""
     import oracle_model
 
-    return oracle_model.save(tmp_path_factory.mktemp("oracle-model"))
+    return _saved("oracle-model", tmp_path_factory, oracle_model.save)
 
 
 @pytest.fixture(scope="session")
@@ -52,4 +80,4 @@ def sliding_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     tests/test_sliding_window_model.py), saved once."""
     import oracle_model
 
-    return oracle_model.save_mixed(tmp_path_factory.mktemp("sliding-oracle"))
+    return _saved("sliding-oracle", tmp_path_factory, oracle_model.save_mixed)

@@ -2,7 +2,7 @@
 
 Usage: python engine_driver.py MODEL_DIR OUT_JSON [--workloads a,b,...] [--tp N]
     [--corrupt | --corrupt-one-page] [--backend FLASHINFER|FLASH_ATTN|TRITON_ATTN] [--ngram K]
-    [--no-hybrid-kv-cache]
+    [--no-hybrid-kv-cache] [--kv-cache-dtype fp8] [--eager]
 
 The plugin is on or off by the caller's ``CASCADE_ATTENTION``; the runner by
 ``VLLM_USE_V2_MODEL_RUNNER``; vLLM's attention backend by ``--backend`` (FLASH_ATTN with the
@@ -22,7 +22,13 @@ speculative decoding with K draft tokens; the steps whose rows have 1 to 1 + K q
 more than one (verification steps), are counted, and how many ran cascade.
 ``--no-hybrid-kv-cache``: vLLM's ``disable_hybrid_kv_cache_manager`` (a model with sliding-window
 and full layers then keeps one KV-cache group); TRITON_ATTN with the plugin off is the second
-correct kernel where FlashInfer cannot run the model (sliding windows on SM90).
+correct kernel where FlashInfer cannot run the model (sliding windows on SM90). ``--eager``:
+vLLM's ``enforce_eager`` (no torch.compile, no CUDA graphs: vLLM's nor the plugin's).
+
+The engine takes a fixed KV cache (``NUM_BLOCKS`` blocks, ``kv_cache_memory_bytes``) and asks
+for a small share of the GPU, so several engines run side by side on one GPU
+(``tests/gpu/engines.py``): vLLM then skips its memory profiling, which other processes'
+allocations would disturb.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ from vllm_cascade_plugin import agreement
 
 VOCAB = 32000
 NUM_BLOCKS = 1536  # a small KV cache: workload (f) must be preempted
+KV_CACHE_BYTES = 1 << 30  # at least NUM_BLOCKS blocks of the test models
+GPU_SHARE = 0.05  # vLLM checks at start that this share of the GPU is free
 SYNC_VIOLATIONS: list[str] = []
 
 
@@ -266,6 +274,7 @@ def main() -> int:
                         help="ngram speculative decoding with K draft tokens")
     parser.add_argument("--no-hybrid-kv-cache", action="store_true",
                         help="disable_hybrid_kv_cache_manager=True")
+    parser.add_argument("--eager", action="store_true", help="enforce_eager=True")
     args = parser.parse_args()
     if args.corrupt or args.corrupt_one_page:
         _corrupt_planner(one_page=args.corrupt_one_page)
@@ -292,9 +301,10 @@ def main() -> int:
                                          "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     llm = LLM(model=args.model, skip_tokenizer_init=True, attention_backend=args.backend,
               enable_prefix_caching=True, max_model_len=9216, max_num_batched_tokens=2048,
-              max_num_seqs=128, num_gpu_blocks_override=NUM_BLOCKS, gpu_memory_utilization=0.5,
+              max_num_seqs=128, num_gpu_blocks_override=NUM_BLOCKS,
+              kv_cache_memory_bytes=KV_CACHE_BYTES, gpu_memory_utilization=GPU_SHARE,
               seed=0, enable_flashinfer_autotune=False, kv_cache_dtype=args.kv_cache_dtype,
-              tensor_parallel_size=args.tp, **tp_args)
+              enforce_eager=args.eager, tensor_parallel_size=args.tp, **tp_args)
     chosen = [w for w in args.workloads.split(",") if w]
     results = {}
     for name, (prompts, params) in workloads().items():

@@ -1,7 +1,7 @@
 """vLLM's engine as ``vllm serve`` runs it, with requests arriving and finishing every step.
 
 Usage: python serving_driver.py MODEL_DIR OUT_JSON [--requests N] [--seed S]
-                                 [--gpu-memory-utilization F]
+                                 [--gpu-memory-utilization F] [--kv-cache-memory-bytes B]
 
 The engine core runs in its own process (vLLM's default multiprocessing) with async scheduling,
 as under ``vllm serve``; the caller's ``CASCADE_ATTENTION`` turns the plugin on or off. Requests
@@ -52,6 +52,9 @@ def main() -> int:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5,
                         help="vLLM's: the share of GPU memory its weights, activations and KV "
                              "cache take (the plugin's graphs come out of the rest)")
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                        help="vLLM's: a KV cache of this size, without profiling memory (so "
+                             "the engine can share the GPU with others)")
     args = parser.parse_args()
 
     import cloudpickle
@@ -64,7 +67,8 @@ def main() -> int:
 
     llm = LLM(model=args.model, skip_tokenizer_init=True, attention_backend="FLASHINFER",
               enable_prefix_caching=True, max_model_len=2048, max_num_seqs=128,
-              gpu_memory_utilization=args.gpu_memory_utilization, seed=0,
+              gpu_memory_utilization=args.gpu_memory_utilization,
+              kv_cache_memory_bytes=args.kv_cache_memory_bytes, seed=0,
               enable_flashinfer_autotune=False, async_scheduling=True)
     engine = llm.llm_engine
     before = _counters(llm)

@@ -6,10 +6,12 @@ attention and spread logits. On the CPU (``tests/test_oracle_model.py``) a one-p
 256-token prefix moves its chosen-token logprobs by ~40 times the mean tolerance while two
 correct kernels stay within a third of it; one page is a smaller share of a longer prefix (~3
 times the tolerance at 4K on the CPU), and the one-page row below measures it at 8K. Each
-configuration runs in its own process (the plugin registers at startup), once per session.
+configuration runs in its own process (the plugin registers at startup), once, shared by every
+test that needs it (``tests/gpu/engines.py``).
 
-Every workload runs on three engines: the plugin on (FlashInfer wrapped), the plugin off with
-FlashInfer, and the plugin off with FlashAttention. A row of ``correctness.json``
+Every workload runs on three engines, side by side: the plugin on (FlashInfer wrapped), the
+plugin off with FlashInfer, and the plugin off with FlashAttention (for the plugin in vLLM's
+FLASH_ATTN backend, ``test_flash_attn_engine.py``, the two swap). A row of ``correctness.json``
 (``engine_oracle.judge``) compares the plugin with plugin-off FlashInfer by
 ``vllm_cascade_plugin.agreement``: chosen-token logprobs within 0.02 on average and 0.1 at most,
 position by position up to each completion's first diverging token, where the top-2 margin
@@ -23,68 +25,37 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import engine_oracle
+from gpu import engines
+from gpu.engines import Engine
 
-HERE = Path(__file__).parent
 GRAPH_KEYS = ("graph_captures", "graph_replays", "full_graph_captures", "full_graph_replays")
 FLASH_ATTN = "FLASH_ATTN"
 RESULTS: list[dict] = []
-_RUNS: dict[tuple, dict] = {}  # one engine per configuration per session, shared by the tests
+SECOND_KERNEL = {"FLASHINFER": FLASH_ATTN, FLASH_ATTN: "FLASHINFER"}
 
 
-def run_engine(model_dir: str, out: Path, *, plugin: bool, runner: str,
-               extra: tuple[str, ...] = (), knobs: tuple[tuple[str, str], ...] = (),
-               backend: str = "FLASHINFER") -> dict:
-    if backend != "FLASHINFER":
-        extra = (*extra, "--backend", backend)
-    key = (plugin, runner, extra, knobs)
-    if key not in _RUNS:
-        _RUNS[key] = _run_engine(model_dir, out, plugin=plugin, runner=runner, extra=extra,
-                                 knobs=knobs)
-    return _RUNS[key]
+def plugin_on(model_dir: str, runner: str = "v2", backend: str = "FLASHINFER",
+              extra: tuple[str, ...] = (), knobs: tuple[tuple[str, str], ...] = ()) -> Engine:
+    return Engine(model_dir, True, runner, backend, extra, knobs)
 
 
-def _run_engine(model_dir: str, out: Path, *, plugin: bool, runner: str,
-                extra: tuple[str, ...], knobs: tuple[tuple[str, str], ...] = ()) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CASCADE_")}
-    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0",
-               VLLM_USE_V2_MODEL_RUNNER="1" if runner == "v2" else "0")
-    if plugin:
-        env.update(CASCADE_ATTENTION="1", CASCADE_POLICY="always", **dict(knobs))
-        # The executor under test: CASCADE_TEST_KERNEL=fa3|flashinfer (default: the plugin's auto).
-        if kernel := os.environ.get("CASCADE_TEST_KERNEL"):
-            env["CASCADE_KERNEL"] = kernel
-    proc = subprocess.run([sys.executable, str(HERE / "engine_driver.py"), model_dir, str(out),
-                           *extra], env=env, capture_output=True, text=True, timeout=900)
-    log = proc.stdout + proc.stderr
-    if results := os.environ.get("CASCADE_RESULTS_DIR"):  # the whole log, for the record
-        Path(results).mkdir(parents=True, exist_ok=True)
-        name = "-".join(["on" if plugin else "off", runner, *(a.strip("-") for a in extra)])
-        (Path(results) / f"engine-{name.replace(',', '')}.log").write_text(log)
-    assert proc.returncode == 0, log[-6000:]
-    assert "Traceback" not in log, log[-6000:]
-    # The plugin's own log lines (what it said it does, and why), for the tests to read.
-    plugin_lines = [line for line in log.splitlines() if "vllm-cascade-plugin:" in line]
-    return {**json.loads(out.read_text()), "plugin_log": plugin_lines}
-
-
-def judged(model_dir: str, tmp_path: Path, on: dict, runner: str, extra: tuple[str, ...] = (),
-           tp: int = 1) -> list[dict]:
-    """Every workload of ``on`` judged against the plugin-off FlashInfer and FlashAttention
-    engines of the same runner and ``extra`` arguments (run once per session)."""
-    off = run_engine(model_dir, tmp_path / "off.json", plugin=False, runner=runner, extra=extra)
-    reference = run_engine(model_dir, tmp_path / "fa.json", plugin=False, runner=runner,
-                           extra=extra, backend=FLASH_ATTN)
-    assert on["workloads"].keys() <= off["workloads"].keys() == reference["workloads"].keys()
-    return [engine_oracle.judge(name, runner, on["workloads"][name], off["workloads"][name],
-                                reference["workloads"][name], tp=tp) for name in on["workloads"]]
+def judged(on: Engine, tp: int = 1, off_extra: tuple[str, ...] | None = None,
+           ) -> tuple[dict, list[dict]]:
+    """``on``'s result and every workload of it judged against the plugin-off engine of the same
+    backend, runner and arguments (``off_extra``: other arguments) and the plugin-off engine of
+    the other backend (the second correct kernel); the three run side by side."""
+    off = on.with_(plugin=False, knobs=(), extra=on.extra if off_extra is None else off_extra)
+    reference = off.with_(backend=SECOND_KERNEL[on.backend])
+    ran, flat, second = engines.run(on, off, reference)
+    assert ran["workloads"].keys() <= flat["workloads"].keys() == second["workloads"].keys()
+    return ran, [engine_oracle.judge(name, on.runner, ran["workloads"][name],
+                                     flat["workloads"][name], second["workloads"][name], tp=tp)
+                 for name in ran["workloads"]]
 
 
 def check(rows: list[dict]) -> None:
@@ -97,11 +68,9 @@ def check(rows: list[dict]) -> None:
 
 
 @pytest.mark.parametrize("runner", ["v2", "v1"])
-def test_cascade_engine_matches_flat_engine(sharp_model_dir, tmp_path, runner):
-    on = run_engine(sharp_model_dir, tmp_path / "on.json", plugin=True, runner=runner)
-    rows = [{**row, **{k: on.get(k) for k in GRAPH_KEYS}}
-            for row in judged(sharp_model_dir, tmp_path, on, runner)]
-    check(rows)
+def test_cascade_engine_matches_flat_engine(sharp_model_dir, runner):
+    on, rows = judged(plugin_on(sharp_model_dir, runner))
+    check([{**row, **{k: on.get(k) for k in GRAPH_KEYS}} for row in rows])
     # Planning and running a step never waits for the GPU (async scheduling stays useful).
     assert on["sync_violations"] == [], on["sync_violations"]
     if on["executors"] == ["fa3"]:  # its decode steps ran from whole-step CUDA graphs
@@ -111,15 +80,12 @@ def test_cascade_engine_matches_flat_engine(sharp_model_dir, tmp_path, runner):
 
 
 @pytest.mark.parametrize("runner", ["v2", "v1"])
-def test_layer_graphs_match_flat_engine(sharp_model_dir, tmp_path, runner):
+def test_layer_graphs_match_flat_engine(sharp_model_dir, runner):
     """CASCADE_FULL_GRAPHS=0: vLLM's piecewise path with the executor's per-layer CUDA graphs
     (what tensor parallelism, LoRA and weight offloading get); same agreement with the
     plugin-off engine, the per-layer graphs replayed and no whole-step graph."""
-    on = run_engine(sharp_model_dir, tmp_path / "on.json", plugin=True, runner=runner,
-                    knobs=(("CASCADE_FULL_GRAPHS", "0"),))
-    rows = [{**row, "full_graphs": 0, **{k: on.get(k) for k in GRAPH_KEYS}}
-            for row in judged(sharp_model_dir, tmp_path, on, runner)]
-    check(rows)
+    on, rows = judged(plugin_on(sharp_model_dir, runner, knobs=(("CASCADE_FULL_GRAPHS", "0"),)))
+    check([{**row, "full_graphs": 0, **{k: on.get(k) for k in GRAPH_KEYS}} for row in rows])
     assert on["sync_violations"] == [], on["sync_violations"]
     assert on["full_graph_captures"] == 0, {k: on[k] for k in GRAPH_KEYS}
     if on["executors"] == ["fa3"]:
@@ -127,22 +93,16 @@ def test_layer_graphs_match_flat_engine(sharp_model_dir, tmp_path, runner):
 
 
 @pytest.mark.parametrize("backend", ["FLASHINFER", FLASH_ATTN])
-def test_fp8_kv_cache_engine_matches_flat_fp8_engine(sharp_model_dir, tmp_path, backend):
-    """``--kv-cache-dtype fp8`` on both sides: the plugin with CASCADE_FP8_KV=1 against the
-    plugin off, same backend, same FP8 cache (unit scales: the dummy checkpoint has none), by
-    the engine comparison's rule; every step that could ran as cascade, with no fallback."""
-    extra = ("--kv-cache-dtype", "fp8")
-    on = run_engine(sharp_model_dir, tmp_path / "on.json", plugin=True, runner="v2",
-                    extra=extra, knobs=(("CASCADE_FP8_KV", "1"),), backend=backend)
-    off = run_engine(sharp_model_dir, tmp_path / "off.json", plugin=False, runner="v2",
-                     extra=extra, backend=backend)
-    reference = run_engine(sharp_model_dir, tmp_path / "ref.json", plugin=False, runner="v2",
-                           extra=extra, backend=FLASH_ATTN if backend != FLASH_ATTN
-                           else "FLASHINFER")
-    rows = [{**engine_oracle.judge(name, "v2", on["workloads"][name], off["workloads"][name],
-                                   reference["workloads"][name]), "kv_cache_dtype": "fp8",
-             "backend": backend} for name in on["workloads"]]
-    check(rows)
+def test_fp8_kv_cache_engine_matches_flat_fp8_engine(sharp_model_dir, backend):
+    """``--kv-cache-dtype fp8`` on all three engines: the plugin with CASCADE_FP8_KV=1 against
+    the plugin off, same backend, same FP8 cache (unit scales: the dummy checkpoint has none),
+    and the other backend's flat FP8 path as the second kernel, by the engine comparison's rule;
+    every step that could ran as cascade, with no fallback. Eager (``--eager``): what FP8
+    changes is the kernels' arithmetic, which CUDA graphs replay unchanged."""
+    on, rows = judged(plugin_on(sharp_model_dir, backend=backend,
+                                extra=("--kv-cache-dtype", "fp8", "--eager"),
+                                knobs=(("CASCADE_FP8_KV", "1"),)))
+    check([{**row, "kv_cache_dtype": "fp8", "backend": backend} for row in rows])
     assert any(w["steps_cascade"] > 0 for w in on["workloads"].values()), on["workloads"]
     assert not any(w["fallbacks"] for w in on["workloads"].values()), on["workloads"]
 
@@ -150,15 +110,12 @@ def test_fp8_kv_cache_engine_matches_flat_fp8_engine(sharp_model_dir, tmp_path, 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                     reason="tensor parallelism needs two GPUs")
 @pytest.mark.parametrize("runner", ["v2", "v1"])
-def test_tensor_parallel_engine_matches_flat_engine(sharp_model_dir, tmp_path, runner):
+def test_tensor_parallel_engine_matches_flat_engine(sharp_model_dir, runner):
     """Workloads (a) and (d) with tensor_parallel_size=2: each rank plans its own heads' step."""
-    extra = ("--workloads", "a_,d_", "--tp", "2")
-    on = run_engine(sharp_model_dir, tmp_path / "on.json", plugin=True, runner=runner,
-                    extra=extra)
-    rows = [{**row, "executors": on.get("executors")}
-            for row in judged(sharp_model_dir, tmp_path, on, runner, extra=extra, tp=2)]
+    on, rows = judged(plugin_on(sharp_model_dir, runner, extra=("--workloads", "a_,d_",
+                                                               "--tp", "2")), tp=2)
     assert len(rows) == 2, rows
-    check(rows)
+    check([{**row, "executors": on.get("executors")} for row in rows])
     assert on["full_graph_captures"] == 0, on  # whole-step graphs are for TP=1 only
 
 
@@ -168,29 +125,23 @@ ONLY_A = ("--workloads", "a_")
 A = "a_one_8k_prefix_x64"
 
 
-def test_a_corrupted_plan_fails_the_engine_comparison_widely(sharp_model_dir, tmp_path):
-    on = run_engine(sharp_model_dir, tmp_path / "bad.json", plugin=True, runner="v2",
-                    extra=(*ONLY_A, "--corrupt"))
-    [row] = judged(sharp_model_dir, tmp_path, on, "v2")
+def test_a_corrupted_plan_fails_the_engine_comparison_widely(sharp_model_dir):
+    _, [row] = judged(plugin_on(sharp_model_dir, extra=(*ONLY_A, "--corrupt")), off_extra=())
     RESULTS.append({**row, "workload": f"{A} (corrupted plan: must fail)",
                     "corrupted": "every page"})
     assert engine_oracle.fails_widely(row), row
 
 
-def test_a_one_page_error_is_measured(sharp_model_dir, tmp_path):
+def test_a_one_page_error_is_measured(sharp_model_dir):
     """One page of the 8K prefix (its middle one) read as its neighbour: recorded, and it must
     fail the comparison. The CPU test proves ten tolerances for a 256-token prefix; one page of
     8K holds 1/512 of the context, so this row says how far that reaches at the engine's size."""
-    on = run_engine(sharp_model_dir, tmp_path / "bad1.json", plugin=True, runner="v2",
-                    extra=(*ONLY_A, "--corrupt-one-page"))
-    [row] = judged(sharp_model_dir, tmp_path, on, "v2")
+    _, [row] = judged(plugin_on(sharp_model_dir, extra=(*ONLY_A, "--corrupt-one-page")),
+                      off_extra=())
     RESULTS.append({**row, "workload": f"{A} (one page corrupted: must fail)",
                     "corrupted": "one page"})
     assert row["outcome"] == "fail", row
 
 
 def teardown_module() -> None:
-    out = os.environ.get("CASCADE_RESULTS_DIR")
-    if out and RESULTS:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "correctness.json").write_text(json.dumps(RESULTS, indent=1))
+    engines.write_results("correctness", RESULTS)

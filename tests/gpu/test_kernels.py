@@ -263,11 +263,13 @@ def workspace() -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def results() -> Iterator[list[dict[str, Any]]]:
-    """Per-comparison records, written to $CASCADE_RESULTS_DIR/kernel_correctness.json if set."""
+    """Per-comparison records, written to $CASCADE_RESULTS_DIR/kernel_correctness.json if set
+    (``kernel_correctness.<worker>.json`` under pytest-xdist)."""
     records: list[dict[str, Any]] = []
     yield records
     if out_dir := os.environ.get("CASCADE_RESULTS_DIR"):
-        path = Path(out_dir) / "kernel_correctness.json"
+        worker = os.environ.get("PYTEST_XDIST_WORKER")
+        path = Path(out_dir) / f"kernel_correctness{'.' + worker if worker else ''}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         report = {
             "device": torch.cuda.get_device_name(),

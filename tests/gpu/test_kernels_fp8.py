@@ -1,14 +1,18 @@
-"""The cascade executors on an FP8 (e4m3) KV cache with per-layer scales, against vLLM's flat
-FP8 FlashAttention 3 path and an fp32 reference on the dequantised cache.
+"""The cascade executors on an FP8 (e4m3) KV cache with per-layer scales, against an fp32
+reference on the dequantised cache, with vLLM's flat FP8 FlashAttention 3 path as the yardstick.
 
 vLLM's flat FP8 path (``FlashAttentionImpl.forward``, 0.26-0.33): the cache viewed as e4m3, the
 query quantised to e4m3 by the Attention layer with ``_q_scale``, FA3 called with
-``q/k/v_descale = layer._{q,k,v}_scale.expand(num_seqs, num_kv_heads)`` and a bf16 output. The
-cascade runs the same FA3 kernel per level (and the Triton decode kernel), so the two differ by
-bf16 roundings of partial outputs: ``TOL`` as in test_kernels.py (4e-3, |o| < 1). The fp32
-reference reads the very e4m3 values times their scales; FA3 rounds P to e4m3 for P @ V in FP8
-mode, so the reference tolerance is wider: 3e-2 (e4m3's relative step 2^-4 on weights that
-average over >= 256 keys).
+``q/k/v_descale = layer._{q,k,v}_scale.expand(num_seqs, num_kv_heads)`` and a bf16 output.
+
+FA3's FP8 forward runs both matrix products in FP8: it rounds the softmax weights P to e4m3
+(3 mantissa bits) before P @ V, each relative to the running maximum of the keys that call sees.
+A cascade level sees only its own keys, so its P is scaled and rounded differently from flat's:
+the two differ at FP8's resolution, not bf16's, and neither is the exact answer. The fp32
+reference (the very e4m3 values times their scales, softmax in fp32) decides: the cascade must be
+within ``REFERENCE_TOL`` of it and no further from it than ``RELATIVE`` times flat FP8 FA3 is
+(plus bf16's ``TOL`` for the output's own rounding). Each case's three deviations are written to
+``kernel_correctness_fp8.json`` in ``CASCADE_RESULTS_DIR``.
 """
 
 from __future__ import annotations
@@ -35,7 +39,9 @@ from vllm_cascade_plugin.kernels import fa3_unsupported_reason, make_executor
 
 FP8 = torch.float8_e4m3fn
 DEVICE = torch.device("cuda")
-REFERENCE_TOL = 3e-2
+REFERENCE_TOL = 3e-2  # e4m3's relative step 2^-4 on weights that average >= 256 keys
+RELATIVE = 1.5  # the cascade's deviation from the reference, against flat FP8 FA3's
+MEASURED: list[dict] = []
 SCENARIOS = {"one_shared_prefix": one_shared_prefix, "four_interleaved_groups":
              four_interleaved_groups, "two_level_tree": two_level_tree,
              "sampling_siblings": sampling_siblings}
@@ -124,10 +130,15 @@ def test_fp8_cascade_matches_flat_fp8_fa3_and_the_fp32_reference(scenario, kerne
     executor.run(q8 if query_fp8 else q16, k, v, out, s)
     flat = flat_fa3_fp8(batch, q8, k, v, shape, s)
     reference = dense_fp32(batch, q8.float() * s.q_float, k, v, shape, s)
-    if kernel != "flashinfer":  # the same FA3 kernel per level: within bf16 roundings
-        assert (out.float() - flat.float()).abs().max().item() <= TOL
-    assert (out.float() - reference).abs().max().item() <= REFERENCE_TOL
-    assert (flat.float() - reference).abs().max().item() <= REFERENCE_TOL  # the yardstick
+    cascade_error = (out.float() - reference).abs().max().item()
+    flat_error = (flat.float() - reference).abs().max().item()
+    MEASURED.append({"scenario": scenario, "kernel": kernel, "query": "fp8" if query_fp8
+                     else "bf16", "cascade_vs_reference": cascade_error,
+                     "flat_fa3_vs_reference": flat_error,
+                     "cascade_vs_flat_fa3": (out.float() - flat.float()).abs().max().item()})
+    assert flat_error <= REFERENCE_TOL  # the yardstick itself
+    assert cascade_error <= REFERENCE_TOL
+    assert cascade_error <= RELATIVE * flat_error + TOL, MEASURED[-1]
 
 
 def test_fp8_decode_kernel_matches_the_fp32_reference():
@@ -147,3 +158,9 @@ def test_fp8_decode_kernel_matches_the_fp32_reference():
     want = dense_fp32(batch, q8.float() * s.q_float, k, v, shape, s)
     # The kernel's products are exact (e4m3 in fp16) and P is rounded to fp16: bf16 output.
     assert (state.float() - want).abs().max().item() <= TOL
+
+
+def teardown_module() -> None:
+    from gpu import engines
+
+    engines.write_results("kernel_correctness_fp8", MEASURED)

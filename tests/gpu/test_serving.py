@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from vllm_cascade_plugin import agreement, fullgraph
@@ -29,28 +30,34 @@ CAPTURE_WARNINGS = ("capturing a whole cascade decode step", "capturing a CUDA g
 
 
 def serve(model_dir: str, out: Path, plugin: bool, runner: str,
-          memory: float = 0.5) -> tuple[dict, str]:
+          memory: float | None = None) -> tuple[dict, str]:
+    """One serving_driver.py run. ``memory``: vLLM's gpu_memory_utilization; without it the
+    engine takes a small share of the GPU and a fixed KV cache, so it can run beside others."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CASCADE_")}
     env.update(VLLM_USE_V2_MODEL_RUNNER="1" if runner == "v2" else "0",
                VLLM_ALLOW_INSECURE_SERIALIZATION="1")  # the counters' collective_rpc
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default: the engine core apart
     if plugin:
         env.update(CASCADE_ATTENTION="1", CASCADE_POLICY="always")
+    sizing = (["--gpu-memory-utilization", str(memory)] if memory is not None else
+              ["--gpu-memory-utilization", "0.05", "--kv-cache-memory-bytes", str(1 << 30)])
     proc = subprocess.run([sys.executable, str(HERE / "serving_driver.py"), model_dir, str(out),
-                           "--gpu-memory-utilization", str(memory)],
+                           *sizing],
                           env=env, capture_output=True, text=True, timeout=900)
     log = proc.stdout + proc.stderr
     if results := os.environ.get("CASCADE_RESULTS_DIR"):
         Path(results).mkdir(parents=True, exist_ok=True)
-        name = f"serving-{'on' if plugin else 'off'}-{runner}-mem{memory}.log"
+        name = f"serving-{'on' if plugin else 'off'}-{runner}-mem{memory or 'shared'}.log"
         (Path(results) / name).write_text(log)
     assert proc.returncode == 0, log[-6000:]
     return json.loads(out.read_text()), log
 
 
 def test_cascade_graphs_survive_a_changing_batch(model_dir, tmp_path):
-    on, log = serve(model_dir, tmp_path / "on.json", plugin=True, runner="v2")
-    off, _ = serve(model_dir, tmp_path / "off.json", plugin=False, runner="v2")
+    with ThreadPoolExecutor(2) as pool:  # side by side
+        ran = pool.submit(serve, model_dir, tmp_path / "on.json", plugin=True, runner="v2")
+        flat = pool.submit(serve, model_dir, tmp_path / "off.json", plugin=False, runner="v2")
+        (on, log), (off, _) = ran.result(), flat.result()
     warnings = [line for line in log.splitlines() if any(w in line for w in CAPTURE_WARNINGS)]
     worst, mean, compared = agreement.compare(on["requests"], off["requests"])
     summary = {k: v for k, v in on.items() if k != "requests"}

@@ -24,41 +24,46 @@ change in either (vLLM's layout, the plugin's choice) shows here. The engines ru
 FLASH_ATTN backend: its FlashInfer backend refuses sliding-window layers on SM90 (vLLM 0.26,
 ``FlashInferMetadataBuilder``). Three engines judge the plugin by ``engine_oracle.judge``: the
 plugin on, and two correct kernels with it off, FLASH_ATTN (the comparison) and TRITON_ATTN;
-a fourth runs the plugin in the hybrid layout, judged against the same two. V1 model runner.
-Written on a CPU machine; not yet run on a GPU.
+a fourth runs the plugin in the hybrid layout, judged against the same two. V1 model runner,
+no CUDA graphs (``--eager``).
 """
 
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import engine_oracle
-from gpu.test_engine import run_engine
+from gpu import engines
+from gpu.engines import Engine
 
 WORKLOAD = "x_sliding_2k_prefix_x32"
-ONLY = ("--workloads", WORKLOAD)
+# Eager: no step runs cascade here, so the plugin's CUDA graphs have nothing to show.
+ONLY = ("--workloads", WORKLOAD, "--eager")
 UNIFIED = (*ONLY, "--no-hybrid-kv-cache")
 RUNNER = "v1"
 ATTN = "model.layers.{}.self_attn.attn"
 RESULTS: list[dict] = []
 
 
-def _judged(model_dir: str, tmp_path: Path, on: dict, layout: str) -> dict:
-    off = run_engine(model_dir, tmp_path / "off.json", plugin=False, runner=RUNNER,
-                     extra=UNIFIED, backend="FLASH_ATTN")
-    reference = run_engine(model_dir, tmp_path / "triton.json", plugin=False, runner=RUNNER,
-                           extra=UNIFIED, backend="TRITON_ATTN")
+def _flat_run(model_dir: str, extra: tuple[str, ...], layout: str) -> tuple[dict, dict]:
+    """The plugin-on engine in ``layout``, judged against plugin-off FLASH_ATTN and TRITON_ATTN
+    (one KV-cache group, run side by side with it); no step ran cascade, none waited for the
+    GPU. Returns its result and the workload's counters."""
+    off = Engine(model_dir, False, RUNNER, "FLASH_ATTN", UNIFIED)
+    on, flat, triton = engines.run(off.with_(plugin=True, extra=extra), off,
+                                   off.with_(backend="TRITON_ATTN"))
     row = engine_oracle.judge(WORKLOAD, RUNNER, on["workloads"][WORKLOAD],
-                              off["workloads"][WORKLOAD], reference["workloads"][WORKLOAD])
+                              flat["workloads"][WORKLOAD], triton["workloads"][WORKLOAD])
     row = {**row, "backend": "FLASH_ATTN", "reference_backend": "TRITON_ATTN",
            "kv_cache_layout": layout}
     RESULTS.append(row)
     # Two correct kernels must agree first: otherwise the model, not the plugin, is at fault.
     assert row["reference_outcome"] == "pass", json.dumps(row, indent=1)
     assert row["outcome"] == "pass", json.dumps(row, indent=1)
-    return row
+    counts = on["workloads"][WORKLOAD]
+    assert counts["steps_cascade"] == 0, (counts, row)
+    assert on["sync_violations"] == [], on["sync_violations"]
+    return on, counts
 
 
 def _flat_lines(on: dict) -> list[str]:
@@ -67,29 +72,15 @@ def _flat_lines(on: dict) -> list[str]:
             if "cascade attention is off for" in line and "sliding-window attention" in line]
 
 
-def _flat_run(model_dir: str, tmp_path: Path, name: str, extra: tuple[str, ...],
-              layout: str) -> tuple[dict, dict]:
-    """The plugin-on engine in ``layout``, judged; no step ran cascade, none waited for the
-    GPU. Returns its result and the workload's counters."""
-    on = run_engine(model_dir, tmp_path / name, plugin=True, runner=RUNNER, extra=extra,
-                    backend="FLASH_ATTN")
-    row = _judged(model_dir, tmp_path, on, layout)
-    counts = on["workloads"][WORKLOAD]
-    assert counts["steps_cascade"] == 0, (counts, row)
-    assert on["sync_violations"] == [], on["sync_violations"]
-    return on, counts
-
-
-def test_one_kv_cache_group_runs_every_layer_flat_and_matches_vllm(sliding_model_dir, tmp_path):
-    on, _ = _flat_run(sliding_model_dir, tmp_path, "on.json", UNIFIED, "one KV-cache group")
+def test_one_kv_cache_group_runs_every_layer_flat_and_matches_vllm(sliding_model_dir):
+    on, _ = _flat_run(sliding_model_dir, UNIFIED, "one KV-cache group")
     [line] = _flat_lines(on)  # once, naming the one builder's four layers
     assert "for 4 attention layer(s)" in line and ATTN.format(0) in line, line
     assert "vLLM's flat FLASH_ATTN attention" in line, line
 
 
-def test_hybrid_kv_cache_runs_sliding_layers_flat_and_matches_vllm(sliding_model_dir, tmp_path):
-    on, counts = _flat_run(sliding_model_dir, tmp_path, "on-hybrid.json", ONLY,
-                           "hybrid: sliding and full groups")
+def test_hybrid_kv_cache_runs_sliding_layers_flat_and_matches_vllm(sliding_model_dir):
+    on, counts = _flat_run(sliding_model_dir, ONLY, "hybrid: sliding and full groups")
     assert counts["fallbacks"].get("more than one KV cache group", 0) > 0, counts
     [line] = _flat_lines(on)  # once, for the sliding layers' builder alone
     assert "for 2 attention layer(s)" in line, line
@@ -98,7 +89,4 @@ def test_hybrid_kv_cache_runs_sliding_layers_flat_and_matches_vllm(sliding_model
 
 
 def teardown_module() -> None:
-    out = os.environ.get("CASCADE_RESULTS_DIR")
-    if out and RESULTS:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "correctness_sliding_window.json").write_text(json.dumps(RESULTS, indent=1))
+    engines.write_results("correctness_sliding_window", RESULTS)
