@@ -42,8 +42,8 @@ res=${CASCADE_GV_DIR:-/tmp/gv}
 export CASCADE_GV_DIR=$res CASCADE_ENGINE_CACHE=$res/engines CASCADE_MODEL_CACHE=$res/models
 export CASCADE_ENGINE_SLOTS=${CASCADE_ENGINE_SLOTS:-12}
 mkdir -p "$res"
-SIDE_BY_SIDE="engine_flash_attn engine_flashinfer engine_graphs kernels serving fp8 speculative sliding soak"
-ALONE="serving_memory demo examples"
+SIDE_BY_SIDE=${GV_SIDE_BY_SIDE-"engine_flash_attn engine_flashinfer engine_graphs kernels serving fp8 speculative sliding soak"}
+ALONE=${GV_ALONE-"serving_memory demo examples"}
 ORDER="engine_flash_attn engine_flashinfer engine_graphs kernels serving serving_memory fp8 speculative sliding soak demo examples"
 SOAK_SECONDS=${SOAK_SECONDS:-150}
 E2E_WORKLOADS=b128_16k_prefix_64_own,8_prefixes_8k_x16_interleaved,n16_sampling_32_prompts_4k,no_sharing_256_random_2k
@@ -56,7 +56,7 @@ pytest_part() {  # name, time limit (s), pytest args...
   mkdir -p "$res/$name"
   stamp "$name: started"
   CASCADE_RESULTS_DIR="$res/$name" timeout -k 20 "$limit" python3 -m pytest -q \
-    -p no:cacheprovider --tb=short --durations=15 --junitxml="$res/$name/junit.xml" "$@" \
+    -p no:cacheprovider -p no:benchmark --tb=short --durations=15 --junitxml="$res/$name/junit.xml" "$@" \
     > "$res/$name/pytest.log" 2>&1
   rc=$?
   python3 scripts/gpu_validate_rows.py join "$res/$name" > /dev/null
@@ -113,7 +113,7 @@ part_examples() {  # each example as its docstring says to run it, on the tiny m
             "examples/grpo_rollouts.py --model $tiny"; do
     echo "## python3 $ex"
     # shellcheck disable=SC2086  # the example's arguments
-    CASCADE_ATTENTION=1 timeout -k 20 300 python3 $ex 2>&1 | grep -v ' INFO \| WARNING '
+    CASCADE_ATTENTION=1 timeout -k 20 300 python3 $ex 2>&1 | grep -v '^INFO \|^WARNING \| INFO \| WARNING '
     rc=${PIPESTATUS[0]}
     echo "## exit status $rc"
     if [ "$rc" -eq 0 ]; then passed=$((passed + 1)); else failed=$((failed + 1)); fi
@@ -185,9 +185,12 @@ pack() {  # what has finished, into $OUT
   ls -la "$OUT"
 }
 
-wait_parts() {  # until the detached run is done or $1 seconds have passed
-  local deadline=$((SECONDS + ${1:-540}))
-  while [ $SECONDS -lt $deadline ] && [ ! -e "$res/done" ]; do sleep 5; done
+wait_parts() {  # until the detached run is done or $1 seconds have passed; packs every 30 s
+  local deadline=$((SECONDS + ${1:-540})) packed=$SECONDS
+  while [ $SECONDS -lt $deadline ] && [ ! -e "$res/done" ]; do
+    sleep 5
+    if [ $((SECONDS - packed)) -ge 30 ]; then pack > /dev/null; packed=$SECONDS; fi
+  done
   grep -h "gpu_validate\|\"part\"" "$res/parts.log" 2>/dev/null | tail -40
 }
 
@@ -199,7 +202,7 @@ start)
   restore_caches
   setsid nohup bash "$0" run "$@" < /dev/null > "$res/pipeline.log" 2>&1 &
   stamp "started: $*"
-  wait_parts 520
+  wait_parts "${GV_WAIT:-520}"
   ;;
 run)  # the detached list (`start`)
   shift

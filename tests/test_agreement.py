@@ -151,3 +151,17 @@ def bdev(mean: float, fraction: float = 1.0, worst: float | None = None
 ])
 def test_beams_agree_against_the_two_kernel_reference(plugin, kernels, ok):
     assert agreement.beams_agree(plugin, kernels) is ok
+
+
+@pytest.mark.parametrize(("plugin", "kernels", "agrees"), [
+    ((0.15, 0.045, 500), (0.14, 0.040, 480), True),    # a large random model: both far off
+    ((0.15, 0.065, 500), (0.14, 0.040, 480), False),   # mean beyond 1.5 times the kernels'
+    ((0.25, 0.045, 500), (0.14, 0.040, 480), False),   # max beyond 1.5 times the kernels'
+    ((0.09, 0.003, 500), (0.001, 0.0001, 480), True),  # both tiny: the floors apply
+    ((0.0, 0.0, 0), (0.0, 0.0, 0), False),             # nothing compared
+])
+def test_agrees_relative_bounds_mean_and_max_by_two_correct_kernels(plugin, kernels, agrees):
+    def deviation(worst, mean, compared):
+        return agreement.Deviation(worst, mean, compared, 1000)
+
+    assert agreement.agrees_relative(deviation(*plugin), deviation(*kernels)) is agrees

@@ -165,70 +165,86 @@ def record(tokens: list[int], logprobs: list[float], margins: list[float] | None
             "margins": [*(margins or [1.0] * len(tokens)), 0.0]}
 
 
-def fake_engines(monkeypatch, on: dict, off: dict, seen: list | None = None) -> None:
-    """The GPU branch with the two engines replaced by canned runs (no GPU needed): every
-    request's record is ``on`` with the plugin, ``off`` without."""
+def fake_engines(monkeypatch, on: dict, off: dict, seen: list | None = None,
+                 second: dict | None = None) -> None:
+    """The GPU branch with the engines replaced by canned runs (no GPU needed): every request's
+    record is ``on`` with the plugin, ``off`` without, ``second`` (default ``off``) without it on
+    the second kernel."""
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
 
-    def fake_engine(model, workload, *, plugin, policy, log):
+    def fake_engine(model, workload, *, plugin, policy, log, backend):
         if seen is not None:
-            seen.append((model, plugin, policy))
+            seen.append((model, plugin, policy, backend))
+        records = on if plugin else off if backend == demo_engine.BACKENDS[0] else second or off
         return demo_engine.EngineRun(plugin, 90.0 if plugin else 100.0, 1.0,
-                                     3 * workload.requests,
-                                     [on if plugin else off] * workload.requests,
-                                     steps_planned=20, steps_cascade=18 * plugin, fallbacks={})
+                                     3 * workload.requests, [records] * workload.requests,
+                                     steps_planned=20, steps_cascade=18 * plugin, fallbacks={},
+                                     backend=backend)
 
     monkeypatch.setattr(demo_engine, "run_engine", fake_engine)
 
 
-def test_demo_gpu_path_reports_both_engines(clean_env, capsys, monkeypatch):
+def test_demo_gpu_path_reports_three_engines(clean_env, capsys, monkeypatch):
     seen: list = []
     fake_engines(monkeypatch, record([5, 6, 7], [-1.0, -2.0, -3.0]),
-                 record([5, 6, 7], [-1.0, -2.0, -3.02]), seen)
+                 record([5, 6, 7], [-1.0, -2.0, -3.02]), seen,
+                 second=record([5, 6, 7], [-1.0, -2.01, -3.0]))
     assert cli.main(["demo", "--model", "llama-tiny", "--policy", "always", *SMALL]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert seen == [("llama-tiny", False, "always"), ("llama-tiny", True, "always")]
+    assert seen == [("llama-tiny", False, "always", "FLASHINFER"),
+                    ("llama-tiny", True, "always", "FLASHINFER"),
+                    ("llama-tiny", False, "always", "FLASH_ATTN")]
     assert "plugin off 100 tok/s, plugin on 90 tok/s (0.90x)" in out
     assert "cascade ran on 18 of 20 engine steps; fallbacks: none" in out
-    assert "max |d| 0.0200, mean 0.0067 over 18 tokens (top-2 margin above 0.1" in out
-    assert "6 of 6 sequences identical (tolerance: max 0.1, mean 0.02): PASS" in out
+    assert ("plugin on: max |d| 0.0200, mean 0.0067 over 18 tokens, 6 of 6 sequences identical"
+            in out)
+    assert ("plugin off, FLASH_ATTN (two correct kernels): max |d| 0.0200, mean 0.0100 over 18 "
+            "tokens" in out)
+    assert "within 1.5x of two correct kernels (mean, and max or 0.1): PASS" in out
 
 
-# Where the demo's former rule (every token up to the first divergence, max |d| <= 0.1, no
-# margins, no mean) and agreement.py's differ: the demo must follow agreement.py.
-@pytest.mark.parametrize(("on", "off", "status", "verdict"), [
-    # Every token 0.05 off: within the max, not the mean (the former rule passed it).
-    (record([5, 6, 7], [-1.0, -2.0, -3.0]), record([5, 6, 7], [-1.05, -2.05, -3.05]), 1, "FAIL"),
-    # 0.5 off where the top-2 margin is below 0.1, which bf16 noise may flip: not compared
-    # (the former rule failed it).
-    (record([5, 6, 7], [-1.0, -2.0, -3.0], [1.0, 0.05, 1.0]),
-     record([5, 6, 7], [-1.0, -2.5, -3.0]), 0, "PASS"),
-    # No position confident in both runs: nothing compared proves nothing (the former rule
-    # passed the near-flat logits of vLLM's dummy weights).
-    (record([5, 6], [-10.4, -10.4], [1e-6, 1e-6]), record([5, 6], [-10.4, -10.4]), 1, "FAIL"),
+# The verdict follows agreement.py: the plugin against plugin-off FLASHINFER, as close as the
+# second kernel (FLASH_ATTN, plugin off) is.
+@pytest.mark.parametrize(("on", "second", "status", "verdict"), [
+    # Every token 0.05 off while two correct kernels differ by 0.01: beyond 1.5 times theirs.
+    (record([5, 6, 7], [-1.05, -2.05, -3.05]), record([5, 6, 7], [-1.01, -2.01, -3.01]), 1,
+     "FAIL"),
+    # The same 0.05 where two correct kernels differ by 0.04: within 1.5 times theirs.
+    (record([5, 6, 7], [-1.05, -2.05, -3.05]), record([5, 6, 7], [-1.04, -2.04, -3.04]), 0,
+     "PASS"),
+    # 0.5 off where the top-2 margin is below 0.1, which bf16 noise may flip: not compared.
+    (record([5, 6, 7], [-1.0, -2.5, -3.0], [1.0, 0.05, 1.0]), record([5, 6, 7], [-1.0, -2.0,
+                                                                                 -3.0]),
+     0, "PASS"),
+    # No position confident in both runs: nothing compared proves nothing.
+    (record([5, 6, 7], [-1.0, -2.0, -3.0], [1e-6, 1e-6, 1e-6]), record([5, 6, 7],
+                                                                       [-1.0, -2.0, -3.0]),
+     1, "FAIL"),
 ])
-def test_demo_gpu_verdict_is_agreement_py_s(clean_env, capsys, monkeypatch, on, off, status,
-                                           verdict):
-    fake_engines(monkeypatch, on, off)
+def test_demo_gpu_verdict_is_relative_to_two_correct_kernels(clean_env, capsys, monkeypatch, on,
+                                                              second, status, verdict):
+    fake_engines(monkeypatch, on, record([5, 6, 7], [-1.0, -2.0, -3.0]), second=second)
     assert cli.main(["demo", "--model", "llama-tiny", *SMALL]) == status
-    assert f"): {verdict}" in " ".join(capsys.readouterr().out.split())
+    assert f"(mean, and max or 0.1): {verdict}" in " ".join(capsys.readouterr().out.split())
 
 
 @pytest.mark.parametrize("agrees", [False, True])
-def test_demo_gpu_verdict_comes_from_agreement_agrees(clean_env, capsys, monkeypatch, agrees):
+def test_demo_gpu_verdict_comes_from_agreement_agrees_relative(clean_env, capsys, monkeypatch,
+                                                               agrees):
     from vllm_cascade_plugin import agreement
 
     calls = []
-    monkeypatch.setattr(agreement, "agrees", lambda *a: calls.append(a) or agrees)
+    monkeypatch.setattr(agreement, "agrees_relative", lambda *a: calls.append(a) or agrees)
     same = record([5, 6, 7], [-1.0, -2.0, -3.0])
     fake_engines(monkeypatch, same, same)
     assert cli.main(["demo", "--model", "llama-tiny", *SMALL]) == (0 if agrees else 1)
-    assert calls and calls[0] == (0.0, 0.0, 18)  # what agreement.compare found
+    plugin, kernels = calls[0]  # what agreement.measure found
+    assert (plugin.compared, plugin.positions, kernels.compared) == (18, 18, 18)
     out = " ".join(capsys.readouterr().out.split())
-    assert f"(tolerance: max 0.1, mean 0.02): {'PASS' if agrees else 'FAIL'}" in out
+    assert f"(mean, and max or 0.1): {'PASS' if agrees else 'FAIL'}" in out
 
 
 def test_compare_is_agreement_py_s_and_counts_identical_sequences():
@@ -239,11 +255,11 @@ def test_compare_is_agreement_py_s_and_counts_identical_sequences():
                                                      record([4, 5, 6], [-1.0, -1.5, -1.02])])
     result = demo_engine.compare(on, off)
     # 1 token of the first pair (then they diverge), 2 of the second (5's margin is too small).
-    assert result.compared_tokens == 3
-    assert result.max_abs_dlogprob == pytest.approx(0.05)
-    assert result.mean_abs_dlogprob == pytest.approx(0.07 / 3)
+    assert result.deviation.compared == 3
+    assert result.deviation.positions == 6
+    assert result.deviation.worst == pytest.approx(0.05)
+    assert result.deviation.mean == pytest.approx(0.07 / 3)
     assert (result.identical_sequences, result.sequences) == (1, 2)
-    assert result.passed is False  # mean 0.023 > 0.02
 
 
 def test_demo_engine_weights_have_the_margins_agreement_needs():

@@ -28,7 +28,8 @@ __all__ = ["bench", "check", "demo", "main"]
 
 
 def demo(args: argparse.Namespace) -> int:
-    """0 when the plan checks out (CPU) or both engines ran and agree (GPU), else 1."""
+    """0 when the plan checks out (CPU), or (GPU) the engines ran and the plugin's run agrees
+    with the plugin-off run as closely as two correct kernels do, else 1."""
     import torch
 
     from . import demo as d
@@ -50,19 +51,23 @@ def demo(args: argparse.Namespace) -> int:
           "(load_format='dummy', then transformers' init: no download), FLASHINFER, prefix "
           "caching on:"])
     logs = Path(tempfile.mkdtemp(prefix="vllm-cascade-demo-"))
+    first, second = demo_engine.BACKENDS
+    engines = (("plugin-off", False, first, "plugin off"),
+               ("plugin-on", True, first, f"plugin on (CASCADE_POLICY={policy})"),
+               ("plugin-off-second-kernel", False, second,
+                f"plugin off, {second} (how far two correct kernels differ)"))
     runs = []
-    for i, plugin in enumerate((False, True), start=1):
-        name = "plugin-on" if plugin else "plugin-off"
-        label = f"plugin on (CASCADE_POLICY={policy})" if plugin else "plugin off"
-        print(f"  [{i}/2] {label}: starting vLLM, a minute or two (log: {logs / name}.log)",
-              flush=True)
+    for i, (name, plugin, backend, label) in enumerate(engines, start=1):
+        print(f"  [{i}/{len(engines)}] {label}: starting vLLM, a minute or two (log: "
+              f"{logs / name}.log)", flush=True)
         try:
             runs.append(demo_engine.run_engine(args.model, workload, plugin=plugin,
-                                               policy=policy, log=logs / f"{name}.log"))
+                                               policy=policy, log=logs / f"{name}.log",
+                                               backend=backend))
         except RuntimeError as exc:
             print(f"  {exc}")
             return 1
-    lines, ok = demo_engine.describe_runs(runs[1], runs[0])
+    lines, ok = demo_engine.describe_runs(runs[1], runs[0], runs[2])
     _say(lines)
     return 0 if ok and plan.check.passed else 1
 

@@ -5,7 +5,8 @@ documents each shared by a group of questions, a short question per request. Wit
 demo builds the block table vLLM's prefix cache would build for it (identical full blocks of
 identical prefixes get one physical block), plans a decode step, runs the pure-torch reference
 executor on the plan and on flat attention, and reports both. With a GPU it also runs vLLM itself
-twice on the same prompts, plugin off and on (:mod:`.demo_engine`).
+on the same prompts: plugin off and on, and plugin off on a second attention kernel
+(:mod:`.demo_engine`).
 
 No printing here: :mod:`vllm_cascade_plugin.cli` formats what these functions return.
 """
@@ -277,9 +278,10 @@ def describe_plan(demo: PlanDemo, config: CascadeConfig) -> list[str]:
 def describe_gpu_run(workload: Workload, model: str, policy: str) -> list[str]:
     return [
         "No CUDA GPU here, so vLLM does not run. On a GPU, `vllm-cascade demo` runs this workload "
-        f"in vLLM ({model}, random weights, no download) twice, each engine in its own process: "
-        f"plugin off, then on with CASCADE_POLICY={policy}. It prints both throughputs "
+        f"in vLLM ({model}, random weights, no download), each engine in its own process: "
+        f"plugin off, then on with CASCADE_POLICY={policy} (FLASHINFER), then plugin off on "
+        "FLASH_ATTN. It prints both FLASHINFER throughputs "
         f"({workload.requests} requests x {workload.max_tokens} tokens, prefix cache warm), the "
-        "share of steps that ran cascade, and whether the two runs' logprobs agree by the engine "
-        "tests' rule.",
+        "share of steps that ran cascade, and whether the plugin's logprobs stay as close to "
+        "plugin-off FLASHINFER's as two correct kernels' (FLASH_ATTN and FLASHINFER) do.",
     ]

@@ -104,12 +104,14 @@ def workloads(seed: int = 0) -> dict[str, tuple[list[list[int]], dict]]:
 
 
 class _TokenIds:
-    """What ``LLM.beam_search`` asks of a tokenizer (an EOS id, a decode), for an engine made
+    """What ``LLM.beam_search`` asks of a tokenizer (an EOS id, the largest token id, a decode),
+    for an engine made
     with ``skip_tokenizer_init=True``: the test model has no tokenizer, its prompts are token
-    ids. The engine's output processor took its tokenizer (none) at start, so nothing else sees
-    this one."""
+    ids. The engine's output processor took its tokenizer (none) at start; besides the beam
+    search, vLLM's input checks read this one (prompt ids up to ``max_token_id``)."""
 
-    eos_token_id = 2
+    bos_token_id, eos_token_id = 1, 2
+    max_token_id = VOCAB - 1  # vLLM checks prompt ids against it
 
     def decode(self, ids, *args, **kwargs) -> str:
         return " ".join(map(str, ids))

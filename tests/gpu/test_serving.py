@@ -25,14 +25,17 @@ from pathlib import Path
 from vllm_cascade_plugin import agreement, fullgraph
 
 HERE = Path(__file__).parent
+CHANGING_BATCH_REQUESTS = 1000
+MEMORY_REQUESTS = 200
 CAPTURE_WARNINGS = ("capturing a whole cascade decode step", "capturing a CUDA graph of a cascade",
                     "INTERNAL ASSERT FAILED")
 
 
-def serve(model_dir: str, out: Path, plugin: bool, runner: str,
+def serve(model_dir: str, out: Path, plugin: bool, runner: str, requests: int,
           memory: float | None = None) -> tuple[dict, str]:
-    """One serving_driver.py run. ``memory``: vLLM's gpu_memory_utilization; without it the
-    engine takes a small share of the GPU and a fixed KV cache, so it can run beside others."""
+    """One serving_driver.py run of ``requests`` requests. ``memory``: vLLM's
+    gpu_memory_utilization; without it the engine takes a small share of the GPU and a fixed KV
+    cache, so it can run beside others."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CASCADE_")}
     env.update(VLLM_USE_V2_MODEL_RUNNER="1" if runner == "v2" else "0",
                VLLM_ALLOW_INSECURE_SERIALIZATION="1")  # the counters' collective_rpc
@@ -42,7 +45,7 @@ def serve(model_dir: str, out: Path, plugin: bool, runner: str,
     sizing = (["--gpu-memory-utilization", str(memory)] if memory is not None else
               ["--gpu-memory-utilization", "0.05", "--kv-cache-memory-bytes", str(1 << 30)])
     proc = subprocess.run([sys.executable, str(HERE / "serving_driver.py"), model_dir, str(out),
-                           *sizing],
+                           "--requests", str(requests), *sizing],
                           env=env, capture_output=True, text=True, timeout=900)
     log = proc.stdout + proc.stderr
     if results := os.environ.get("CASCADE_RESULTS_DIR"):
@@ -54,9 +57,13 @@ def serve(model_dir: str, out: Path, plugin: bool, runner: str,
 
 
 def test_cascade_graphs_survive_a_changing_batch(model_dir, tmp_path):
+    # Long enough that the first step of each new graph layout (run eagerly, then captured)
+    # weighs little: what is measured is how the graphs hold up once the batch keeps changing.
     with ThreadPoolExecutor(2) as pool:  # side by side
-        ran = pool.submit(serve, model_dir, tmp_path / "on.json", plugin=True, runner="v2")
-        flat = pool.submit(serve, model_dir, tmp_path / "off.json", plugin=False, runner="v2")
+        ran = pool.submit(serve, model_dir, tmp_path / "on.json", plugin=True, runner="v2",
+                          requests=CHANGING_BATCH_REQUESTS)
+        flat = pool.submit(serve, model_dir, tmp_path / "off.json", plugin=False, runner="v2",
+                           requests=CHANGING_BATCH_REQUESTS)
         (on, log), (off, _) = ran.result(), flat.result()
     warnings = [line for line in log.splitlines() if any(w in line for w in CAPTURE_WARNINGS)]
     worst, mean, compared = agreement.compare(on["requests"], off["requests"])
@@ -73,15 +80,17 @@ def test_cascade_graphs_survive_a_changing_batch(model_dir, tmp_path):
 
 
 def test_graphs_fit_beside_a_kv_cache_sized_at_0_92(model_dir, tmp_path):
-    on, log = serve(model_dir, tmp_path / "memory.json", plugin=True, runner="v2", memory=0.92)
+    on, log = serve(model_dir, tmp_path / "memory.json", plugin=True, runner="v2",
+                    requests=MEMORY_REQUESTS, memory=0.92)
     warnings = [line for line in log.splitlines() if any(w in line for w in CAPTURE_WARNINGS)]
     summary = {k: v for k, v in on.items() if k != "requests"}
     if results := os.environ.get("CASCADE_RESULTS_DIR"):
         (Path(results) / "serving_memory.json").write_text(json.dumps(summary, indent=1))
     assert warnings == [] and "out of memory" not in log.lower(), warnings[:5]
     assert on["graph_capture_failures"] == 0, summary
-    # No request lost: the driver records each one when it finishes, 200 by default.
-    assert len(on["requests"]) == 200 and all(r["tokens"] for r in on["requests"]), summary
+    # No request lost: the driver records each one when it finishes.
+    assert len(on["requests"]) == MEMORY_REQUESTS, summary
+    assert all(r["tokens"] for r in on["requests"]), summary
     assert on["decode_steps_graphed"] > 0, summary  # graphs were captured and replayed
     assert on["graph_pool_bytes"] + on["full_graph_pool_bytes"] > 0, summary  # and measured
     assert on["device_free_bytes"] > 0, summary

@@ -30,6 +30,7 @@ CRITERIA = {
     "memory": "device memory after the run is within 1% of the baseline",
     "no_error_lines": "no ERROR line, traceback or CUDA error in the logs",
     "exercised": "aborts, preemptions, n>1 sampling and cascade steps all happened",
+    "capture_failures": "no CUDA-graph capture failed",
     "plugin_errors": "the plugin caught no error of its own (no error fallbacks)",
     "phases": "both phases exited 0",
 }
