@@ -101,6 +101,12 @@ def dev(mean: float, fraction: float = 1.0, worst: float | None = None) -> agree
     (dev(0.0, 0.0), dev(0.004), False),         # nothing compared
     # The corrupted-plan shape: the first tokens diverge, the few compared ones far off.
     (dev(0.3, 0.05), dev(0.005), False),
+    # One token beyond MAX_TOL, where two correct kernels' largest is nearly as far: fine.
+    (dev(0.015, worst=0.118), dev(0.016, worst=0.093), True),
+    (dev(0.015, worst=0.15), dev(0.016, worst=0.093), False),  # beyond 1.5 times theirs
+    # A long workload: two kernels compare a third of the positions, the plugin as much.
+    (dev(0.015, 0.33), dev(0.015, 0.33), True),
+    (dev(0.015, 0.21), dev(0.015, 0.33), False),  # under two thirds of theirs
 ])
 def test_agrees_with_reference_needs_coverage_tolerance_and_the_relative_bound(plugin, kernels,
                                                                                ok):

@@ -101,13 +101,68 @@ def test_beam_rows_compare_finished_beams_against_the_reference():
 
 
 def test_fails_widely_needs_a_failure_far_from_the_bounds():
-    row = {"outcome": "fail", "compared_fraction": 0.3, "mean_abs_dlogprob": 0.03}
+    # Two kernels 0.01 apart: the plugin may be 0.015 off, so "widely" is 0.03 or more.
+    row = {"outcome": "fail", "compared_fraction": 0.3, "mean_abs_dlogprob": 0.029,
+           "reference_mean_abs_dlogprob": 0.01}
     assert not engine_oracle.fails_widely(row)
     assert engine_oracle.fails_widely({**row, "compared_fraction": 0.2})
-    assert engine_oracle.fails_widely({**row, "mean_abs_dlogprob": 0.2})
+    assert engine_oracle.fails_widely({**row, "mean_abs_dlogprob": 0.03})
+    # Two kernels 0.02 apart: the absolute 0.02 bounds the plugin, so "widely" is 0.04.
+    assert not engine_oracle.fails_widely({**row, "mean_abs_dlogprob": 0.039,
+                                           "reference_mean_abs_dlogprob": 0.02})
     assert not engine_oracle.fails_widely({**row, "outcome": "pass", "compared_fraction": 0.0})
 
 
+def test_a_long_workload_is_judged_by_the_coverage_two_kernels_reach():
+    """Greedy runs of a long workload part at a near-tie: when two correct kernels compare only
+    a third of the positions, the plugin must reach two thirds of that, not half of them all."""
+    def diverging(at: int) -> dict:
+        return result(requests([-1.0] * 8, tokens=[*range(1, at + 1), *([99] * (8 - at))]),
+                      )
+
+    off = result(requests([-1.0] * 8))
+    row = engine_oracle.judge("f_preemption_small_kv_cache", "v2", diverging(2), off,
+                              diverging(3))
+    assert (row["compared_fraction"], row["reference_compared_fraction"]) == (2 / 8, 3 / 8)
+    assert row["reference_outcome"] == "pass" and row["outcome"] == "pass"
+    row = engine_oracle.judge("f_preemption_small_kv_cache", "v2", diverging(1), off,
+                              diverging(3))
+    assert row["outcome"] == "fail"  # 1/8 < 2/3 of 3/8
+    row = engine_oracle.judge("f_preemption_small_kv_cache", "v2", diverging(3), off,
+                              diverging(1))
+    assert row["reference_outcome"] == "fail"  # two kernels part after 1 of 8: too long
+
+
+def test_the_largest_deviation_is_bounded_by_the_two_kernels_largest():
+    off = result(requests([-1.0] * 8, [-2.0] * 8))
+    one_far = requests([-1.0] * 7 + [-1.12], [-2.0] * 8)
+    reference = result(requests([-1.0] * 7 + [-1.09], [-2.0] * 8))  # largest 0.09
+    row = engine_oracle.judge("e_chunked_prefill_with_decodes", "v2", result(one_far), off,
+                              reference)
+    assert row["max_abs_dlogprob"] == pytest.approx(0.12)
+    assert row["outcome"] == "pass"  # 0.12 <= 1.5 x 0.09
+    reference = result(requests([-1.0] * 7 + [-1.05], [-2.0] * 8))  # largest 0.05
+    row = engine_oracle.judge("e_chunked_prefill_with_decodes", "v2", result(one_far), off,
+                              reference)
+    assert row["outcome"] == "fail"  # 0.12 > max(0.1, 1.5 x 0.05)
+
+
+def test_a_quantised_kv_cache_is_judged_relative_to_two_kernels_only():
+    """FP8: two correct kernels 0.05 apart on average, beyond the bf16 tolerances; the plugin
+    0.06 off passes (within 1.5 times), 0.08 off fails, and the reference is not judged by bf16's
+    tolerances."""
+    reference = result(requests([-1.05] * 8, [-2.05] * 8))
+    row = engine_oracle.judge("a_one_8k_prefix_x64", "v2", result(requests([-1.06] * 8,
+                                                                           [-2.06] * 8)),
+                              OFF, reference, quantised=True)
+    assert (row["outcome"], row["reference_outcome"]) == ("pass", "pass")
+    assert engine_oracle.judge("a_one_8k_prefix_x64", "v2", result(requests([-1.06] * 8,
+                                                                            [-2.06] * 8)),
+                               OFF, reference)["reference_outcome"] == "fail"
+    row = engine_oracle.judge("a_one_8k_prefix_x64", "v2", result(requests([-1.08] * 8,
+                                                                           [-2.08] * 8)),
+                              OFF, reference, quantised=True)
+    assert row["outcome"] == "fail"
 def test_the_workloads_fit_the_engine_and_the_oracle_model():
     workloads = engine_driver.workloads()
     assert list(workloads)[:6] == ["a_one_8k_prefix_x64", "b_4_prefixes_x16_interleaved",
@@ -166,6 +221,8 @@ def test_beam_search_runs_with_an_id_tokenizer_and_records_the_beams():
 
         def beam_search(self, prompts, params):
             tokenizer = self.renderer.tokenizer
+            # vLLM 0.26's input processor checks every prompt's ids against the tokenizer's.
+            assert all(max(p["prompt_token_ids"]) <= tokenizer.max_token_id for p in prompts)
             seen.append((tokenizer.eos_token_id, tokenizer.decode([3, 4]), params.beam_width))
             return [SimpleNamespace(sequences=[SimpleNamespace(
                 tokens=[*p["prompt_token_ids"], 7, 8], cum_logprob=-0.5)]) for p in prompts]

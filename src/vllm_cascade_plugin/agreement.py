@@ -7,13 +7,14 @@ where both runs' top-2 margin exceeds :data:`MARGIN` (below that, bf16 noise leg
 the argmax). They agree when the mean |Δ| is at most :data:`MEAN_TOL` and the largest at most
 :data:`MAX_TOL`.
 
-The engine oracle adds two requirements (:func:`agrees_with_reference`): the comparison covers at
-least :data:`MIN_COMPARED` of the generated positions (a comparison that stops at the first
-token or skips most positions proves little), and the plugin's mean deviation from flat
-FlashInfer is at most :data:`RELATIVE` times the deviation between two correct kernels
-(FlashAttention vs. FlashInfer, plugin off) on the same workload in the same run. Beam search is
-compared by its finished beams (:func:`beam_record`, :func:`compare_beams`, :func:`beams_agree`).
-``vllm-cascade demo`` keeps the relative bound without the coverage (:func:`agrees_relative`).
+The engine oracle judges against the noise floor of the same run (:func:`agrees_with_reference`):
+the plugin's mean and largest deviation from its plugin-off backend are at most :data:`RELATIVE`
+times those between two correct kernels (FlashAttention vs. FlashInfer, plugin off) on the same
+workload, and its comparison covers at least :data:`MIN_COMPARED` of the generated positions (a
+comparison that stops at the first token proves little), or nearly as much as the two kernels'
+own where theirs covers less. Beam search is compared by its finished beams
+(:func:`beam_record`, :func:`compare_beams`, :func:`beams_agree`). ``vllm-cascade demo`` keeps
+the relative bounds without the coverage (:func:`agrees_relative`).
 Pure Python and numpy; vLLM's outputs are read by attribute.
 """
 
@@ -121,11 +122,14 @@ def within_reference(mean: float, reference_mean: float) -> bool:
 
 
 def agrees_with_reference(plugin: Deviation, kernels: Deviation) -> bool:
-    """The engine oracle's verdict: ``plugin`` (plugin on vs. off, both FlashInfer) is within
-    both tolerances, covers at least :data:`MIN_COMPARED` of the positions, and deviates at most
-    :data:`RELATIVE` times as much as ``kernels`` (FlashAttention vs. FlashInfer, plugin off)."""
-    return (agrees(plugin.worst, plugin.mean, plugin.compared)
-            and plugin.fraction >= MIN_COMPARED and within_reference(plugin.mean, kernels.mean))
+    """The engine oracle's verdict: ``plugin`` (plugin on vs. off, same backend) deviates at most
+    :data:`RELATIVE` times as much as ``kernels`` (two correct kernels, plugin off) on average
+    and at its largest (:func:`agrees_relative`), stays within :data:`MEAN_TOL` on average, and
+    its comparison reaches :data:`MIN_COMPARED` of the positions, or, where the two kernels'
+    own comparison reaches less (a long workload: greedy runs meet a near-tie and part), at
+    least 1/:data:`RELATIVE` of theirs."""
+    return (agrees_relative(plugin, kernels) and plugin.mean <= MEAN_TOL
+            and plugin.fraction >= min(MIN_COMPARED, kernels.fraction / RELATIVE))
 
 
 def agrees_relative(plugin: Deviation, kernels: Deviation) -> bool:

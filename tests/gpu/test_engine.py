@@ -13,12 +13,14 @@ Every workload runs on three engines, side by side: the plugin on (FlashInfer wr
 plugin off with FlashInfer, and the plugin off with FlashAttention (for the plugin in vLLM's
 FLASH_ATTN backend, ``test_flash_attn_engine.py``, the two swap). A row of ``correctness.json``
 (``engine_oracle.judge``) compares the plugin with plugin-off FlashInfer by
-``vllm_cascade_plugin.agreement``: chosen-token logprobs within 0.02 on average and 0.1 at most,
-position by position up to each completion's first diverging token, where the top-2 margin
-exceeds 0.1 in both; at least half the generated positions compared; and a mean deviation at
-most 1.5 times the two plugin-off kernels' on the same workload in the same run
-(``reference_mean_abs_dlogprob``). Beam search compares the finished beams and their cumulative
-logprobs the same way. A plan with every page id shifted by one must fail by a wide margin.
+``vllm_cascade_plugin.agreement``: chosen-token logprobs position by position up to each
+completion's first diverging token, where the top-2 margin exceeds 0.1 in both; a mean and a
+largest deviation at most 1.5 times the two plugin-off kernels' on the same workload in the same
+run (``reference_mean_abs_dlogprob``, ``reference_max_abs_dlogprob``; the mean floored at 0.002,
+the largest at 0.1) and a mean within 0.02; at least half the generated positions compared, or
+two thirds as many as the two kernels' own comparison reaches where that is less. Beam search
+compares the finished beams and their cumulative logprobs. A plan with every page id shifted by
+one must fail by a wide margin (``engine_oracle.fails_widely``), one wrong page must fail.
 """
 
 from __future__ import annotations
@@ -45,16 +47,18 @@ def plugin_on(model_dir: str, runner: str = "v2", backend: str = "FLASHINFER",
 
 
 def judged(on: Engine, tp: int = 1, off_extra: tuple[str, ...] | None = None,
-           ) -> tuple[dict, list[dict]]:
+           quantised: bool = False) -> tuple[dict, list[dict]]:
     """``on``'s result and every workload of it judged against the plugin-off engine of the same
     backend, runner and arguments (``off_extra``: other arguments) and the plugin-off engine of
-    the other backend (the second correct kernel); the three run side by side."""
+    the other backend (the second correct kernel); the three run side by side. ``quantised``:
+    an FP8 KV cache (``engine_oracle.judge``)."""
     off = on.with_(plugin=False, knobs=(), extra=on.extra if off_extra is None else off_extra)
     reference = off.with_(backend=SECOND_KERNEL[on.backend])
     ran, flat, second = engines.run(on, off, reference)
     assert ran["workloads"].keys() <= flat["workloads"].keys() == second["workloads"].keys()
     return ran, [engine_oracle.judge(name, on.runner, ran["workloads"][name],
-                                     flat["workloads"][name], second["workloads"][name], tp=tp)
+                                     flat["workloads"][name], second["workloads"][name], tp=tp,
+                                     quantised=quantised)
                  for name in ran["workloads"]]
 
 
@@ -96,12 +100,14 @@ def test_layer_graphs_match_flat_engine(sharp_model_dir, runner):
 def test_fp8_kv_cache_engine_matches_flat_fp8_engine(sharp_model_dir, backend):
     """``--kv-cache-dtype fp8`` on all three engines: the plugin with CASCADE_FP8_KV=1 against
     the plugin off, same backend, same FP8 cache (unit scales: the dummy checkpoint has none),
-    and the other backend's flat FP8 path as the second kernel, by the engine comparison's rule;
-    every step that could ran as cascade, with no fallback. Eager (``--eager``): what FP8
-    changes is the kernels' arithmetic, which CUDA graphs replay unchanged."""
+    and the other backend's flat FP8 path as the second kernel. FP8 rounding moves the oracle
+    model's logprobs beyond the bf16 tolerances for two correct kernels too (by 0.05-0.08 on
+    average on the H200), so the plugin is judged relative to them alone (mean, largest and
+    coverage); every step that could ran as cascade, with no fallback. Eager (``--eager``):
+    what FP8 changes is the kernels' arithmetic, which CUDA graphs replay unchanged."""
     on, rows = judged(plugin_on(sharp_model_dir, backend=backend,
                                 extra=("--kv-cache-dtype", "fp8", "--eager"),
-                                knobs=(("CASCADE_FP8_KV", "1"),)))
+                                knobs=(("CASCADE_FP8_KV", "1"),)), quantised=True)
     check([{**row, "kv_cache_dtype": "fp8", "backend": backend} for row in rows])
     assert any(w["steps_cascade"] > 0 for w in on["workloads"].values()), on["workloads"]
     assert not any(w["fallbacks"] for w in on["workloads"].values()), on["workloads"]
