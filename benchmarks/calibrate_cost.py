@@ -1,4 +1,4 @@
-"""Fit the cost models (``vllm_cascade_plugin.cost.COST_MODELS``) to the H200 measurements.
+"""Fit the cost models (``vllm_cascade_plugin.planning.cost.COST_MODELS``) to the H200 measurements.
 
     PYTHONPATH=src python benchmarks/calibrate_cost.py [--results benchmarks/results/h200]
 
@@ -36,9 +36,9 @@ from typing import Any
 
 import numpy as np
 
-from vllm_cascade_plugin.cost import COST_MODELS, AttentionShape, CostModel, decide
-from vllm_cascade_plugin.demo import Workload, prefix_cached_step
-from vllm_cascade_plugin.planner import CascadePlan, plan_cascade
+from vllm_cascade_plugin.face.demo import Workload, prefix_cached_step
+from vllm_cascade_plugin.planning.cost import COST_MODELS, AttentionShape, CostModel, decide
+from vllm_cascade_plugin.planning.planner import CascadePlan, plan_cascade
 
 ROOT = Path(__file__).resolve().parents[1]
 FITTED = ("flat_fixed_us", "flat_bandwidth", "level_fixed_us", "request_us", "flops",

@@ -125,10 +125,10 @@ def _worker_counters(worker: object) -> dict:
 
     del worker
     counters = stats.snapshot()
-    kernels = sys.modules.get("vllm_cascade_plugin.kernels")
+    kernels = sys.modules.get("vllm_cascade_plugin.execution.kernels")
     executors = [] if kernels is None else list(kernels.EXECUTORS)
     graphs = {} if kernels is None else kernels.graph_stats()
-    fullgraph = sys.modules.get("vllm_cascade_plugin.fullgraph")
+    fullgraph = sys.modules.get("vllm_cascade_plugin.graphs.fullgraph")
     graphs.update({} if fullgraph is None else fullgraph.graph_stats())
     return {"steps_planned": counters.steps_planned, "steps_cascade": counters.steps_cascade,
             "fallbacks": dict(counters.fallbacks),

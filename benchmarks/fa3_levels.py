@@ -48,10 +48,10 @@ DEFAULT_ROWS = ("64x8192,128x2048,128x8192,128x16384,128x32768,256x2048,256x8192
 
 def run_row(case: kb.Case, gpu: kb.Gpu, timer: kb.Timer, rng: np.random.Generator,
             seed: int, pool_pages: int, sweep: bool = False) -> dict[str, Any]:
-    from vllm_cascade_plugin import compat
-    from vllm_cascade_plugin.decode_level import decode_level
-    from vllm_cascade_plugin.kernels import FlashAttnCascadeExecutor
-    from vllm_cascade_plugin.planner import plan_cascade
+    from vllm_cascade_plugin.execution.decode_level import decode_level
+    from vllm_cascade_plugin.execution.kernels import FlashAttnCascadeExecutor
+    from vllm_cascade_plugin.integration import compat
+    from vllm_cascade_plugin.planning.planner import plan_cascade
 
     torch = gpu.torch
     dev, dtype = gpu.device, gpu.dtype

@@ -373,7 +373,7 @@ class Gpu:
         )
         from vllm.vllm_flash_attn import flash_attn_varlen_func, get_scheduler_metadata
 
-        from vllm_cascade_plugin.kernels import (
+        from vllm_cascade_plugin.execution.kernels import (
             FlashInferCascadeExecutor,
             choose_kernel,
             make_executor,
@@ -500,8 +500,8 @@ def reference(gpu: Gpu, q: Any, k: Any, v: Any, layout: Layout, rows: Sequence[i
 def run_case(case: Case, gpu: Gpu, timer: Timer, rng: np.random.Generator, seed: int,
              pool_pages: int, plan_reps: int) -> dict[str, Any]:
     """Plan, check and time the five methods on one case; returns its row."""
-    from vllm_cascade_plugin.cost import COST_MODELS, AttentionShape, decide
-    from vllm_cascade_plugin.planner import CascadePlanner, plan_cascade
+    from vllm_cascade_plugin.planning.cost import COST_MODELS, AttentionShape, decide
+    from vllm_cascade_plugin.planning.planner import CascadePlanner, plan_cascade
 
     torch = gpu.torch
     dev, dtype = gpu.device, gpu.dtype
@@ -826,7 +826,7 @@ def _meta(gpu: Gpu, args: argparse.Namespace, timer: Timer, extra: dict[str, Any
 def record_choice(row: dict[str, Any], plan: Any, kernel: str) -> str:
     """The plugin's flat/cascade choice for ``plan`` as ``step.py`` makes it (policy auto, the
     shipped model of ``kernel``'s executor, Llama-3-8B's layers), written into ``row``."""
-    from vllm_cascade_plugin.cost import COST_MODELS, AttentionShape, decide
+    from vllm_cascade_plugin.planning.cost import COST_MODELS, AttentionShape, decide
 
     shape = AttentionShape(NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, DTYPE_BYTES,
                            num_layers=NUM_LAYERS)
@@ -844,7 +844,7 @@ def redecide(out: Path, argv: Sequence[str] | None) -> int:
     The choice is the one ``run_case`` makes (same layout, planner and ``decide``); the times
     are the row's own measurements of the chosen method, so nothing is re-measured.
     """
-    from vllm_cascade_plugin.planner import plan_cascade
+    from vllm_cascade_plugin.planning.planner import plan_cascade
 
     rows = json.loads((out / "kernel_grid.json").read_text())
     changed = []

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from vllm_cascade_plugin.planner import CascadePlanner, nothing_shared
+from vllm_cascade_plugin.planning.planner import CascadePlanner, nothing_shared
 
 PAGE_SIZE = 16
 

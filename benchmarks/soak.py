@@ -26,7 +26,7 @@ from the environment and is never switched inside a process:
 It passes when: at least ``--min-requests`` were submitted over at least ``--duration`` s; every
 request that was not aborted finished with ``length`` (all its tokens) or ``stop``, ``n`` times;
 the subset's chosen-token logprobs agree with the replay within 0.02 on average and 0.1 at most
-(``vllm_cascade_plugin.agreement``, the engine tests' rule); the watchdog never fired; the engine
+(``vllm_cascade_plugin.face.agreement``, the engine tests' rule); the watchdog never fired; the engine
 process's device memory after the drive is within 1% of a baseline taken after its first minute
 (both read idle, after ``torch.cuda.empty_cache()``, so the allocator's cache is not mistaken for
 a leak; the process's own figure, so other work on the GPU does not count); neither
@@ -65,7 +65,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_cascade_plugin import agreement
+from vllm_cascade_plugin.face import agreement
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = ROOT / "examples" / "models" / "llama-tiny"
@@ -100,7 +100,7 @@ ENGINE = {"skip_tokenizer_init": True, "attention_backend": "FLASHINFER",
           "gpu_memory_utilization": 0.05, "kv_cache_memory_bytes": 1 << 30}
 PLUGIN_ENV = {"CASCADE_ATTENTION": "1", "CASCADE_POLICY": "always", "CASCADE_DEBUG": "1"}
 
-# Judging (logprobs: vllm_cascade_plugin.agreement, the rule of tests/gpu/test_engine.py).
+# Judging (logprobs: vllm_cascade_plugin.face.agreement, the rule of tests/gpu/test_engine.py).
 MEMORY_TOL = 0.01
 WATCHDOG_S = 60.0
 # Fallbacks that mean the plugin caught an error of its own (the step then ran flat).
@@ -422,8 +422,8 @@ def _process_used_mib() -> tuple[float, str]:
 def _graphs() -> dict[str, int] | None:
     """The FA3 executor's per-layer CUDA graphs and the whole-step graphs of decode steps
     (held now: their pools are not in plugin_mib)."""
-    kernels = sys.modules.get("vllm_cascade_plugin.kernels")
-    fullgraph = sys.modules.get("vllm_cascade_plugin.fullgraph")
+    kernels = sys.modules.get("vllm_cascade_plugin.execution.kernels")
+    fullgraph = sys.modules.get("vllm_cascade_plugin.graphs.fullgraph")
     if kernels is None and fullgraph is None:
         return None
     return {**({} if kernels is None else kernels.graph_stats()),
@@ -432,13 +432,13 @@ def _graphs() -> dict[str, int] | None:
 
 def _executors() -> list[str]:
     """Which cascade executor ran (CASCADE_KERNEL): FlashInfer's or FA3."""
-    kernels = sys.modules.get("vllm_cascade_plugin.kernels")
+    kernels = sys.modules.get("vllm_cascade_plugin.execution.kernels")
     return [] if kernels is None else sorted({e.kernel for e in list(kernels.EXECUTORS)})
 
 
 def _plugin_mib() -> float | None:
     """The plugin's GPU buffers in this (engine) process; None where cascade cannot run."""
-    kernels = sys.modules.get("vllm_cascade_plugin.kernels")  # imported only where it can
+    kernels = sys.modules.get("vllm_cascade_plugin.execution.kernels")  # imported only where it can
     return None if kernels is None else kernels.device_bytes() / 2**20
 
 

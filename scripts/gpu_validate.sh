@@ -98,7 +98,7 @@ part_demo() {
   local start=$SECONDS rc
   mkdir -p "$res/demo"
   stamp "demo: started"
-  CASCADE_ATTENTION=1 timeout -k 20 420 python3 -m vllm_cascade_plugin.cli demo \
+  CASCADE_ATTENTION=1 timeout -k 20 420 python3 -m vllm_cascade_plugin.face.cli demo \
     > "$res/demo/demo.txt" 2>&1
   rc=$?
   row demo $((SECONDS - start)) --checks $((rc == 0)) $((rc != 0)) --rc "$rc"

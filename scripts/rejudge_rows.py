@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "src")]
 
 import engine_oracle  # noqa: E402
-from vllm_cascade_plugin import agreement  # noqa: E402
+from vllm_cascade_plugin.face import agreement  # noqa: E402
 
 POSITIONS = 1_000_000  # rows keep the share compared; any large count reproduces it
 

@@ -1,7 +1,7 @@
 """Session setup for every test module.
 
-The plugin's Triton kernel (``vllm_cascade_plugin.decode_level``) runs in the CPU tests under
-Triton's interpreter, which must be chosen before Triton is first imported (its ``tl.max`` and
+The plugin's Triton kernel (``vllm_cascade_plugin.execution.decode_level``) runs in the CPU tests
+under Triton's interpreter, which must be chosen before Triton is first imported (its ``tl.max`` and
 ``tl.sum`` are bound at import time). On a machine with a GPU (``tests/gpu`` on the H200) the
 kernel compiles for real and the CPU tests of it skip.
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_cascade_plugin import agreement
+from vllm_cascade_plugin.face import agreement
 
 CASCADE_WORKLOADS = ("a_", "b_", "c_", "d_")  # cascade must run on >= 90% of their decode steps
 MIN_CASCADE_STEPS = 0.9

@@ -1,4 +1,4 @@
-"""The plugin-on vs. plugin-off comparison rule (vllm_cascade_plugin.agreement), by hand."""
+"""The plugin-on vs. plugin-off comparison rule (vllm_cascade_plugin.face.agreement), by hand."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_cascade_plugin import agreement
+from vllm_cascade_plugin.face import agreement
 
 
 def _logprobs(*pairs: tuple[int, float]) -> dict[int, SimpleNamespace]:

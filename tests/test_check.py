@@ -11,7 +11,8 @@ import textwrap
 
 import pytest
 
-from vllm_cascade_plugin import cli, support
+from vllm_cascade_plugin.face import cli
+from vllm_cascade_plugin.integration import support
 
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
 EAGLE = json.dumps({"method": "eagle", "model": "some/eagle", "num_speculative_tokens": 3})

@@ -12,24 +12,25 @@ from pathlib import Path
 import pytest
 
 from fresh_python import vllm_process
-from vllm_cascade_plugin import cli, demo, demo_engine
 from vllm_cascade_plugin.config import CascadeConfig
+from vllm_cascade_plugin.face import cli, demo, demo_engine
 
 ROOT = Path(__file__).parents[1]
+CLI = "vllm_cascade_plugin.face.cli"  # what the vllm-cascade command runs
 SMALL = ["--system-tokens", "64", "--documents", "2", "--document-tokens", "256",
          "--questions", "3", "--max-tokens", "20"]
 
 
 def run_cli(*args: str, forked: bool = False, **env: str) -> subprocess.CompletedProcess[str]:
-    """``python -m vllm_cascade_plugin.cli ARGS``; ``forked``: in a child of the fork server
+    """``python -m vllm_cascade_plugin.face.cli ARGS``; ``forked``: in a child of the fork server
     (tests/fresh_python.py), which has imported vLLM already, as the command does first."""
     environ = {k: v for k, v in os.environ.items()
                if not k.startswith("CASCADE_") and k != "VLLM_PLUGINS"}
     environ.update(env)
     if forked:
-        return vllm_process(environ).run_module("vllm_cascade_plugin.cli", list(args), environ)
-    return subprocess.run([sys.executable, "-m", "vllm_cascade_plugin.cli", *args], env=environ,
-                          capture_output=True, text=True, timeout=300)
+        return vllm_process(environ).run_module(CLI, list(args), environ)
+    return subprocess.run([sys.executable, "-m", CLI, *args], env=environ, capture_output=True,
+                          text=True, timeout=300)
 
 
 @pytest.fixture
@@ -47,10 +48,10 @@ def test_check_with_the_plugin_on_registers_for_real_and_exits_0():
     out = " ".join(proc.stdout.split())
     for expected in ("Python", "torch", "GPU", "vLLM", "FlashInfer", "CASCADE_LOG_INTERVAL",
                      "Entry point vllm.general_plugins:cascade found",
-                     "registers vllm_cascade_plugin.flash_attn_backend."
+                     "registers vllm_cascade_plugin.integration.flash_attn_backend."
                      "CascadeFlashAttentionBackend for the FLASH_ATTN backend",
-                     "vllm_cascade_plugin.backend.CascadeFlashInferBackend for the FLASHINFER "
-                     "backend", "FLASH_ATTN, vLLM's default on Hopper",
+                     "vllm_cascade_plugin.integration.flashinfer_backend.CascadeFlashInferBackend "
+                     "for the FLASHINFER backend", "FLASH_ATTN, vLLM's default on Hopper",
                      "--attention-backend FLASHINFER", "prefix caching off (nothing is shared: "
                      "the plugin has nothing to do)",
                      "a quantised KV cache (FP8 e4m3 with per-layer scales runs cascade with "
@@ -118,7 +119,7 @@ def test_demo_charges_the_step_cost_of_the_decode_graphs_setting(clean_env, caps
     """The demo's cost-model line uses the builder's model: the FA3 per-step cost with
     whole-step graphs (the default), with per-layer graphs only (CASCADE_FULL_GRAPHS=0), and the
     eager one (FA3_EAGER_STEP_FIXED_US) with CASCADE_CUDA_GRAPHS off."""
-    from vllm_cascade_plugin.cost import (
+    from vllm_cascade_plugin.planning.cost import (
         COST_MODELS,
         FA3_EAGER_STEP_FIXED_US,
         FA3_LAYER_GRAPHS_STEP_FIXED_US,
@@ -234,7 +235,7 @@ def test_demo_gpu_verdict_is_relative_to_two_correct_kernels(clean_env, capsys, 
 @pytest.mark.parametrize("agrees", [False, True])
 def test_demo_gpu_verdict_comes_from_agreement_agrees_relative(clean_env, capsys, monkeypatch,
                                                                agrees):
-    from vllm_cascade_plugin import agreement
+    from vllm_cascade_plugin.face import agreement
 
     calls = []
     monkeypatch.setattr(agreement, "agrees_relative", lambda *a: calls.append(a) or agrees)
@@ -269,7 +270,7 @@ def test_demo_engine_weights_have_the_margins_agreement_needs():
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from vllm_cascade_plugin import agreement
+    from vllm_cascade_plugin.face import agreement
 
     config = LlamaConfig(hidden_size=1024, intermediate_size=256, num_hidden_layers=1,
                          num_attention_heads=8, num_key_value_heads=2, vocab_size=8000)

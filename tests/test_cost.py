@@ -11,9 +11,15 @@ import numpy as np
 import pytest
 
 from test_planner import run_python
-from vllm_cascade_plugin.cost import COST_MODELS, AttentionShape, CostModel, cost_model_for, decide
-from vllm_cascade_plugin.demo import Workload, prefix_cached_step
-from vllm_cascade_plugin.planner import plan_cascade
+from vllm_cascade_plugin.face.demo import Workload, prefix_cached_step
+from vllm_cascade_plugin.planning.cost import (
+    COST_MODELS,
+    AttentionShape,
+    CostModel,
+    cost_model_for,
+    decide,
+)
+from vllm_cascade_plugin.planning.planner import plan_cascade
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "h200"
@@ -169,7 +175,7 @@ def test_cost_model_is_frozen_and_documented():
 
 
 def test_cost_imports_numpy_only():
-    code = "import sys, vllm_cascade_plugin.cost; print('torch' in sys.modules)"
+    code = "import sys, vllm_cascade_plugin.planning.cost; print('torch' in sys.modules)"
     assert run_python("-c", code).strip() == "False"
 
 
@@ -200,7 +206,7 @@ def test_the_fa3_graph_mode_step_costs_are_the_calibration_of_their_runs(tmp_pat
     calibrate_cost.py fits from the end-to-end runs of that mode in place of the default's."""
     import shutil
 
-    from vllm_cascade_plugin import cost
+    from vllm_cascade_plugin.planning import cost
 
     for name in ("kernel_grid.json", "e2e_step_cost_flashinfer.json",
                  "demo_flashinfer_executor.txt"):
@@ -218,7 +224,7 @@ def test_a_decode_step_is_charged_the_graphed_cost_once_its_graph_layout_was_pla
     had, flat or cascade, and the graphed cost afterwards; rows coming and going within one
     capture size keep the layout; a prefill chunk is never graphed."""
     from vllm_cascade_plugin.config import CascadeConfig
-    from vllm_cascade_plugin.cost import FA3_EAGER_STEP_FIXED_US, cost_model_for
+    from vllm_cascade_plugin.planning.cost import FA3_EAGER_STEP_FIXED_US, cost_model_for
     from vllm_cascade_plugin.step import StepSession
 
     session = StepSession()
@@ -288,7 +294,7 @@ def test_flat_prefill_rows_pay_for_whole_query_tiles():
 def test_long_prefill_rows_are_barely_padded(q):
     """A row of q >= 128 query tokens wastes under one tile: less than 2x over the unpadded
     compute, exactly none when q is a multiple of 128."""
-    from vllm_cascade_plugin.cost import _prefill_padding_pairs
+    from vllm_cascade_plugin.planning.cost import _prefill_padding_pairs
 
     table = np.arange(1, 1 + 2 * 80, dtype=np.int32).reshape(2, 80)
     seq_lens = np.full(2, 80 * 16, np.int32)
@@ -302,7 +308,10 @@ def test_fa3_per_step_cost_follows_the_graph_mode():
     (e2e_step_cost_fa3_layer_graphs.json) and no graphs (e2e_step_cost_fa3_eager.json) cost a
     cascade step less in that order; the decision at 64 requests behind 8K follows: cascade only
     with graphs."""
-    from vllm_cascade_plugin.cost import FA3_EAGER_STEP_FIXED_US, FA3_LAYER_GRAPHS_STEP_FIXED_US
+    from vllm_cascade_plugin.planning.cost import (
+        FA3_EAGER_STEP_FIXED_US,
+        FA3_LAYER_GRAPHS_STEP_FIXED_US,
+    )
 
     full, layer, eager = (cost_model_for("fa3", graphs, full) for graphs, full in
                           ((True, True), (True, False), (False, True)))

@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from vllm_cascade_plugin import decode_level
+from vllm_cascade_plugin.execution import decode_level
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" or decode_level.unsupported_reason(4, 1, 64),

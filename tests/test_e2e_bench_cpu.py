@@ -103,9 +103,9 @@ def test_worker_counters_report_this_process_plugin_state():
 def test_worker_counters_sum_the_graph_counts_of_every_executor(monkeypatch):
     import torch
 
-    from vllm_cascade_plugin import compat, kernels
+    from vllm_cascade_plugin.execution import kernels, vllm_kernels
 
-    monkeypatch.setattr(compat, "fa3_kernels", lambda: (None, None))
+    monkeypatch.setattr(vllm_kernels, "fa3_kernels", lambda: (None, None))
     before = _module()._worker_counters(object())
     graphed = [kernels.FlashAttnCascadeExecutor(cuda_graphs=True) for _ in range(2)]
     eager = kernels.FlashAttnCascadeExecutor(cuda_graphs=False)

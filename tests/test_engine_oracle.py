@@ -12,7 +12,8 @@ import pytest
 import engine_oracle
 import oracle_model
 from gpu import engine_driver
-from vllm_cascade_plugin import agreement, planner
+from vllm_cascade_plugin.face import agreement
+from vllm_cascade_plugin.planning import planner
 
 
 def requests(*logprob_rows: list[float], tokens: list[int] | None = None) -> list[dict]:

@@ -28,10 +28,11 @@ from hypothesis import strategies as st
 
 from test_planner import batches, limits, make_batch
 from test_reference import TOLERANCE, dense_attention, kv_cache
-from vllm_cascade_plugin import compat, decode_level, fa3_levels, stats
-from vllm_cascade_plugin.fa3_executor import FlashAttnCascadeExecutor
-from vllm_cascade_plugin.graphs import LayerGraphs
-from vllm_cascade_plugin.planner import CascadePlanner
+from vllm_cascade_plugin import stats
+from vllm_cascade_plugin.execution import decode_level, fa3_levels, vllm_kernels
+from vllm_cascade_plugin.execution.fa3 import FlashAttnCascadeExecutor
+from vllm_cascade_plugin.graphs.capture import LayerGraphs
+from vllm_cascade_plugin.planning.planner import CascadePlanner
 
 CALLS: list[dict] = []
 
@@ -96,7 +97,7 @@ def fake_merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suf
 
 @pytest.fixture(autouse=True)
 def fake_fa3(monkeypatch):
-    monkeypatch.setattr(compat, "fa3_kernels",
+    monkeypatch.setattr(vllm_kernels, "fa3_kernels",
                         lambda: (fake_flash_attn_varlen_func, fake_merge_attn_states))
     CALLS.clear()
 
@@ -192,9 +193,9 @@ def test_run_before_plan_and_hnd_are_refused():
                      torch.zeros(1, 1, 64))
 
 
-@pytest.mark.flashinfer  # vllm_cascade_plugin.kernels imports the FlashInfer executor
+@pytest.mark.flashinfer  # vllm_cascade_plugin.execution.kernels imports the FlashInfer executor
 def test_auto_takes_fa3_where_it_runs_and_flashinfer_elsewhere(monkeypatch):
-    from vllm_cascade_plugin import kernels
+    from vllm_cascade_plugin.execution import kernels
 
     assert kernels.choose_kernel("auto", "NHD")[0] == "fa3"
     assert kernels.choose_kernel("flashinfer", "NHD")[0] == "flashinfer"
@@ -204,7 +205,7 @@ def test_auto_takes_fa3_where_it_runs_and_flashinfer_elsewhere(monkeypatch):
     def unsupported():
         raise RuntimeError("FlashAttention 3 is not supported here (needs sm90)")
 
-    monkeypatch.setattr(compat, "fa3_kernels", unsupported)
+    monkeypatch.setattr(vllm_kernels, "fa3_kernels", unsupported)
     kind, line = kernels.choose_kernel("auto", "NHD")
     assert kind == "flashinfer" and "needs sm90" in line
     with pytest.raises(ValueError, match="unknown cascade kernel"):
@@ -444,7 +445,7 @@ def test_graphed_steps_of_a_changing_batch_replay_one_layout_per_padded_size():
     (vLLM's capture size), its real rows equal per-request attention, and steps whose bucketed
     layout is the same replay the same graphs: the number of captures is the number of
     layouts, not of steps."""
-    from vllm_cascade_plugin import graph_layout
+    from vllm_cascade_plugin.planning import graph_layout
 
     heads, kv_heads, d, padded, layers, steps = 4, 2, 64, 8, 2, 12
     executor = FlashAttnCascadeExecutor("NHD", max_levels=4, cuda_graphs=True)

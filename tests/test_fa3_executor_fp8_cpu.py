@@ -28,17 +28,17 @@ from test_fa3_executor_cpu import (
 )
 from test_planner import batches, limits, make_batch
 from test_reference import TOLERANCE, dense_attention, kv_cache
-from vllm_cascade_plugin import compat
-from vllm_cascade_plugin.executor_common import KvScales
-from vllm_cascade_plugin.fa3_executor import FlashAttnCascadeExecutor
-from vllm_cascade_plugin.planner import CascadePlanner
+from vllm_cascade_plugin.execution import vllm_kernels
+from vllm_cascade_plugin.execution.common import KvScales
+from vllm_cascade_plugin.execution.fa3 import FlashAttnCascadeExecutor
+from vllm_cascade_plugin.planning.planner import CascadePlanner
 
 FP8 = torch.float8_e4m3fn
 
 
 @pytest.fixture(autouse=True)
 def fake_fa3(monkeypatch):
-    monkeypatch.setattr(compat, "fa3_kernels",
+    monkeypatch.setattr(vllm_kernels, "fa3_kernels",
                         lambda: (fake_flash_attn_varlen_func, fake_merge_attn_states))
     CALLS.clear()
 

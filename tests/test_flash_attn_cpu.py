@@ -30,7 +30,9 @@ from test_integration_cpu import (
     packed_cache,
 )
 from test_step_session import plugin_log  # noqa: F401  (a fixture: the plugin's log lines)
-from vllm_cascade_plugin import compat, kernels, stats, support
+from vllm_cascade_plugin import stats
+from vllm_cascade_plugin.execution import kernels, vllm_kernels
+from vllm_cascade_plugin.integration import compat, support
 from vllm_cascade_plugin.step import session
 
 # The vLLM methods the subclasses override, as test_hooks writes signatures: a change in any of
@@ -65,7 +67,9 @@ def fa_config(tmp_path_factory):
 
 
 def fa_builder(config, **kwargs):
-    from vllm_cascade_plugin.flash_attn_backend import CascadeFlashAttentionBackend as Backend
+    from vllm_cascade_plugin.integration.flash_attn_backend import (
+        CascadeFlashAttentionBackend as Backend,
+    )
 
     names = vllm_cpu.make_layers(config, [SCALE, SCALE], backend=Backend)
     builder = vllm_cpu.make_builder(config, names, backend=Backend, **kwargs)
@@ -80,7 +84,7 @@ def fa_engine(fa_config, monkeypatch):
     from vllm.config import set_current_vllm_config
 
     monkeypatch.setenv("CASCADE_POLICY", "always")
-    monkeypatch.setattr(compat, "fa3_kernels",
+    monkeypatch.setattr(vllm_kernels, "fa3_kernels",
                         lambda: (fake_flash_attn_varlen_func, fake_merge_attn_states))
     builder, layers = fa_builder(fa_config)
     with set_current_vllm_config(fa_config):
@@ -162,8 +166,10 @@ def test_flat_steps_keep_vllms_cudagraph_support_and_backend_identity(fa_config)
     from vllm.v1.attention.backends import flash_attn as fa
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from vllm_cascade_plugin.builder_common import CascadeBuilder
-    from vllm_cascade_plugin.flash_attn_backend import CascadeFlashAttentionBackend as Backend
+    from vllm_cascade_plugin.integration.builder import CascadeBuilder
+    from vllm_cascade_plugin.integration.flash_attn_backend import (
+        CascadeFlashAttentionBackend as Backend,
+    )
 
     builder_cls = Backend.get_builder_cls()
     spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=128, dtype=torch.bfloat16)
@@ -184,7 +190,7 @@ def test_flat_steps_keep_vllms_cudagraph_support_and_backend_identity(fa_config)
 
 
 def test_a_shared_prefix_batch_gets_vllms_metadata_plus_the_planned_executor(fa_engine):
-    from vllm_cascade_plugin.flash_attn_backend import CascadeFlashAttentionMetadata
+    from vllm_cascade_plugin.integration.flash_attn_backend import CascadeFlashAttentionMetadata
 
     _config, builder, layers = fa_engine
     table, seq, q = batch()
@@ -345,7 +351,7 @@ def test_flash_attn_runs_cascade_on_fa3_only_and_says_which_backend_carries_it(
     assert fa_builder(fa_config)[0]._settings.unsupported.startswith("CASCADE_KERNEL=flashinfer")
     monkeypatch.delenv("CASCADE_KERNEL")
     monkeypatch.setattr(kernels, "fa3_unsupported_reason", lambda layout: None)  # Hopper
-    monkeypatch.setattr(compat, "fa3_kernels", lambda: (None, None))
+    monkeypatch.setattr(vllm_kernels, "fa3_kernels", lambda: (None, None))
     plugin_log.clear()
     builder, _ = fa_builder(fa_config)
     assert builder._settings.unsupported is None and builder._cascade_kernel == "fa3"
@@ -389,7 +395,7 @@ def test_an_engine_the_cascade_cannot_help_runs_flat_and_says_why_once(
         tmp_path, plugin_log, fp8_capable, engine_args, reason):  # noqa: F811
     from vllm.config import set_current_vllm_config
 
-    from vllm_cascade_plugin.flash_attn_backend import CascadeFlashAttentionBackend
+    from vllm_cascade_plugin.integration.flash_attn_backend import CascadeFlashAttentionBackend
 
     config = vllm_cpu.engine_config(str(tmp_path), backend="FLASH_ATTN", **engine_args)
     for name, cls in (("FLASH_ATTN", CascadeFlashAttentionBackend), ("FLASHINFER", None)):
@@ -412,7 +418,7 @@ def test_an_fp8_layer_or_cache_spec_is_refused_whatever_the_engine_says(fa_engin
     from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from vllm_cascade_plugin.flash_attn_backend import flash_attn_reason
+    from vllm_cascade_plugin.integration.flash_attn_backend import flash_attn_reason
 
     config, _, layers = fa_engine
     spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=128, dtype=torch.bfloat16)

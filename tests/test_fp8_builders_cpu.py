@@ -18,7 +18,9 @@ import vllm_cpu
 from test_fa3_executor_cpu import fake_flash_attn_varlen_func, fake_merge_attn_states
 from test_flash_attn_cpu import fp8_capable, restored_session  # noqa: F401  (fixtures)
 from test_integration_cpu import HEADS, SCALE, batch, common_metadata, dense_attention, packed_cache
-from vllm_cascade_plugin import compat, kernels, stats, support
+from vllm_cascade_plugin import stats
+from vllm_cascade_plugin.execution import kernels, vllm_kernels
+from vllm_cascade_plugin.integration import support
 from vllm_cascade_plugin.step import session
 
 FP8 = torch.float8_e4m3fn
@@ -34,7 +36,7 @@ def fp8_engine(tmp_path, monkeypatch, fp8_capable):  # noqa: F811
     """A FLASH_ATTN engine with ``--kv-cache-dtype fp8``: its config and layer names, FA3 (the
     stand-ins) available."""
     monkeypatch.setenv("CASCADE_POLICY", "always")
-    monkeypatch.setattr(compat, "fa3_kernels",
+    monkeypatch.setattr(vllm_kernels, "fa3_kernels",
                         lambda: (fake_flash_attn_varlen_func, fake_merge_attn_states))
     monkeypatch.setattr(kernels, "fa3_unsupported_reason", lambda layout: None)
     config = vllm_cpu.engine_config(str(tmp_path), backend="FLASH_ATTN", kv_cache_dtype="fp8")
@@ -42,7 +44,9 @@ def fp8_engine(tmp_path, monkeypatch, fp8_capable):  # noqa: F811
 
 
 def fa_layers(config):
-    from vllm_cascade_plugin.flash_attn_backend import CascadeFlashAttentionBackend as Backend
+    from vllm_cascade_plugin.integration.flash_attn_backend import (
+        CascadeFlashAttentionBackend as Backend,
+    )
 
     names = vllm_cpu.make_layers(config, [SCALE, SCALE], backend=Backend)
     layers = config.compilation_config.static_forward_context
@@ -68,7 +72,7 @@ def test_with_the_knob_the_cascade_reads_the_fp8_cache_with_each_layers_scales(
         fp8_engine, monkeypatch):
     from vllm.config import set_current_vllm_config
 
-    from vllm_cascade_plugin.flash_attn_backend import CascadeFlashAttentionMetadata
+    from vllm_cascade_plugin.integration.flash_attn_backend import CascadeFlashAttentionMetadata
 
     monkeypatch.setenv("CASCADE_FP8_KV", "1")
     names, layers, backend = fa_layers(fp8_engine)

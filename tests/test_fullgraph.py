@@ -13,7 +13,8 @@ import pytest
 import torch
 from vllm.config import CUDAGraphMode
 
-from vllm_cascade_plugin import fullgraph, stats
+from vllm_cascade_plugin import stats
+from vllm_cascade_plugin.graphs import fullgraph
 from vllm_cascade_plugin.step import session
 
 LAYERS = 2
@@ -67,7 +68,7 @@ def run(graphs, s, sizes=(1, 1, 1)):
 def test_captured_on_the_second_step_then_replayed_without_running_the_model(step):
     """The first eager step warms up what runs lazily; the next captures, later ones replay
     (and count as graphed decode steps)."""
-    graphs = fullgraph.StepGraphs(capture=capture_stand_in)
+    graphs = fullgraph.StepGraphs(CUDAGraphMode.NONE, capture=capture_stand_in)
     outs = [run(graphs, step) for _ in range(5)]
     assert step.model.calls == 2  # one eager step, one capture; then replays
     assert (graphs.captures, graphs.replays) == (1, 3)
@@ -80,7 +81,7 @@ def test_captured_on_the_second_step_then_replayed_without_running_the_model(ste
 def test_a_step_with_other_rows_of_the_same_padded_size_replays_the_same_graph(step):
     """The key holds the rows the executor runs (vLLM's padded count), not the step's tokens:
     a request that finished leaves the graph usable."""
-    graphs = fullgraph.StepGraphs(capture=capture_stand_in)
+    graphs = fullgraph.StepGraphs(CUDAGraphMode.NONE, capture=capture_stand_in)
     run(graphs, step)
     run(graphs, step)
     step.md.num_actual_tokens = 3
@@ -89,7 +90,7 @@ def test_a_step_with_other_rows_of_the_same_padded_size_replays_the_same_graph(s
 
 
 def test_another_input_address_or_executor_key_is_another_graph(step):
-    graphs = fullgraph.StepGraphs(capture=capture_stand_in, capture_after=1)
+    graphs = fullgraph.StepGraphs(CUDAGraphMode.NONE, capture=capture_stand_in, capture_after=1)
     run(graphs, step)  # the warm-up run
     run(graphs, step)
     step.inputs["input_ids"] = torch.zeros(4, dtype=torch.long)  # new buffer, same shape
@@ -117,14 +118,14 @@ def test_ineligible_steps_run_the_model(step, monkeypatch, change):
         step.inputs["inputs_embeds"] = torch.zeros(4, 8)
     else:
         step.ctx.attn_metadata = [step.ctx.attn_metadata]
-    graphs = fullgraph.StepGraphs(capture=capture_stand_in, capture_after=1)
+    graphs = fullgraph.StepGraphs(CUDAGraphMode.NONE, capture=capture_stand_in, capture_after=1)
     for _ in range(3):
         run(graphs, step, sizes)
     assert step.model.calls == 3 and graphs.captures == 0
 
 
 def test_a_graph_in_which_a_layer_fell_back_is_discarded(step):
-    graphs = fullgraph.StepGraphs(capture=capture_stand_in, capture_after=1)
+    graphs = fullgraph.StepGraphs(CUDAGraphMode.NONE, capture=capture_stand_in, capture_after=1)
     run(graphs, step)  # the warm-up run
     step.model.layers_run = LAYERS - 1  # one layer ran flat attention while capturing
     out = run(graphs, step)
@@ -136,7 +137,7 @@ def test_a_failed_capture_runs_the_model_once_and_turns_the_feature_off(step, ca
     def broken(forward):
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    graphs = fullgraph.StepGraphs(capture=broken, capture_after=1)
+    graphs = fullgraph.StepGraphs(CUDAGraphMode.NONE, capture=broken, capture_after=1)
     with caplog.at_level(logging.WARNING, logger="vllm.cascade_plugin"):
         run(graphs, step)  # the warm-up run
         out = run(graphs, step)
@@ -166,7 +167,7 @@ def make_runner(tp=1, lora=None):
 @pytest.fixture
 def configured():
     from vllm_cascade_plugin.config import CascadeConfig
-    from vllm_cascade_plugin.cost import AttentionShape
+    from vllm_cascade_plugin.planning.cost import AttentionShape
 
     saved = dict(vars(session))
     session.configure(CascadeConfig(enabled=True), AttentionShape(8, 2, 128, 2), 16, None)
@@ -178,7 +179,7 @@ def test_whole_step_graphs_are_kept_per_runner_and_refused_where_unsupported(con
     from vllm.model_executor.offloader import base as offloader
     from vllm.model_executor.offloader.uva import UVAOffloader
 
-    from vllm_cascade_plugin import hooks_graphs
+    from vllm_cascade_plugin.integration import hooks_graphs
 
     plain = make_runner()
     graphs = hooks_graphs.full_graphs(plain)
@@ -203,7 +204,7 @@ def test_whole_step_graphs_are_kept_per_runner_and_refused_where_unsupported(con
 
 def test_graph_stats_count_every_live_runners_graphs():
     before = fullgraph.graph_stats()
-    graphs = fullgraph.StepGraphs()
+    graphs = fullgraph.StepGraphs(CUDAGraphMode.NONE)
     graphs.captures, graphs.replays = 2, 5
     after = fullgraph.graph_stats()
     assert after["full_graph_captures"] == before["full_graph_captures"] + 2
@@ -228,7 +229,7 @@ def wrappers(monkeypatch):
 
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from vllm_cascade_plugin import hooks_graphs, hooks_step
+    from vllm_cascade_plugin.integration import hooks_graphs, hooks_step
 
     def original(*args, **kwargs):
         original.calls.append((args, kwargs))

@@ -13,8 +13,8 @@ import logging
 import torch
 
 from test_fa3_executor_cpu import replaying_capture
-from vllm_cascade_plugin import graphs as graphs_module
-from vllm_cascade_plugin.graphs import LayerGraphs
+from vllm_cascade_plugin.graphs import capture as graphs_module
+from vllm_cascade_plugin.graphs.capture import LayerGraphs
 
 GIB = 1 << 30
 

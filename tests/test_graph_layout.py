@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from test_planner import batches, limits, make_batch
-from vllm_cascade_plugin.graph_layout import GRAPH_PAGE_BUCKET, graph_shape, layout
+from vllm_cascade_plugin.planning.graph_layout import GRAPH_PAGE_BUCKET, graph_shape, layout
 
 
 def decode_plan(batch, limits):

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from vllm_cascade_plugin import compat, hooks, hooks_dispatch, hooks_step
 from vllm_cascade_plugin.config import CascadeConfig
-from vllm_cascade_plugin.cost import AttentionShape
+from vllm_cascade_plugin.integration import compat, hooks, hooks_dispatch, hooks_step
+from vllm_cascade_plugin.planning.cost import AttentionShape
 from vllm_cascade_plugin.step import session
 
 # The full parameter list of every patched vLLM method, by (module tail, class, method), written

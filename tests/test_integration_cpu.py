@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import vllm_cpu
-from vllm_cascade_plugin import reference, stats
+from vllm_cascade_plugin import stats
+from vllm_cascade_plugin.execution import reference
 from vllm_cascade_plugin.step import session
 
 pytestmark = pytest.mark.flashinfer  # vLLM's FlashInfer backend, which imports FlashInfer
@@ -358,7 +359,7 @@ def test_a_cascade_step_builds_vllms_flat_metadata_only_for_a_layer_that_falls_b
     most once, on first use, when layers fall back to flat attention."""
     from vllm.v1.attention.backends.flashinfer import FlashInferImpl, FlashInferMetadata
 
-    from vllm_cascade_plugin.backend import CascadeFlashInferMetadata
+    from vllm_cascade_plugin.integration.flashinfer_backend import CascadeFlashInferMetadata
 
     _config, builder, layers = engine
     table, seq, q = batch()
@@ -405,7 +406,7 @@ def test_without_a_known_metadata_layout_a_cascade_step_builds_vllms_metadata_at
         engine, monkeypatch):
     """A vLLM release whose FlashInfer metadata has a required field we cannot fill: the flat
     build runs in build() as before, and the fallback uses that metadata itself."""
-    from vllm_cascade_plugin import compat
+    from vllm_cascade_plugin.integration import compat
 
     _config, builder, _ = engine
     table, seq, q = batch()
@@ -420,7 +421,7 @@ def test_without_a_known_metadata_layout_a_cascade_step_builds_vllms_metadata_at
 
 def test_failing_to_fill_in_the_metadata_builds_vllms_at_once_and_warns_once(
         engine, monkeypatch, caplog):
-    import vllm_cascade_plugin.backend as backend
+    import vllm_cascade_plugin.integration.flashinfer_backend as backend
 
     _config, builder, _ = engine
     table, seq, q = batch()
@@ -442,7 +443,7 @@ def test_failing_to_fill_in_the_metadata_builds_vllms_at_once_and_warns_once(
 
 
 def test_dataclass_values_fill_known_and_lazy_fields_or_give_up():
-    from vllm_cascade_plugin.compat import dataclass_values
+    from vllm_cascade_plugin.integration.compat import dataclass_values
 
     @dataclasses.dataclass
     class Meta:
@@ -475,7 +476,7 @@ def test_step_without_sharing_builds_plain_vllm_metadata(engine):
 
 def test_builder_logs_which_kernels_run_and_falls_back_from_fa3_without_a_gpu(
         tmp_path, monkeypatch, caplog):
-    from vllm_cascade_plugin.cost import COST_MODELS
+    from vllm_cascade_plugin.planning.cost import COST_MODELS
 
     monkeypatch.setenv("CASCADE_ATTENTION", "1")
     monkeypatch.setenv("CASCADE_KERNEL", "fa3")
@@ -491,7 +492,7 @@ def test_builder_logs_which_kernels_run_and_falls_back_from_fa3_without_a_gpu(
 
 
 def test_a_failing_kernel_choice_does_not_stop_the_engine(tmp_path, monkeypatch, caplog):
-    from vllm_cascade_plugin import kernels
+    from vllm_cascade_plugin.execution import kernels
 
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
@@ -511,7 +512,7 @@ def test_the_fused_decode_kernel_compiles_at_startup_on_a_gpu_only(tmp_path, mon
                                                                     caplog):
     """With the FA3 executor chosen, the builder compiles decode_level once at startup on a GPU
     (not on a CPU device), and a failure there is a warning, not a stopped engine."""
-    from vllm_cascade_plugin import decode_level, kernels
+    from vllm_cascade_plugin.execution import decode_level, kernels
 
     calls = []
     monkeypatch.setenv("CASCADE_ATTENTION", "1")
@@ -540,13 +541,14 @@ def test_the_fused_decode_kernel_compiles_at_startup_on_a_gpu_only(tmp_path, mon
 def test_fused_decode_knob_reaches_the_fa3_executor(tmp_path, monkeypatch, fused):
     """CASCADE_FUSED_DECODE decides whether the FA3 executor fuses decode steps and whether the
     builder compiles the fused kernel at startup."""
-    from vllm_cascade_plugin import backend, compat, kernels
+    from vllm_cascade_plugin.execution import kernels, vllm_kernels
+    from vllm_cascade_plugin.integration import flashinfer_backend as backend
 
     warmed = []
     monkeypatch.setenv("CASCADE_ATTENTION", "1")
     monkeypatch.setenv("CASCADE_FUSED_DECODE", fused)
     monkeypatch.setattr(kernels, "choose_kernel", lambda requested, layout: ("fa3", "fa3"))
-    monkeypatch.setattr(compat, "fa3_kernels", lambda: (None, None))  # never called here
+    monkeypatch.setattr(vllm_kernels, "fa3_kernels", lambda: (None, None))  # never called here
     monkeypatch.setattr(backend.CascadeFlashInferMetadataBuilder, "_warm_up_decode_level",
                         lambda self, dtype: warmed.append(dtype))
     config = vllm_cpu.cpu_vllm_config(str(tmp_path))
@@ -566,12 +568,14 @@ def test_cuda_graphs_knob_and_vllm_eager_mode_reach_the_fa3_executor(tmp_path, m
     without them (enforce_eager / cudagraph_mode NONE, read through compat)."""
     from vllm.config import CUDAGraphMode
 
-    from vllm_cascade_plugin import backend, compat, kernels
+    from vllm_cascade_plugin.execution import kernels, vllm_kernels
+    from vllm_cascade_plugin.integration import compat
+    from vllm_cascade_plugin.integration import flashinfer_backend as backend
 
     monkeypatch.setenv("CASCADE_ATTENTION", "1")
     monkeypatch.setenv("CASCADE_CUDA_GRAPHS", knob)
     monkeypatch.setattr(kernels, "choose_kernel", lambda requested, layout: ("fa3", "fa3"))
-    monkeypatch.setattr(compat, "fa3_kernels", lambda: (None, None))
+    monkeypatch.setattr(vllm_kernels, "fa3_kernels", lambda: (None, None))
     monkeypatch.setattr(backend.CascadeFlashInferMetadataBuilder, "_warm_up_decode_level",
                         lambda self, dtype: None)
     config = vllm_cpu.cpu_vllm_config(str(tmp_path))
@@ -588,7 +592,7 @@ def test_cuda_graphs_knob_and_vllm_eager_mode_reach_the_fa3_executor(tmp_path, m
     assert (executor.graphs is not None) is graphs
     # The cost model charges a decode step of a steady shape what it costs with or without the
     # graphs, and any other step the eager cost.
-    from vllm_cascade_plugin.cost import COST_MODELS, FA3_EAGER_STEP_FIXED_US
+    from vllm_cascade_plugin.planning.cost import COST_MODELS, FA3_EAGER_STEP_FIXED_US
 
     assert session.steady_cost_model is not None
     assert session.steady_cost_model.step_fixed_us == (

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vllm_cascade_plugin.planner import plan_cascade
+from vllm_cascade_plugin.planning.planner import plan_cascade
 
 ROOT = Path(__file__).parents[1]
 SCRIPT = ROOT / "benchmarks" / "kernel_bench.py"

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import oracle_model
-from vllm_cascade_plugin import agreement
+from vllm_cascade_plugin.face import agreement
 
 PREFIX, SUFFIX, REQUESTS, GENERATED = 256, 16, 8, 24
 PAGES = (0, 7, 14)  # first, middle and last-but-one page of the prefix (page 15's neighbour

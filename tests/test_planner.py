@@ -16,9 +16,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm_cascade_plugin import planner as planner_module
-from vllm_cascade_plugin import trie as trie_module
-from vllm_cascade_plugin.planner import CascadePlan, CascadePlanner, plan_cascade, plan_violations
+from vllm_cascade_plugin.planning import planner as planner_module
+from vllm_cascade_plugin.planning import trie as trie_module
+from vllm_cascade_plugin.planning.invariants import plan_violations
+from vllm_cascade_plugin.planning.planner import CascadePlan, CascadePlanner, plan_cascade
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -963,7 +964,7 @@ def run_python(*args: str) -> str:
 
 
 def test_planner_imports_numpy_only():
-    code = ("import sys, vllm_cascade_plugin.planner; "
+    code = ("import sys, vllm_cascade_plugin.planning.planner; "
             "print(any(m in sys.modules for m in ('torch', 'vllm', 'flashinfer')))")
     assert run_python("-c", code).strip() == "False"
 

@@ -81,7 +81,7 @@ def test_every_knob_is_in_the_configuration_table():
 
 def test_every_runtime_patch_of_vllm_is_listed():
     pytest.importorskip("vllm")
-    from vllm_cascade_plugin import hooks
+    from vllm_cascade_plugin.integration import hooks
 
     text = README.read_text()
     listed = re.findall(r"^\| (V[12]) `(\w+)\.(\w+)` \|", text, re.M)

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from test_planner import Batch, batches, limits, make_batch, row_pages
-from vllm_cascade_plugin.reference import merge_states, run_plan
+from vllm_cascade_plugin.execution.reference import merge_states, run_plan
 
 LOG2E = 1 / math.log(2)
 

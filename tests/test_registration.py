@@ -17,7 +17,7 @@ import pytest
 
 from fresh_python import vllm_process
 from vllm_cascade_plugin import BACKEND_PATH, FLASH_ATTN_BACKEND_PATH
-from vllm_cascade_plugin.compat import flashinfer_api_problems
+from vllm_cascade_plugin.integration.compat import flashinfer_api_problems
 
 VLLM_DEFAULT = "vllm.v1.attention.backends.flashinfer.FlashInferBackend"
 VLLM_FLASH_ATTN = "vllm.v1.attention.backends.flash_attn.FlashAttentionBackend"
@@ -27,8 +27,9 @@ import json, sys
 from vllm.plugins import load_general_plugins
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 heavy = ("flashinfer", "vllm.v1.attention.backends.flashinfer",
-         "vllm.v1.attention.backends.flash_attn", "vllm_cascade_plugin.backend",
-         "vllm_cascade_plugin.kernels", "vllm_cascade_plugin.flash_attn_backend")
+         "vllm.v1.attention.backends.flash_attn",
+         "vllm_cascade_plugin.integration.flashinfer_backend",
+         "vllm_cascade_plugin.integration.flash_attn_backend", "vllm_cascade_plugin.execution.")
 before = set(sys.modules)
 load_general_plugins()
 new = sorted(m for m in set(sys.modules) - before if m.startswith(heavy))
@@ -146,7 +147,7 @@ def test_bad_toggle_aborts_startup_with_an_actionable_message():
     ("vllm", "vLLM", "0.25.1"), ("vllm", "vLLM", "0.34.0")])
 def test_unsupported_version_warns_once_and_stays_off(distribution, name, version):
     prelude = f"""
-    import vllm_cascade_plugin.compat as compat
+    import vllm_cascade_plugin.integration.compat as compat
     real = compat.installed_version
     compat.installed_version = lambda d: {version!r} if d == {distribution!r} else real(d)
     """
@@ -177,7 +178,7 @@ def test_the_imported_flashinfer_is_the_installed_distribution():
     """The matrix's cells check the distribution they find; this, that it is what imports."""
     import flashinfer
 
-    from vllm_cascade_plugin.compat import _flashinfer_dir, installed_version
+    from vllm_cascade_plugin.integration.compat import _flashinfer_dir, installed_version
 
     assert flashinfer.__version__ == installed_version("flashinfer-python")
     assert Path(flashinfer.__file__).parent == _flashinfer_dir()

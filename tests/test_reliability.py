@@ -27,10 +27,12 @@ from test_integration_cpu import (  # noqa: F401  (engine is a fixture)
     engine,
     packed_cache,
 )
-from vllm_cascade_plugin import hooks, hooks_dispatch, hooks_graphs, hooks_step, stats, support
+from vllm_cascade_plugin import stats
 from vllm_cascade_plugin.config import CascadeConfig
-from vllm_cascade_plugin.cost import AttentionShape
-from vllm_cascade_plugin.planner import CascadePlanner, plan_cascade, plan_violations
+from vllm_cascade_plugin.integration import hooks, hooks_dispatch, hooks_graphs, hooks_step, support
+from vllm_cascade_plugin.planning.cost import AttentionShape
+from vllm_cascade_plugin.planning.invariants import plan_violations
+from vllm_cascade_plugin.planning.planner import CascadePlanner, plan_cascade
 from vllm_cascade_plugin.step import StepSession
 
 
@@ -212,7 +214,7 @@ def test_v2_dispatch_failure_keeps_vllms_own_graph_choice():
 def impl(config, **kwargs):
     from vllm.config import set_current_vllm_config
 
-    from vllm_cascade_plugin.backend import CascadeFlashInferImpl
+    from vllm_cascade_plugin.integration.flashinfer_backend import CascadeFlashInferImpl
 
     args = {"num_heads": 8, "head_size": 128, "scale": 0.1, "num_kv_heads": 2,
             "alibi_slopes": None, "sliding_window": None, "kv_cache_dtype": "auto", **kwargs}
@@ -243,7 +245,7 @@ def engine_with(config, path, value):
 ])
 @pytest.mark.flashinfer
 def test_unsupported_layer_is_detected(engine, change, reason):  # noqa: F811
-    from vllm_cascade_plugin.backend import unsupported_reason
+    from vllm_cascade_plugin.integration.flashinfer_backend import unsupported_reason
 
     config = engine[0]
     assert unsupported_reason(config, spec(), [impl(config)]) is None
@@ -260,7 +262,7 @@ def test_unsupported_layer_is_detected(engine, change, reason):  # noqa: F811
 ])
 @pytest.mark.flashinfer
 def test_unsupported_engine_configuration_is_detected(engine, path, value, reason):  # noqa: F811
-    from vllm_cascade_plugin.backend import unsupported_reason
+    from vllm_cascade_plugin.integration.flashinfer_backend import unsupported_reason
 
     config = engine[0]
     changed = engine_with(config, path, value)
@@ -269,7 +271,7 @@ def test_unsupported_engine_configuration_is_detected(engine, path, value, reaso
 
 @pytest.mark.flashinfer
 def test_fp8_kv_cache_spec_is_detected(engine):  # noqa: F811
-    from vllm_cascade_plugin.backend import unsupported_reason
+    from vllm_cascade_plugin.integration.flashinfer_backend import unsupported_reason
 
     config = engine[0]
     assert unsupported_reason(config, spec(torch.float8_e4m3fn), [impl(config)]).startswith(
@@ -296,7 +298,7 @@ def test_device_bytes_counts_the_executors_scratch_and_forgets_dead_executors():
 
     import torch
 
-    from vllm_cascade_plugin import kernels
+    from vllm_cascade_plugin.execution import kernels
 
     # Executors of earlier tests that only a reference cycle keeps (the graph tests' stand-in
     # replays hold the closure that refers back to their executor) go first, or they would leave
@@ -513,7 +515,7 @@ def break_row_length(monkeypatch, args):
 
 
 def break_ids_written(monkeypatch, args):
-    from vllm_cascade_plugin import compat
+    from vllm_cascade_plugin.integration import compat
 
     monkeypatch.setattr(compat, "v2_block_ids_written", fail)
 
@@ -650,14 +652,14 @@ def test_vllms_own_exception_leaves_a_hook_unchanged_and_is_not_retried(planning
 def test_vllms_own_exception_leaves_the_real_whole_step_graphs_unchanged(planning, monkeypatch):
     """Through fullgraph.StepGraphs, whose eligibility check fails on this stand-in context
     (counted as its own fallback): the model call's exception is still the one that comes out."""
-    from vllm_cascade_plugin import fullgraph
+    from vllm_cascade_plugin.graphs import fullgraph
 
     target, make, call = HOOKS["V1 _model_forward"]
     error = RuntimeError("vLLM's own failure")
     original = VllmMethod(vllm_method(*target), error=error)
     wrapped = make(original)
     args, kwargs = call(monkeypatch)
-    monkeypatch.setattr(hooks_graphs, "full_graphs", lambda r: fullgraph.StepGraphs())
+    monkeypatch.setattr(hooks_graphs, "full_graphs", lambda r: fullgraph.StepGraphs(None))
     with pytest.raises(RuntimeError) as raised:
         wrapped(*args, **kwargs)
     assert raised.value is error and len(original.calls) == 1

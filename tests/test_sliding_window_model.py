@@ -32,7 +32,7 @@ import torch
 
 import oracle_model
 from test_oracle_model import KERNELS, records, teacher_forced_delta
-from vllm_cascade_plugin import agreement
+from vllm_cascade_plugin.face import agreement
 
 HERE = Path(__file__).parent
 PREFIX, SUFFIX, REQUESTS, GENERATED = 2 * oracle_model.WINDOW, 16, 4, 16

@@ -413,13 +413,14 @@ def test_child_phases_get_the_plugin_only_in_the_run(monkeypatch):
 def test_memory_readings_count_both_kinds_of_cuda_graphs(monkeypatch):
     """The soak's "graphs" reading holds the per-layer graphs (kernels) and the whole-step
     graphs (fullgraph) as each module counts them; None before either is imported."""
-    from vllm_cascade_plugin import fullgraph, kernels
+    from vllm_cascade_plugin.execution import kernels
+    from vllm_cascade_plugin.graphs import fullgraph
 
-    graphs = fullgraph.StepGraphs()
+    graphs = fullgraph.StepGraphs(eager_mode=None)
     graphs.captures, graphs.replays = 3, 7
     reading = soak._graphs()
     assert reading == {**kernels.graph_stats(), **fullgraph.graph_stats()}
     assert reading["full_graph_replays"] >= 7 and "graph_replays" in reading
-    monkeypatch.delitem(sys.modules, "vllm_cascade_plugin.kernels")
-    monkeypatch.delitem(sys.modules, "vllm_cascade_plugin.fullgraph")
+    monkeypatch.delitem(sys.modules, "vllm_cascade_plugin.execution.kernels")
+    monkeypatch.delitem(sys.modules, "vllm_cascade_plugin.graphs.fullgraph")
     assert soak._graphs() is None

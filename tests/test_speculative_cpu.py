@@ -12,7 +12,9 @@ import vllm_cpu
 from test_fa3_executor_cpu import fake_flash_attn_varlen_func, fake_merge_attn_states
 from test_flash_attn_cpu import fa_builder, restored_session, run_layers  # noqa: F401
 from test_integration_cpu import batch, common_metadata
-from vllm_cascade_plugin import compat, stats, support
+from vllm_cascade_plugin import stats
+from vllm_cascade_plugin.execution import vllm_kernels
+from vllm_cascade_plugin.integration import support
 from vllm_cascade_plugin.step import session
 
 
@@ -39,7 +41,7 @@ def test_ngram_verification_steps_run_cascade_exactly(ngram_config, monkeypatch)
     assert ngram_config.speculative_config.method == "ngram"
     assert not ngram_config.scheduler_config.async_scheduling  # vLLM's default for ngram
     monkeypatch.setenv("CASCADE_POLICY", "always")
-    monkeypatch.setattr(compat, "fa3_kernels",
+    monkeypatch.setattr(vllm_kernels, "fa3_kernels",
                         lambda: (fake_flash_attn_varlen_func, fake_merge_attn_states))
     builder, layers = fa_builder(ngram_config)
     assert builder._settings.unsupported is None
@@ -80,9 +82,9 @@ def test_the_v1_runner_hook_plans_a_verification_step_from_its_scheduled_draft_t
     from vllm.config import CUDAGraphMode
 
     from test_hooks import v1_runner
-    from vllm_cascade_plugin import hooks_dispatch, hooks_step
     from vllm_cascade_plugin.config import CascadeConfig
-    from vllm_cascade_plugin.cost import AttentionShape
+    from vllm_cascade_plugin.integration import hooks_dispatch, hooks_step
+    from vllm_cascade_plugin.planning.cost import AttentionShape
 
     session.configure(CascadeConfig(enabled=True, policy="always"), AttentionShape(8, 2, 128, 2),
                       16, None)

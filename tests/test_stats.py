@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from vllm_cascade_plugin import stats
-from vllm_cascade_plugin.metrics import PrometheusCounters
+from vllm_cascade_plugin.stats.prometheus import PrometheusCounters
 
 PAGE_BYTES = 2 * 16 * 8 * 128 * 2 * 32  # K+V, 16 tokens, 8 kv heads, d=128, bf16, 32 layers
 

@@ -13,7 +13,7 @@ import pytest
 from test_integration_cpu import batch
 from vllm_cascade_plugin import stats
 from vllm_cascade_plugin.config import CascadeConfig
-from vllm_cascade_plugin.cost import AttentionShape, cost_model_for
+from vllm_cascade_plugin.planning.cost import AttentionShape, cost_model_for
 from vllm_cascade_plugin.step import BuilderSettings, StepSession
 
 CONFIG = CascadeConfig(enabled=True, policy="always")

@@ -94,7 +94,9 @@ def make_layers(config: Any, scales: list[Any], sliding_window: int | None = Non
     from vllm.model_executor.layers.attention import Attention
 
     if backend is None:
-        from vllm_cascade_plugin.backend import CascadeFlashInferBackend as backend
+        from vllm_cascade_plugin.integration.flashinfer_backend import (
+            CascadeFlashInferBackend as backend,
+        )
     # Pinned host buffers need CUDA. vLLM reads the flag at import, from the platform it knew
     # then (a test may import vLLM before it sets the CPU platform); 0.33's CpuGpuBuffer pins
     # on every copy.
@@ -129,7 +131,9 @@ def make_builder(config: Any, layer_names: list[str], sliding_window: int | None
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     if backend is None:
-        from vllm_cascade_plugin.backend import CascadeFlashInferBackend as backend
+        from vllm_cascade_plugin.integration.flashinfer_backend import (
+            CascadeFlashInferBackend as backend,
+        )
     spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=128, dtype=dtype,
                              sliding_window=sliding_window)
     with set_current_vllm_config(config):

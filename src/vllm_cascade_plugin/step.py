@@ -1,6 +1,6 @@
 """What one worker process knows between the runner's step hook and the metadata builders.
 
-The runner hook (see :mod:`vllm_cascade_plugin.hooks`) plans each real engine step *before* vLLM
+The runner hook (see :mod:`.integration.hooks`) plans each real engine step *before* vLLM
 picks the step's CUDA-graph mode, because a step that runs cascade must not replay a FULL graph of
 flat attention. It plans once per step, from the one block table of the step's KV-cache group.
 That group can hold several attention groups, each with a metadata builder of its own (vLLM
@@ -24,9 +24,11 @@ import numpy as np
 
 from . import stats
 from .config import CascadeConfig
-from .cost import AttentionShape, CostModel, Decision, decide
-from .graph_layout import graph_shape
-from .planner import CascadePlan, CascadePlanner, nothing_shared, plan_violations
+from .planning.cost import AttentionShape, CostModel, Decision, decide
+from .planning.graph_layout import graph_shape
+from .planning.invariants import plan_violations
+from .planning.plan import CascadePlan
+from .planning.planner import CascadePlanner, nothing_shared
 
 
 @dataclass(frozen=True, eq=False)
@@ -147,7 +149,7 @@ class StepSession:
         (tests, benchmarks). ``cost_model``: the calibration of the executor the builder will
         run (default: FlashInfer's). ``steady_cost_model``: the same executor on a decode step
         its CUDA graphs replay, charged to a decode step whose graph layout
-        (:func:`~vllm_cascade_plugin.graph_layout.graph_shape`, the key of the executor's
+        (:func:`~vllm_cascade_plugin.planning.graph_layout.graph_shape`, the key of the executor's
         graphs) an earlier planned step had: the executor captures a layout's graphs the first
         time it runs one (None: ``cost_model`` for every step). ``capture_sizes``: vLLM's
         CUDA-graph capture sizes, to which it pads a step's tokens.

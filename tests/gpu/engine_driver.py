@@ -43,7 +43,7 @@ import sys
 
 import numpy as np
 
-from vllm_cascade_plugin import agreement
+from vllm_cascade_plugin.face import agreement
 
 VOCAB = 32000
 NUM_BLOCKS = 1536  # a small KV cache: workload (f) must be preempted
@@ -149,7 +149,7 @@ def _one_page_shifted(level):
 def _corrupt_planner(one_page: bool) -> None:
     """Every plan's page ids shifted by one (``one_page``: only the middle page of each shared
     prefix, the error the CPU test of the oracle model measures)."""
-    from vllm_cascade_plugin import planner
+    from vllm_cascade_plugin.planning import planner
 
     real = planner.CascadePlanner.plan
 
@@ -175,7 +175,8 @@ def _forbid_syncs() -> None:
     """
     import torch
 
-    from vllm_cascade_plugin import kernels, step
+    from vllm_cascade_plugin import step
+    from vllm_cascade_plugin.execution import kernels
 
     def guard(fn):
         @functools.wraps(fn)
@@ -227,7 +228,8 @@ def _worker_counters(worker) -> dict:
 
     counters = stats.snapshot()
     try:  # which executor ran the cascade steps (CASCADE_KERNEL); none before a cascade step
-        from vllm_cascade_plugin import fullgraph, kernels
+        from vllm_cascade_plugin.execution import kernels
+        from vllm_cascade_plugin.graphs import fullgraph
 
         alive = list(kernels.EXECUTORS)
         # The FA3 executor's per-layer CUDA graphs and the whole-step graphs of decode steps.

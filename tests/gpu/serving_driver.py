@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import engine_driver
 from engine_driver import VOCAB, _counters
 
-from vllm_cascade_plugin import agreement
+from vllm_cascade_plugin.face import agreement
 
 PREFIX_TOKENS = 1024
 

@@ -18,7 +18,7 @@ import pytest
 import engine_oracle
 from gpu import engines
 from gpu.test_engine import FLASH_ATTN, ONLY_A, judged, plugin_on
-from vllm_cascade_plugin import agreement
+from vllm_cascade_plugin.face import agreement
 
 RESULTS: list[dict] = []
 

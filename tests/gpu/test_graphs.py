@@ -15,11 +15,11 @@ import sys
 
 import torch
 
-from vllm_cascade_plugin.graphs import LayerGraphs
+from vllm_cascade_plugin.graphs.capture import LayerGraphs
 
 BARE_HANDLE = """
 import torch
-from vllm_cascade_plugin.graphs import capture_cuda
+from vllm_cascade_plugin.graphs.capture import capture_cuda
 
 x = torch.ones(4096, device="cuda")
 stream = torch.cuda.Stream()

@@ -27,15 +27,15 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_cascade_plugin.kernels import (
+from vllm_cascade_plugin.execution.kernels import (
     KERNELS,
     FlashAttnCascadeExecutor,
     fa3_unsupported_reason,
     make_executor,
     unsupported_reason,
 )
-from vllm_cascade_plugin.planner import CascadePlan, plan_cascade
-from vllm_cascade_plugin.reference import run_plan
+from vllm_cascade_plugin.execution.reference import run_plan
+from vllm_cascade_plugin.planning.planner import CascadePlan, plan_cascade
 
 PAGE = 16
 DTYPE = torch.bfloat16

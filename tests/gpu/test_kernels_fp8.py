@@ -33,9 +33,9 @@ from gpu.test_kernels import (
     sampling_siblings,
     two_level_tree,
 )
-from vllm_cascade_plugin import compat
-from vllm_cascade_plugin.executor_common import KvScales
-from vllm_cascade_plugin.kernels import fa3_unsupported_reason, make_executor
+from vllm_cascade_plugin.execution import vllm_kernels as compat
+from vllm_cascade_plugin.execution.common import KvScales
+from vllm_cascade_plugin.execution.kernels import fa3_unsupported_reason, make_executor
 
 FP8 = torch.float8_e4m3fn
 DEVICE = torch.device("cuda")
@@ -142,7 +142,7 @@ def test_fp8_cascade_matches_flat_fp8_fa3_and_the_fp32_reference(scenario, kerne
 
 
 def test_fp8_decode_kernel_matches_the_fp32_reference():
-    from vllm_cascade_plugin import decode_level
+    from vllm_cascade_plugin.execution import decode_level
 
     shape, s = Shape(32, 8, 128), scales()
     batch = one_shared_prefix(np.random.default_rng(2))

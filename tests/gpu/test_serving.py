@@ -22,7 +22,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from vllm_cascade_plugin import agreement, fullgraph
+from vllm_cascade_plugin.face import agreement
+from vllm_cascade_plugin.graphs import fullgraph
 
 HERE = Path(__file__).parent
 CHANGING_BATCH_REQUESTS = 1000

@@ -1,0 +1,160 @@
+"""What both GPU executors share: the attention shapes they run, plan checks, host-to-device
+uploads that never wait, reusable scratch buffers, and the registry of live executors (for the
+memory and graph counters). Imported only in vLLM workers (torch at the top)."""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..planning.plan import CascadePlan
+
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+# The FP8 cache format the executors read with per-layer scales (vLLM's fp8 / fp8_e4m3).
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3 value: vLLM's FP8 quantisation saturates to it
+
+
+@dataclass(frozen=True)
+class KvScales:
+    """One layer's FP8 scales, as vLLM keeps them on its Attention layer: the stored value
+    times its scale is the real one (``k = k_cache * k``). Tensors: float32, one element, on
+    the device (``layer._q_scale`` ...; FlashAttention's descales, read when a kernel runs);
+    floats: the same values on the host (``layer._q_scale_float`` ..., FlashInfer's)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    q_float: float
+    k_float: float
+    v_float: float
+
+    @classmethod
+    def of_layer(cls, layer: Any) -> KvScales:
+        return cls(layer._q_scale, layer._k_scale, layer._v_scale,
+                   float(layer._q_scale_float), float(layer._k_scale_float),
+                   float(layer._v_scale_float))
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.q, self.k, self.v
+
+
+def quantise_fp8(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``x / scale`` saturated to e4m3's range and rounded into ``out`` (FP8), as vLLM's static
+    per-tensor ``QuantFP8`` quantises a query for FlashAttention."""
+    out.copy_((x.float() / scale).clamp_(-FP8_MAX, FP8_MAX))
+    return out
+# merge_state_in_place launches blockDim = (head_dim / vec, num_qo_heads); CUDA allows 1024.
+MAX_MERGE_THREADS = 1024
+
+
+def unsupported_reason(
+    num_qo_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    q_dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    *,
+    window_left: int = -1,
+) -> str | None:
+    """Why the executor cannot run this attention configuration, or None when it can.
+
+    The caller falls back to flat attention on a reason instead of crashing in a kernel launch
+    or, worse, computing wrong values silently.
+    """
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        # FA2 prefill misbehaves for other sizes (FlashInfer #4299); FA3 compiles only these.
+        return f"head_dim {head_dim} not in {SUPPORTED_HEAD_DIMS}"
+    if num_kv_heads <= 0 or num_qo_heads % num_kv_heads:
+        return f"num_qo_heads {num_qo_heads} is not a multiple of num_kv_heads {num_kv_heads}"
+    if q_dtype not in SUPPORTED_DTYPES:
+        return f"query dtype {q_dtype} not in {SUPPORTED_DTYPES} (merge kernel)"
+    if kv_dtype != q_dtype and kv_dtype != FP8_KV_DTYPE:
+        # run() applies scales to an e4m3 cache only; any other would be read unscaled.
+        return f"KV cache dtype {kv_dtype} differs from query dtype {q_dtype}"
+    vec = max(16 // q_dtype.itemsize, head_dim // 32)
+    threads = num_qo_heads * head_dim // vec
+    if threads > MAX_MERGE_THREADS:
+        return f"merge kernel needs {threads} threads per block (> {MAX_MERGE_THREADS})"
+    if window_left >= 0:
+        # The sliding-window mask is evaluated per level segment, so cascade would be wrong.
+        return "sliding-window attention"
+    return None
+
+
+def check_plan(plan: CascadePlan, page_size: int, max_levels: int) -> None:
+    if plan.page_size != page_size:
+        raise ValueError(f"plan page size {plan.page_size} != cache page size {page_size}")
+    if not 1 <= plan.num_levels <= max_levels:
+        raise ValueError(f"plan has {plan.num_levels} levels; 1..{max_levels} supported")
+    last = plan.levels[-1]
+    if not (last.causal and last.q_is_identity):
+        raise ValueError("the last level must be causal and cover the queries in step order")
+    if any(level.causal for level in plan.levels[:-1]):
+        raise ValueError("shared levels must not be causal")
+
+
+def pinned(array: np.ndarray, dtype: type[np.integer]) -> torch.Tensor:
+    # Host tensors keep FlashInfer's plan free of device->host copies; pinned ones make the
+    # non_blocking uploads (FlashInfer's and ours) truly asynchronous, and torch's pinned-memory
+    # allocator does not reuse a block before its copy has run. np.require copies only when
+    # needed: from_numpy warns on read-only arrays, and the planner may freeze its output.
+    return torch.from_numpy(np.require(array, dtype, ("C", "W"))).pin_memory()
+
+
+def upload(array: np.ndarray, dtype: type[np.integer], device: torch.device) -> torch.Tensor:
+    """``array`` on ``device`` without waiting: pinned and non-blocking for a GPU."""
+    if device.type == "cpu":  # the CPU tests of the FA3 executor
+        return torch.from_numpy(np.array(array, dtype))
+    return pinned(array, dtype).to(device, non_blocking=True)
+
+
+def device_index(q_index: np.ndarray, device: torch.device) -> torch.Tensor:
+    # int64: index_copy_ accepts no other index dtype.
+    return pinned(q_index, np.int64).to(device, non_blocking=True)
+
+
+
+
+def same_device(have: torch.device, want: torch.device) -> bool:
+    """``cuda:0`` is ``cuda`` when device 0 is the current one (``!=`` says they differ)."""
+    if have.type != want.type:
+        return False
+    if want.index is None and want.type == "cuda":
+        return have.index == torch.cuda.current_device()
+    return want.index is None or have.index == want.index
+
+
+class Scratch:
+    """Device buffers reused by every layer and step; grown (never shrunk) on demand."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+             device: torch.device) -> torch.Tensor:
+        """A contiguous view of ``shape`` at the start of buffer ``name``.
+
+        Views of one name share memory: give one name only to users that run one after another.
+        """
+        numel = math.prod(shape)
+        buf = self._buffers.get(name)
+        if (buf is None or buf.numel() < numel or buf.dtype != dtype
+                or not same_device(buf.device, device)):
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            self._buffers[name] = buf
+        return buf[:numel].view(shape)
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
+EXECUTORS: weakref.WeakSet[Any] = weakref.WeakSet()  # every live executor
+KERNELS = ("flashinfer", "fa3")
+LOG2_E = 1.4426950408889634  # FlashInfer's LSE is base 2, FlashAttention's natural

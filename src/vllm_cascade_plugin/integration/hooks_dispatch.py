@@ -1,0 +1,249 @@
+"""The runner hooks that plan a step and keep a cascade step off FULL CUDA graphs.
+
+vLLM's metadata builder learns of a step only after the step's CUDA-graph mode is fixed, so each
+runner's wrapper plans the step on the CPU first (:func:`plan_rows`), then, on cascade steps
+only, asks vLLM's dispatcher for a mode that is not a FULL graph (which would replay vLLM's flat
+attention and skip the plugin's Python). V1: planned in ``_determine_batch_execution_and_padding``
+from the runner's CPU block table, FULL added to ``CudagraphDispatcher.dispatch``'s
+``invalid_modes``. V2: its block ids live on the GPU only, so ``append_block_ids`` keeps a CPU
+mirror; planned in ``CudaGraphManager.dispatch``, asked without the arguments that select FULL
+decode graphs. The never-raise rules are :mod:`.hooks_step`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .. import stats
+from ..step import session
+from . import compat, hooks_step
+from .hooks_step import PendingStep, failed, run_flat
+
+
+def plan_rows(first_pages: np.ndarray, block_table: Callable[[], np.ndarray],
+              num_blocks: np.ndarray, seq_lens: np.ndarray, query_lens: np.ndarray) -> bool:
+    """Plan a step from CPU rows; True when it will run cascade.
+
+    ``block_table`` is read only when the rows' first block ids leave sharing possible.
+    """
+    needed = -(-seq_lens // max(session.page_size, 1))
+    if np.any(num_blocks < needed):
+        stats.record_fallback("block table shorter than the sequence")
+        session.end_step()
+        return False
+    if session.skip_unshared(first_pages, seq_lens, query_lens):
+        return False
+    step = session.plan_step(block_table(), seq_lens, query_lens)
+    return step is not None and step.decision.use_cascade
+
+
+def plan_once(step: PendingStep, plan: Callable[[PendingStep], bool]) -> bool:
+    """The step's verdict, planned on first use (dispatch runs again under data parallelism)."""
+    if step.cascade is None:
+        try:
+            step.cascade = plan(step)
+        except Exception as exc:
+            run_flat(step)
+            stats.record_fallback("runner hook error", f"{type(exc).__name__}: {exc}")
+    return bool(step.cascade)
+
+
+def guarded_call(where: str, step: PendingStep | None,
+                 make: Callable[[], inspect.BoundArguments | None],
+                 ) -> inspect.BoundArguments | None:
+    """``make()``: a dispatch wrapper's changed call for a cascade step, or None for vLLM's call
+    as it came; also None, with the step flat and the failure counted, when ``make`` fails (vLLM
+    may then pick a FULL graph)."""
+    try:
+        return make()
+    except Exception as exc:
+        run_flat(step)
+        failed(where, exc)
+        return None
+
+
+def record_padding(num_tokens: Callable[[], int]) -> None:
+    """Tell the session the token count vLLM padded a cascade step to (the rows of its
+    tensors, what a graphed step runs); on any surprise, 0 (no padding used). Never raises."""
+    try:
+        session.padded_tokens = int(num_tokens())
+    except Exception as exc:
+        session.padded_tokens = 0
+        try:
+            stats.log_once("padding unknown", "vllm-cascade-plugin: vLLM's padded token count "
+                           "is not readable here (%s: %s); graphed cascade steps run unpadded.",
+                           type(exc).__name__, exc)
+        except Exception:
+            pass
+
+
+# ----------------------------------------------------------------------------------- V1 runner
+
+def v1_plan(step: PendingStep) -> bool:
+    runner, so = step.runner, step.scheduler_output
+    if len(runner.kv_cache_config.kv_cache_groups) != 1:
+        stats.record_fallback("more than one KV cache group")
+        return False
+    batch = runner.input_batch
+    n = batch.num_reqs
+    if n == 0:  # a step without requests runs a dummy batch (external launcher under DP)
+        return False
+    query_lens = np.fromiter(map(so.num_scheduled_tokens.__getitem__, batch.req_ids),
+                             dtype=np.int32, count=n)
+    seq_lens = np.asarray(batch.num_computed_tokens_cpu[:n], dtype=np.int32) + query_lens
+    rows = batch.block_table[0].block_table.np[:n]
+    return plan_rows(rows[:, 0], lambda: rows, batch.block_table[0].num_blocks_per_row[:n],
+                     seq_lens, query_lens)
+
+
+def v1_determine_batch_execution(original: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        step = hooks_step.pending
+        try:
+            if step is not None and step.runner is self:
+                plan_once(step, v1_plan)
+        except Exception as exc:
+            run_flat(step)
+            failed("_determine_batch_execution_and_padding", exc)
+        return original(self, *args, **kwargs)
+    return wrapper
+
+
+def v1_dispatch(original: Callable[..., Any]) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+
+    def cascade_call(step: PendingStep | None, self: Any, args: tuple[Any, ...],
+                     kwargs: dict[str, Any]) -> inspect.BoundArguments | None:
+        """The call that keeps a cascade step off FULL graphs; None: vLLM's call as it came."""
+        if step is None or not step.cascade or step.runner.cudagraph_dispatcher is not self:
+            return None
+        call = signature.bind(self, *args, **kwargs)
+        # A re-dispatch to the mode data-parallel ranks agreed on (valid_modes) stays as it is.
+        if call.arguments.get("valid_modes") is None:
+            from vllm.config import CUDAGraphMode
+
+            call.arguments["invalid_modes"] = {
+                CUDAGraphMode.FULL, *(call.arguments.get("invalid_modes") or ())}
+        return call
+
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        step = hooks_step.pending
+        call = guarded_call("CudagraphDispatcher.dispatch", step,
+                            lambda: cascade_call(step, self, args, kwargs))
+        if call is None:
+            return original(self, *args, **kwargs)
+        result = original(*call.args, **call.kwargs)
+        record_padding(lambda: result[1].num_tokens)
+        return result
+    return wrapper
+
+
+# ----------------------------------------------------------------------------------- V2 runner
+
+MIRROR = "_cascade_block_ids"  # BlockTables attribute: the CPU mirror, or False once unusable
+
+
+def _mirror_failed(tables: Any, exc: BaseException) -> None:
+    """Never plan from a mirror that missed a write: no V2 step plans from now on. Never
+    raises."""
+    try:
+        tables.__dict__[MIRROR] = False
+        stats.record_fallback("block id mirror error", f"{type(exc).__name__}: {exc}")
+    except Exception:
+        pass
+
+
+def v2_append_block_ids(original: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapper(self: Any, req_index: int, new_block_ids: Any, overwrite: bool) -> Any:
+        start: int | None
+        try:  # where the ids go: the row's length before vLLM's write
+            start = 0 if overwrite else int(self.num_blocks.np[0, req_index])
+        except Exception as exc:
+            start = None
+            _mirror_failed(self, exc)
+        result = original(self, req_index, new_block_ids, overwrite)
+        if start is None:
+            return result
+        try:
+            mirror = self.__dict__.get(MIRROR)
+            if mirror is False:  # a write was missed before: the mirror stays unusable
+                return result
+            if mirror is None:
+                mirror = np.zeros(tuple(self.block_tables[0].gpu.shape), dtype=np.int32)
+                self.__dict__[MIRROR] = mirror
+            ids = compat.v2_block_ids_written(self, 0, new_block_ids[0])
+            mirror[req_index, start:start + len(ids)] = ids
+        except Exception as exc:
+            _mirror_failed(self, exc)
+        return result
+    return wrapper
+
+
+def v2_plan(step: PendingStep) -> bool:
+    runner, so = step.runner, step.scheduler_output
+    tables = runner.block_tables
+    if tables.num_kv_cache_groups != 1:
+        stats.record_fallback("more than one KV cache group")
+        return False
+    mirror = tables.__dict__.get(MIRROR)
+    if mirror is None or mirror is False:
+        stats.record_fallback("no CPU block ids")
+        return False
+    req_ids = compat.v2_batch_order(runner, so)
+    n = len(req_ids)
+    index = np.fromiter(map(runner.req_states.req_id_to_index.__getitem__, req_ids),
+                        dtype=np.int64, count=n)
+    query_lens = np.fromiter(map(so.num_scheduled_tokens.__getitem__, req_ids),
+                             dtype=np.int32, count=n)
+    seq_lens = runner.req_states.num_computed_tokens_np[index] + query_lens
+    width = int(-(-int(seq_lens.max()) // max(session.page_size, 1)))
+    # The row copy (~70 us for 256 rows x 2K pages) only when sharing is possible.
+    return plan_rows(mirror[index, 0], lambda: mirror[index, :width],
+                     tables.num_blocks.np[0, index], seq_lens, query_lens)
+
+
+def v2_dispatch(original: Callable[..., Any]) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+    full_graph_arguments = [a for a in compat.V2_FULL_GRAPH_ARGUMENTS
+                            if a in signature.parameters]
+
+    def cascade_call(step: PendingStep | None, self: Any, args: tuple[Any, ...],
+                     kwargs: dict[str, Any]) -> inspect.BoundArguments | None:
+        """The call that matches no FULL decode graph, on a cascade step (planned here); None:
+        vLLM's call as it came."""
+        if (step is None or step.runner.cudagraph_manager is not self
+                or not plan_once(step, v2_plan)):
+            return None
+        call = signature.bind(self, *args, **kwargs)
+        # Neither a uniform token count nor a query-length bound: no FULL decode graph matches,
+        # PIECEWISE ones still do.
+        for name in full_graph_arguments:
+            call.arguments[name] = None
+        return call
+
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        step = hooks_step.pending
+        call = guarded_call("CudaGraphManager.dispatch", step,
+                            lambda: cascade_call(step, self, args, kwargs))
+        if call is None:
+            return original(self, *args, **kwargs)
+        desc = original(*call.args, **call.kwargs)
+        try:
+            from vllm.config import CUDAGraphMode
+
+            if desc.cg_mode == CUDAGraphMode.FULL:  # a FULL graph for any batch: eager instead
+                desc = dataclasses.replace(desc, cg_mode=CUDAGraphMode.NONE,
+                                           num_tokens=call.arguments["num_tokens"],
+                                           num_reqs=call.arguments["num_reqs"])
+        except Exception as exc:  # vLLM's choice stands, perhaps a FULL graph: run flat
+            run_flat(step)
+            failed("CudaGraphManager.dispatch", exc)
+            return desc
+        record_padding(lambda: desc.num_tokens)
+        return desc
+    return wrapper

@@ -1,0 +1,74 @@
+"""What the entry point does in each vLLM process: registers the plugin's backend classes with
+vLLM's attention-backend registry, by path, when ``CASCADE_ATTENTION`` is on and the environment
+is supported; and ``vllm-cascade check``'s run of the same, which also resolves both classes.
+
+Imports only vLLM's backend *registry*: the backend classes are resolved by path, lazily, in the
+workers.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .support import BACKENDS
+
+# Under the "vllm" logger so our lines share vLLM's format, level and handlers.
+logger = logging.getLogger("vllm.cascade_plugin")
+
+_announced = False
+
+
+def register_backends() -> None:
+    """Override vLLM's FLASH_ATTN and FLASHINFER backends with ours when ``CASCADE_ATTENTION``
+    is on (what :func:`vllm_cascade_plugin.register` does).
+
+    Raises :class:`~vllm_cascade_plugin.config.ConfigError` (a ``ValueError``) for a bad knob,
+    which aborts vLLM's startup with our message. An unsupported vLLM/FlashInfer leaves the
+    plugin off with one warning.
+    """
+    global _announced
+    from ..config import load_config
+
+    if not load_config().enabled:
+        return
+    from .compat import check_environment
+
+    report = check_environment()
+    if not report.supported:
+        if not _announced:
+            logger.warning(
+                "vllm-cascade-plugin stays off (CASCADE_ATTENTION is set): %s. "
+                "vLLM runs without cascade attention.", "; ".join(report.problems))
+            _announced = True
+        return
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    for name, path in BACKENDS.items():
+        register_backend(AttentionBackendEnum[name], path)
+    if not _announced:
+        logger.info(
+            "vllm-cascade-plugin: cascade attention on for the FLASH_ATTN and FLASHINFER "
+            "backends (vLLM %s, FlashInfer %s): it runs in whichever of them vLLM uses "
+            "(FLASH_ATTN, vLLM's default on Hopper, needs FlashAttention 3; FLASHINFER with "
+            "--attention-backend FLASHINFER); each worker logs which one carries it.",
+            report.vllm, report.flashinfer)
+        _announced = True
+
+
+def registration_problems() -> list[str]:
+    """Run the entry point as vLLM would; check that both backends resolve to our classes."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    register_backends()
+    problems = []
+    for name, expected in BACKENDS.items():
+        backend = AttentionBackendEnum[name]
+        path = backend.get_path()
+        if path != expected:
+            problems.append(f"{name} resolves to {path}, not {expected}")
+            continue
+        try:
+            backend.get_class()
+        except Exception as exc:  # report any import failure of the backend module
+            problems.append(f"{expected} does not import: {type(exc).__name__}: {exc}")
+    return problems

@@ -1,0 +1,219 @@
+"""When does a cascade plan beat flat attention? An analytic model, numpy/stdlib only.
+
+Flat FlashInfer decode streams every row's KV pages; a cascade reads a group's shared pages
+once but pays a fixed cost per level, a small cost per request, runs each shared group as one
+dense prefill whose KV streaming is limited by how few thread blocks one group keeps busy, and
+pays once per step for planning its levels on the host and running attention outside FULL CUDA
+graphs. Estimates are per attention layer call (µs); the per-step cost is spread over the
+model's layers.
+
+``CostModel()``'s defaults are FlashInfer's executor; ``COST_MODELS`` holds one calibration per
+executor (``CASCADE_KERNEL``). Both are fitted by ``benchmarks/calibrate_cost.py`` on an H200
+(bf16, 32 q / 8 kv heads, head_dim 128, page 16, vLLM 0.26.0, FlashInfer 0.6.14): the per-layer
+terms on the 22 rows of ``benchmarks/results/h200/kernel_grid.json`` (decode, B requests behind P
+shared tokens, 128 own each), the per-step term on end-to-end runs with cascade on every step
+(``e2e_step_cost_fa3.json``, ``e2e_step_cost_flashinfer.json``, ``demo_flashinfer_executor.txt``;
+``benchmarks/README.md`` says what each run is). Some rows, per layer without the per-step term
+(µs; measured / model, from ``cost_calibration.json``):
+
+======  =====  ======  ===========  ===================  ==============
+B       P      groups  flat         FlashInfer executor  FA3 executor
+======  =====  ======  ===========  ===================  ==============
+8       512    1       19 / 20      34 / 34              23 / 25
+128     2048   1       151 / 143    202 / 212            54 / 54
+256     8192   1       942 / 977    435 / 460            120 / 117
+256     32768  1       3602 / 3810  761 / 780            279 / 248
+256     8192   16      954 / 977    784 / 466            184 / 186
+======  =====  ======  ===========  ===================  ==============
+
+The 16-group row shows what FlashInfer's model misses: many small groups cost more than their
+bytes say. The per-step term (FA3: 1.26 ms, FlashInfer: 3.08 ms over 32 layers) is what a
+cascade step costs beyond its kernels: attention runs outside vLLM's FULL CUDA graphs, so a
+cascade step's host work sets its pace. The FA3 executor's decode steps replay the plugin's own
+CUDA graph of the whole step (``CASCADE_FULL_GRAPHS``, ``e2e_step_cost_fa3.json``): 1.26 ms.
+Those runs still built vLLM's flat FlashInfer metadata on every cascade step, which on Model
+Runner V2 waits for the previous step's GPU work; it is now built only when a layer falls back,
+so 1.26 ms overstates today's cost, which can only keep a borderline step flat. With a graph
+per layer inside vLLM's piecewise path instead (``CASCADE_FULL_GRAPHS=0``, or where whole-step
+graphs are not used: tensor parallelism, LoRA, weight offloading) 1.5 ms
+(``FA3_LAYER_GRAPHS_STEP_FIXED_US``, ``e2e_step_cost_fa3_layer_graphs.json``); launched from
+Python (108 to 128 µs of host time per layer against 25 to 33 µs for flat decode,
+``kernel_grid.json`` ``host_us``) 7.57 ms (``FA3_EAGER_STEP_FIXED_US``,
+``e2e_step_cost_fa3_eager.json``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from .plan import CascadeLevel, CascadePlan
+
+__all__ = ["COST_MODELS", "AttentionShape", "CostModel", "Decision", "cost_model_for", "decide"]
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """The attention layer's shape; ``dtype_bytes`` is the KV cache element size."""
+
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+    num_layers: int = 1  # attention layers one step's plan serves; per-step costs spread over them
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Knobs of the model; times in microseconds, rates per second.
+
+    flat_fixed_us : launch and split-KV merge of one flat FlashInfer decode call.
+    flat_bandwidth : bytes/s a flat call streams KV at; above HBM's 4.8 TB/s because rows
+        sharing pages hit in L2.
+    flat_prefill_tile, flat_prefill_flops : flat attention of a row with several query tokens
+        (a prefill chunk, the last page vLLM recomputes when a whole prompt hits the prefix
+        cache) runs FlashInfer's prefill kernel, whose thread blocks each take ``tile`` query
+        tokens of one request and one head: a 16-token row pays for 128. Its compute is
+        ``ceil(q / tile) * tile`` query tokens at ``flat_prefill_flops``. Fitted on the H200:
+        128 rows of 16 query tokens behind a cached 16K prefix took 7.7 ms per layer
+        (``profile_step/profile-flashinfer.json``, ``PrefillWithKVCacheKernel``), 573 TFLOP/s
+        of padded work; the unpadded model said 0.97 ms and kept such steps flat.
+    level_fixed_us : launch and state merge per cascade level.
+    request_us : per request per cascade call (the per-request level runs one-token rows
+        through a prefill kernel); fitted: the cascade's intercept grows ~1.3 µs per request.
+    flops : FLOP/s of a shared level's dense attention (``4 * head_dim`` FLOPs per query head
+        and key token); fitted 400 TFLOP/s (200 overestimates B=256, P=32K by 40%).
+    group_bandwidth : bytes/s one shared group streams its pages at: one group keeps only a few
+        thread blocks busy, so this is far below HBM; fitted from the cascade's slope in P.
+    shared_bandwidth : bytes/s all groups of one level together can reach (HBM).
+    step_fixed_us : what a cascade step costs beyond its kernels, once per step (spread over
+        ``AttentionShape.num_layers``): planning every level on the host and running attention
+        outside FULL CUDA graphs. Measured end to end: the gap between the step times of flat
+        FlashInfer and cascade-on-every-step runs and the model's kernel saving over 32 layers
+        (FlashInfer's executor: 3.3 ms at 64 requests, 2.9 ms at 128; FA3's with whole-step
+        graphs: 1.5 ms behind one 16K prefix, 1.1 ms behind 8 interleaved 8K prefixes, 128
+        requests each; Llama-3-8B shape, H200; ``cost_calibration.json``, ``end_to_end``).
+    margin : the cascade must be faster by this fraction to be chosen (model error, noise).
+    """
+
+    flat_fixed_us: float = 17.3
+    flat_bandwidth: float = 9.09e12
+    flat_prefill_tile: int = 128
+    flat_prefill_flops: float = 573e12
+    level_fixed_us: float = 8.35
+    request_us: float = 1.26
+    flops: float = 790e12
+    group_bandwidth: float = 0.315e12
+    shared_bandwidth: float = 4.8e12
+    step_fixed_us: float = 3080.0
+    margin: float = 0.1
+
+
+# Per executor (``kernels.KERNELS``, ``CASCADE_KERNEL``): its calibration by
+# ``benchmarks/calibrate_cost.py`` (see ``cost_calibration.json``). FlashInfer's executor is the
+# defaults above.
+COST_MODELS: dict[str, CostModel] = {
+    "flashinfer": CostModel(),
+    "fa3": CostModel(flat_fixed_us=17.3, flat_bandwidth=9.09e12, level_fixed_us=11.4,
+                     request_us=0.141, flops=790e12, group_bandwidth=3.37e12,
+                     shared_bandwidth=4.8e12, step_fixed_us=1260.0),
+}
+# The FA3 executor's per-step cost when its decode steps replay a CUDA graph per layer inside
+# vLLM's piecewise path, not a whole-step graph (``CASCADE_FULL_GRAPHS`` off, or an engine that
+# cannot use it, see ``hooks_graphs.full_graphs_reason``): what ``benchmarks/calibrate_cost.py``
+# fits from ``e2e_step_cost_fa3_layer_graphs.json`` (``tests/test_cost.py`` checks it).
+FA3_LAYER_GRAPHS_STEP_FIXED_US = 1500.0
+# The FA3 executor's per-step cost when its decode steps launch their kernels from Python
+# (``CASCADE_CUDA_GRAPHS=0``, ``CASCADE_FUSED_DECODE=0`` or vLLM without CUDA graphs): the same
+# calibration on runs without the plugin's CUDA graphs (``e2e_step_cost_fa3_eager.json``, checked
+# the same way).
+FA3_EAGER_STEP_FIXED_US = 7570.0
+
+
+def cost_model_for(kernel: str, decode_graphs: bool = True,
+                   full_graphs: bool = True) -> CostModel:
+    """The calibration of ``kernel``'s executor (``COST_MODELS``, whole-step graphs for FA3);
+    for FA3 with per-layer graphs only, :data:`FA3_LAYER_GRAPHS_STEP_FIXED_US` as its per-step
+    cost; without decode-step CUDA graphs, :data:`FA3_EAGER_STEP_FIXED_US`."""
+    model = COST_MODELS[kernel]
+    if kernel == "fa3" and not decode_graphs:
+        model = replace(model, step_fixed_us=FA3_EAGER_STEP_FIXED_US)
+    elif kernel == "fa3" and not full_graphs:
+        model = replace(model, step_fixed_us=FA3_LAYER_GRAPHS_STEP_FIXED_US)
+    return model
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What :func:`decide` chose, its two estimates (µs) and why, for logs."""
+
+    use_cascade: bool
+    flat_us: float
+    cascade_us: float
+    reason: str
+
+
+def _prefill_padding_pairs(plan: CascadePlan, tile: int) -> float:
+    """Query-key pairs a flat prefill kernel computes beyond the plan's own: each row with
+    ``q > 1`` query tokens is padded to whole ``tile``-token query tiles against all its keys
+    (full pages). 0.0 for decode steps (one query per row), without touching the levels."""
+    if plan.stats.num_tokens == plan.stats.num_requests:
+        return 0.0  # every row has one query token (the cost model runs every decode step)
+    own = plan.levels[-1]
+    queries = np.diff(own.qo_indptr)
+    # The per-request level has one row per group: its queries and rows.
+    rows = own.rows[own.row_indptr[:-1]]
+    keys = np.zeros(plan.stats.num_requests, dtype=np.float64)
+    for level in plan.levels:
+        group_keys = np.diff(level.kv_page_indptr).astype(np.float64) * plan.page_size
+        np.add.at(keys, level.rows, np.repeat(group_keys, np.diff(level.row_indptr)))
+    padded = np.where(queries > 1, -(-queries // tile) * tile, queries)
+    return float((padded - queries).astype(np.float64) @ keys[rows])
+
+
+def decide(plan: CascadePlan, shape: AttentionShape, model: CostModel = CostModel()) -> Decision:
+    """Estimate flat and cascade attention for ``plan`` and pick the cheaper one.
+
+    A plan without a shared level is never run as a cascade: it would be flat attention plus
+    the cascade's overheads. Estimates are per layer call, in microseconds.
+    """
+    own = plan.levels[-1] if plan.levels else None
+    if own is None:
+        return Decision(False, 0.0, 0.0, "empty step")
+    token_bytes = 2 * shape.num_kv_heads * shape.head_dim * shape.dtype_bytes  # K and V
+    flop_per_pair = 4 * shape.head_dim * shape.num_qo_heads  # QK^T and PV, all query heads
+
+    def pairs(level: CascadeLevel) -> float:
+        """Query-key token pairs of a level (full pages: the model's resolution)."""
+        queries = np.diff(level.qo_indptr).astype(np.float64)  # float: int32 products overflow
+        keys = np.diff(level.kv_page_indptr).astype(np.float64) * plan.page_size
+        return float(queries @ keys)
+
+    def stream_us(pages: int, flop: float, bandwidth: float) -> float:
+        return 1e6 * max(pages * plan.page_size * token_bytes / bandwidth, flop / model.flops)
+
+    # Flat reads every row's pages once; its query-key pairs are those of all levels together.
+    all_pairs = sum(pairs(level) for level in plan.levels)
+    flat_us = model.flat_fixed_us + stream_us(
+        plan.stats.pages_flat, all_pairs * flop_per_pair, model.flat_bandwidth
+    )
+    padding = _prefill_padding_pairs(plan, model.flat_prefill_tile)
+    if padding:  # rows of several query tokens: FlashInfer's prefill kernel, padded tiles
+        flat_us = max(flat_us, model.flat_fixed_us + 1e6 * (all_pairs + padding)
+                      * flop_per_pair / model.flat_prefill_flops)
+    if plan.num_levels < 2:
+        return Decision(False, flat_us, flat_us, "no shared prefix")
+    cascade_us = (
+        plan.num_levels * model.level_fixed_us
+        + plan.stats.num_requests * model.request_us
+        + stream_us(len(own.kv_page_indices), pairs(own) * flop_per_pair, model.flat_bandwidth)
+    )
+    for level in plan.levels[:-1]:
+        bandwidth = min(level.num_groups * model.group_bandwidth, model.shared_bandwidth)
+        cascade_us += stream_us(len(level.kv_page_indices), pairs(level) * flop_per_pair, bandwidth)
+    cascade_us += model.step_fixed_us / max(shape.num_layers, 1)
+    use_cascade = cascade_us * (1 + model.margin) < flat_us
+    verdict = "cascade" if use_cascade else "flat"
+    reason = f"{verdict}: cascade {cascade_us:.0f} us vs flat {flat_us:.0f} us"
+    return Decision(use_cascade, flat_us, cascade_us, reason)

@@ -1,0 +1,170 @@
+"""The bucketed layout of a graphed decode step: what its CUDA graphs are keyed by.
+
+A CUDA graph bakes in every size its kernels were launched with: rows, groups per level, the
+longest query run and block-table width. Online, requests arrive and finish every step, so a
+graph keyed by a step's exact sizes would rarely be replayed. Here a decode step is laid out in
+sizes that only change in steps ("buckets"), the way vLLM's own FULL decode graphs are:
+
+- rows: vLLM's padded token count (its CUDA-graph capture size); the padded rows attend along
+  with the last group of every shared level and read no page of their own, so their output is
+  finite and never read;
+- the first shared level is a full permutation of the padded rows: its groups, then the padded
+  rows (in its last group), then the rows it does not cover, in one extra group that reads no KV
+  (the kernel writes output 0 and LSE -inf there: exactly "nothing yet");
+- later shared levels: their rows plus the padded rows (in their last group);
+- groups padded to a power of two (empty groups read nothing), the longest query run to a power
+  of two, block-table widths to a multiple of :data:`GRAPH_PAGE_BUCKET` pages, and the KV
+  length a kernel is told to expect to the padded width.
+
+:func:`graph_shape` computes a step's key from its plan without building anything (the step
+session charges a step the graphed cost when its key has been seen); :func:`layout` builds the
+arrays the executor uploads. numpy only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .plan import CascadeLevel, CascadePlan
+
+GRAPH_PAGE_BUCKET = 16  # block-table widths are padded to a multiple of this many pages
+
+__all__ = ["GRAPH_PAGE_BUCKET", "LevelLayout", "graph_shape", "layout"]
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _width(pages: int) -> int:
+    return max(-(-pages // GRAPH_PAGE_BUCKET), 1) * GRAPH_PAGE_BUCKET
+
+
+@dataclass(frozen=True, eq=False)
+class LevelLayout:
+    """One level of a graphed step as the kernels read it (FlashAttention's varlen form).
+
+    cu_q : int32 ``[G_pad + 1]`` query-row offsets of the groups.
+    kv_lens : int32 ``[G_pad]`` KV tokens each group reads (0 for padding groups).
+    table : int32 ``[G_pad, W_pad]`` each group's page ids, 0-padded (never read past kv_lens).
+    index : int64 ``[n_q]`` the level's query rows among the step's padded rows, groups
+        contiguous; None when they are rows ``0..n_q-1`` in order.
+    max_q, max_k : the bounds the kernel is launched with (``max_k`` -1: not used).
+    """
+
+    cu_q: np.ndarray
+    kv_lens: np.ndarray
+    table: np.ndarray
+    index: np.ndarray | None
+    max_q: int
+    max_k: int
+
+    @property
+    def rows(self) -> int:
+        return int(self.cu_q[-1])
+
+    @property
+    def key(self) -> tuple[int, ...]:
+        return (self.rows, len(self.kv_lens), self.max_q, self.table.shape[1],
+                int(self.index is None), self.max_k)
+
+
+def _shared_sizes(level: CascadeLevel, first: bool, rows: int, padded: int,
+                  page_size: int) -> tuple[int, ...]:
+    """:attr:`LevelLayout.key` of a shared level, from its sizes alone."""
+    sizes = np.diff(level.qo_indptr)
+    extra = padded - rows
+    largest = int(sizes[-1]) + extra if sizes.size else extra
+    if sizes.size > 1:
+        largest = max(largest, int(sizes[:-1].max()))
+    members = int(level.qo_indptr[-1])
+    n_q = padded if first else members + extra
+    groups = level.num_groups + 1 if first else level.num_groups
+    if first:
+        largest = max(largest, rows - members)
+    width = _width(int(np.diff(level.kv_page_indptr).max(initial=0)))
+    return (n_q, _pow2(groups), min(_pow2(largest), n_q), width, int(level.q_is_identity),
+            width * page_size)
+
+
+def _own_sizes(level: CascadeLevel, padded: int) -> tuple[int, ...]:
+    width = _width(int(np.diff(level.kv_page_indptr).max(initial=0)))
+    return (padded, padded, 1, width, 1, -1)
+
+
+def graph_shape(plan: CascadePlan, padded_rows: int) -> tuple[tuple[int, ...], ...]:
+    """The key of a decode step's graphs (one query per row): every level's
+    :attr:`LevelLayout.key` for ``padded_rows`` rows (at least the plan's)."""
+    rows = plan.stats.num_tokens
+    padded = max(padded_rows, rows)
+    *shared, own = plan.levels
+    return (*(_shared_sizes(level, i == 0, rows, padded, plan.page_size)
+              for i, level in enumerate(shared)), _own_sizes(own, padded))
+
+
+def _padded_table(level: CascadeLevel, groups: int, width: int) -> np.ndarray:
+    table = level.block_table()
+    out = np.zeros((groups, width), np.int32)
+    out[: table.shape[0], : table.shape[1]] = table
+    return out
+
+
+def _shared_layout(level: CascadeLevel, first: bool, rows: int, padded: int,
+                   page_size: int) -> LevelLayout:
+    n_q, groups, max_q, width, identity, max_k = _shared_sizes(level, first, rows, padded,
+                                                               page_size)
+    extra = padded - rows
+    members = int(level.qo_indptr[-1])
+    cu_q = np.full(groups + 1, n_q, np.int32)
+    cu_q[: level.num_groups] = level.qo_indptr[:-1]
+    cu_q[level.num_groups] = members + extra  # the padded rows join the last group
+    index = None
+    if not identity:
+        parts = [np.asarray(level.q_index, np.int64), np.arange(rows, padded, dtype=np.int64)]
+        if first:  # the rows it does not cover: one group that reads no KV
+            covered = np.zeros(rows, bool)
+            covered[level.q_index] = True
+            parts.append(np.flatnonzero(~covered))
+        index = np.concatenate(parts)
+    kv_lens = np.zeros(groups, np.int32)
+    kv_lens[: level.num_groups] = level.kv_lens(page_size)
+    return LevelLayout(cu_q=cu_q, kv_lens=kv_lens, table=_padded_table(level, groups, width),
+                       index=index, max_q=max_q, max_k=max_k)
+
+
+def _own_layout(level: CascadeLevel, rows: int, padded: int, page_size: int) -> LevelLayout:
+    """The per-request level: one row per request, padded rows read nothing."""
+    _, _, _, width, _, _ = _own_sizes(level, padded)
+    kv_lens = np.zeros(padded, np.int32)
+    kv_lens[:rows] = level.kv_lens(page_size)
+    return LevelLayout(cu_q=np.arange(padded + 1, dtype=np.int32), kv_lens=kv_lens,
+                       table=_padded_table(level, padded, width), index=None, max_q=1,
+                       max_k=-1)
+
+
+def layout(plan: CascadePlan, padded_rows: int, *,
+           known: dict[int, tuple[CascadeLevel, int, int, LevelLayout]] | None = None,
+           ) -> tuple[LevelLayout, ...]:
+    """Every level of a decode step laid out for ``padded_rows`` rows; ``known``: the layouts of
+    earlier plans' shared levels by ``id``, reused for a level that ``is`` one of them with the
+    same rows and padding (steady decode keeps its shared levels), then replaced by this
+    plan's."""
+    rows = plan.stats.num_tokens
+    padded = max(padded_rows, rows)
+    *shared, own = plan.levels
+    current: dict[int, tuple[CascadeLevel, int, int, LevelLayout]] = {}
+    levels = []
+    for i, level in enumerate(shared):
+        hit = None if known is None else known.get(id(level))
+        if hit is not None and hit[0] is level and hit[1:3] == (rows, padded):
+            made = hit[3]
+        else:
+            made = _shared_layout(level, i == 0, rows, padded, plan.page_size)
+        current[id(level)] = (level, rows, padded, made)
+        levels.append(made)
+    if known is not None:
+        known.clear()
+        known.update(current)
+    return (*levels, _own_layout(own, rows, padded, plan.page_size))

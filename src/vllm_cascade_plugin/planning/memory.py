@@ -1,0 +1,159 @@
+"""What the cascade planner remembers between steps, and how it carries it to the next one.
+
+numpy only. The memory is the last step's :class:`~vllm_cascade_plugin.planning.layout.Structure`
+and a snapshot of its block table's leading columns. For the next step it keeps the prefix trie
+and finds each row's node in it: a row that still holds, at the same place, the shareable ids
+it was planned with keeps its node; any other row (new, moved, or changed) is looked up in the
+trie (:meth:`~.trie.PrefixTrie.place`). If the rows then form the same trie
+(:meth:`~.trie.PrefixTrie.holds`), only the layout is redone, and not even
+that while every row keeps its node; otherwise the caller plans from scratch. Either way the
+structure is exactly the one a fresh plan finds for the step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .layout import Step, Structure, first_zero, layout
+
+# Pages a snapshot of the block table keeps beyond the longest shareable prefix, so that rows
+# growing by a page in steady decode do not force a re-copy of the snapshot every step.
+SNAPSHOT_SLACK_PAGES = 16
+
+# Rows looked at (and looked up in the trie) one by one, each some microseconds: past this many
+# (a batch reordered throughout), planning from scratch is about as fast.
+MOST_PLACED_ROWS = 8
+MOST_PLACED_FRACTION = 4  # ... or past a quarter of the rows, if that is more
+
+
+class PlanMemory:
+    """The structure of the step last planned, and a copy of the block-table columns it read."""
+
+    def __init__(self, step: Step, structure: Structure) -> None:
+        self.page_size = step.page_size
+        self.structure = structure
+        self._active = step.active
+        self._all_active = step.all_active
+        self._num_rows = len(step.seq_lens)
+        self._snapshot: np.ndarray = np.empty((0, 0), np.int32)
+        self._differs: np.ndarray = np.empty((0, 0), bool)
+        self._copy(step.block_table, structure.shareable)
+
+    def _copy(self, table: np.ndarray, shareable: np.ndarray) -> None:
+        """Snapshot ``table`` anew, as wide as the longest shareable prefix needs, and then some.
+
+        A table not much wider is copied whole: comparing whole rows of a contiguous table is
+        one flat loop, about twice as fast per id as comparing the leading columns of each row.
+        """
+        width = min(table.shape[1], int(shareable.max(initial=0)) + SNAPSHOT_SLACK_PAGES)
+        if table.flags.c_contiguous and 2 * table.shape[1] <= 3 * width:
+            width = table.shape[1]
+        self._snapshot = table[:, :width].copy()
+        self._differs = np.empty(self._snapshot.shape, bool)
+
+    def follow(self, step: Step) -> Structure | None:
+        """The structure of ``step``, carried over from the last one; ``None`` if it may not be.
+
+        On ``None`` the memory may be half updated: the caller builds a new one.
+        """
+        table = step.block_table
+        if step.page_size != self.page_size or table.shape[1] < self._snapshot.shape[1]:
+            return None
+        old = self.structure
+        trie = old.trie
+        num_rows = table.shape[0]
+        same_rows = num_rows == self._num_rows
+        if same_rows:
+            was, node, continuation = old.shareable, old.node, old.continuation
+        else:
+            was, node, continuation = (
+                _fit(a, num_rows) for a in (old.shareable, old.node, old.continuation))
+        broken = self._refresh(table, was)
+        start = was
+        if broken.size:  # their leading ids changed: read them from the first page on
+            start = was.copy()
+            start[broken] = 0
+        bound = step.shareable_bound
+        shareable = np.minimum(bound, start)
+        longer = (bound > start).nonzero()[0]
+        widest = 0  # of the rows that grew: the others are no wider than the snapshot
+        if longer.size:  # new pages are shareable up to a block 0
+            grown = first_zero(table, longer, start[longer], bound[longer])
+            shareable[longer] = grown
+            widest = int(np.maximum.reduce(grown))
+        # A row keeps its node and continuation while it holds its planned ids and still reaches
+        # past its node (rows that only grew, as in decode, do), and keeps its node alone when it
+        # now ends there. One that grew past its node's end (it ended there), shrank above it, or
+        # holds other ids, is placed anew; so is a row new in the trie (it had nothing shareable).
+        suspicious = (shareable < was) | ((continuation == 0) & (shareable != was))
+        suspicious[broken] = True
+        suspect = suspicious.nonzero()[0]
+        if suspect.size > max(MOST_PLACED_ROWS, num_rows // MOST_PLACED_FRACTION):
+            return None
+        placed: list[int] = []
+        if suspect.size:
+            node, continuation = node.copy(), continuation.copy()
+            depths, unheld = trie.depth, set(broken.tolist())
+            for row, pages, at, going in zip(suspect.tolist(), shareable[suspect].tolist(),
+                                             node[suspect].tolist(),
+                                             continuation[suspect].tolist(), strict=True):
+                depth, held = int(depths[at]), row not in unheld
+                if held and pages == depth and pages > 0:  # it now ends at its node
+                    continuation[row] = 0
+                elif not (held and pages > depth and going):
+                    node[row] = continuation[row] = 0
+                    if pages > 0:
+                        # One that still holds its node's path is placed from its node on.
+                        where = trie.place(table, row, pages, at if held and pages > depth else 0)
+                        if where is None:
+                            return None
+                        node[row], continuation[row] = where
+                        placed.append(row)
+        # Rows that left a node may leave it with one way on; rows placed may continue alike.
+        same_nodes = same_rows and (not suspect.size or not np.count_nonzero(node != old.node))
+        if not trie.holds(node, continuation, ways=not same_nodes, placed=placed):
+            return None
+        if same_nodes and ((self._all_active and step.all_active)
+                           or not np.count_nonzero(step.active != self._active)):
+            structure = Structure(trie, shareable, node, continuation, old.own_start, old.order,
+                                  old.order_is_batch, old.levels)
+        else:
+            structure = layout(trie, node, continuation, shareable, step)
+        if widest > self._snapshot.shape[1]:
+            self._copy(table, shareable)
+        self.structure = structure
+        self._active, self._all_active = step.active, step.all_active
+        self._num_rows = num_rows
+        return structure
+
+    def _refresh(self, table: np.ndarray, planned: np.ndarray) -> np.ndarray:
+        """The rows ``r`` whose ``table[r, :planned[r]]`` is not what the snapshot has.
+
+        The snapshot is then made to mirror ``table``'s rows (all of them, the new included).
+        """
+        snapshot, differs = self._snapshot, self._differs
+        width = snapshot.shape[1]
+        known = min(table.shape[0], self._num_rows)
+        if width == 0:  # nothing was shareable, and nothing is copied
+            return np.empty(0, np.int64)
+        np.not_equal(table[:known, :width], snapshot[:known], out=differs[:known])
+        first = differs[:known].argmax(axis=1)  # 0 also where nothing differs
+        changed = (first | differs[:known, 0]).nonzero()[0]
+        broken = changed[first[changed] < planned[changed]]
+        snapshot[changed] = table[changed, :width]
+        num_rows = table.shape[0]
+        if num_rows > known:
+            if num_rows > len(snapshot):  # room for more rows than now, as batches grow back
+                grown = np.empty((max(num_rows, 2 * len(snapshot)), width), np.int32)
+                grown[:known] = snapshot[:known]
+                self._snapshot = snapshot = grown
+                self._differs = np.empty(grown.shape, bool)
+            snapshot[known:num_rows] = table[known:, :width]
+        return broken
+
+
+def _fit(values: np.ndarray, num_rows: int) -> np.ndarray:
+    """``values`` cut or padded with zeros to ``num_rows`` entries."""
+    if len(values) >= num_rows:
+        return values[:num_rows]
+    return np.concatenate((values, np.zeros(num_rows - len(values), values.dtype)))
