@@ -18,7 +18,7 @@ executor without such runs gets FlashInfer's step cost less the difference of th
 planning measured in the grid (``plan_us_parts``). Writes ``cost_calibration.json`` with every
 row's estimates and the pick the fitted model makes there (``regret``: the measured time of what
 it picks over the faster of the two; 1.0 = the right pick). Paste the fitted values into
-``COST_MODELS``; ``tests/test_cost.py`` checks the shipped models against the same files.
+``COST_MODELS``; ``tests/planning/test_cost.py`` checks the shipped models against the same files.
 """
 
 from __future__ import annotations

@@ -26,6 +26,13 @@ if not torch.cuda.is_available():
 
 from matrix_files import FLASHINFER_MODULES, HERE, flashinfer_files
 
+# The CPU tests' folders, one per part of the package (and one for benchmarks/). Their modules
+# share helpers and fixtures across folders by module name (``from test_planner import
+# make_batch``), so every folder is on the path from the start, whichever file is collected
+# first; test file names are unique across folders.
+MIRRORS = ("planning", "stats", "execution", "graphs", "integration", "face", "benchmarks")
+sys.path[:0] = [str(HERE / folder) for folder in MIRRORS]
+
 _guard = sys.modules.get("sitecustomize")
 if not getattr(_guard, "HIDDEN", False) or Path(_guard.__file__).parent != HERE / "hide_flashinfer":
     _guard = None

@@ -10,8 +10,9 @@ Each wrapper calls the original exactly once, never replaces it, and passes its 
 exception through unchanged; its own failures are counted, logged once, and cost the step its
 cascade, never the engine. Every patched method exists with the arguments we read in vLLM 0.26
 through 0.33; what differs between releases is asked of :mod:`.compat`. The list is mirrored in
-the README and guarded by ``tests/test_hooks.py``, which compares each patched method's whole
-parameter list with the one recorded for the release and fails loudly on any change.
+the README and guarded by ``tests/integration/test_hooks.py``, which compares each patched
+method's whole parameter list with the one recorded for the release and fails loudly on any
+change.
 
 V1 runner (``VLLM_USE_V2_MODEL_RUNNER=0``), ``vllm.v1.worker.gpu_model_runner.GPUModelRunner``:
   ``execute_model``  remember a real step; forget its plan when the step ends;

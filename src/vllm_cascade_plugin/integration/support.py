@@ -71,7 +71,7 @@ def speculative_reason(method: str | None, async_scheduling: bool | None) -> str
 # ------------------------------------------------------------ `vllm-cascade check VLLM_ARGS`
 
 # The EngineArgs fields ``check`` reads from vLLM's command line (the same names, flags and
-# meaning in 0.26-0.33; tests/test_check.py holds them against vLLM's EngineArgs).
+# meaning in 0.26-0.33; tests/face/test_check.py holds them against vLLM's EngineArgs).
 ENGINE_FIELDS = ("attention_backend", "kv_cache_dtype", "enable_prefix_caching",
                  "speculative_config", "async_scheduling")
 

@@ -122,7 +122,7 @@ COST_MODELS: dict[str, CostModel] = {
 # The FA3 executor's per-step cost when its decode steps replay a CUDA graph per layer inside
 # vLLM's piecewise path, not a whole-step graph (``CASCADE_FULL_GRAPHS`` off, or an engine that
 # cannot use it, see ``hooks_graphs.full_graphs_reason``): what ``benchmarks/calibrate_cost.py``
-# fits from ``e2e_step_cost_fa3_layer_graphs.json`` (``tests/test_cost.py`` checks it).
+# fits from ``e2e_step_cost_fa3_layer_graphs.json`` (``tests/planning/test_cost.py`` checks it).
 FA3_LAYER_GRAPHS_STEP_FIXED_US = 1500.0
 # The FA3 executor's per-step cost when its decode steps launch their kernels from Python
 # (``CASCADE_CUDA_GRAPHS=0``, ``CASCADE_FUSED_DECODE=0`` or vLLM without CUDA graphs): the same

@@ -21,7 +21,7 @@ from vllm_cascade_plugin.planning import trie as trie_module
 from vllm_cascade_plugin.planning.invariants import plan_violations
 from vllm_cascade_plugin.planning.planner import CascadePlan, CascadePlanner, plan_cascade
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)

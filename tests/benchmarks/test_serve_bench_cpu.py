@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 TINY = ROOT / "examples" / "models" / "llama-tiny"  # vocab 32000, bos 1, eos 2
 LLAMA3 = ROOT / "examples" / "models" / "llama3-8b"  # vocab 128256, bos 128000, eos 128001
 

@@ -15,7 +15,7 @@ from fresh_python import vllm_process
 from vllm_cascade_plugin.config import CascadeConfig
 from vllm_cascade_plugin.face import cli, demo, demo_engine
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 CLI = "vllm_cascade_plugin.face.cli"  # what the vllm-cascade command runs
 SMALL = ["--system-tokens", "64", "--documents", "2", "--document-tokens", "256",
          "--questions", "3", "--max-tokens", "20"]
@@ -144,7 +144,7 @@ def test_demo_with_a_bad_knob_exits_1_with_the_message(clean_env, capsys):
 @pytest.mark.parametrize("argv", [
     [], ["frobnicate"], ["demo", "--documents", "0"], ["demo", "--questions", "many"],
     ["demo", "--model", "/no/such/model"], ["demo", "--policy", "sometimes"],
-    ["bench", "--nope"],  # check takes any arguments: vLLM's (tests/test_check.py)
+    ["bench", "--nope"],  # check takes any arguments: vLLM's (tests/face/test_check.py)
 ])
 def test_bad_arguments_are_a_usage_error(argv, capsys):
     with pytest.raises(SystemExit) as info:

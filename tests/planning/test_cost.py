@@ -21,7 +21,7 @@ from vllm_cascade_plugin.planning.cost import (
 )
 from vllm_cascade_plugin.planning.planner import plan_cascade
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results" / "h200"
 # Llama-3-8B: the shape the defaults are calibrated on, and its 32 layers.
 H200_LAYER = AttentionShape(num_qo_heads=32, num_kv_heads=8, head_dim=128, dtype_bytes=2,

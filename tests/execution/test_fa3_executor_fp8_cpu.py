@@ -1,7 +1,7 @@
 """The FA3 executor with an FP8 (e4m3) KV cache and per-layer scales, on the CPU.
 
-FlashAttention 3 is the torch stand-in of tests/test_fa3_executor_cpu.py, which takes FP8 as
-FA3 does (q, K and V all e4m3, descales of shape (sequences, KV heads), bf16 output) and
+FlashAttention 3 is the torch stand-in of tests/execution/test_fa3_executor_cpu.py, which takes
+FP8 as FA3 does (q, K and V all e4m3, descales of shape (sequences, KV heads), bf16 output) and
 applies the descales; decode steps' per-request level is the plugin's Triton kernel under the
 CPU interpreter. The yardstick is independent of both: per-request attention in fp32
 (``dense_attention``) on the dequantised cache (stored value x scale) and on the query vLLM's

@@ -17,7 +17,7 @@ import pytest
 
 from vllm_cascade_plugin.planning.planner import plan_cascade
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 SCRIPT = ROOT / "benchmarks" / "kernel_bench.py"
 
 
