@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import importlib.util
 import json
 import re
 import sys
@@ -36,6 +35,8 @@ from typing import Any
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # kernel_grid, also when loaded by path
+import kernel_grid
 from vllm_cascade_plugin.face.demo import Workload, prefix_cached_step
 from vllm_cascade_plugin.planning.cost import COST_MODELS, AttentionShape, CostModel, decide
 from vllm_cascade_plugin.planning.planner import CascadePlan, plan_cascade
@@ -55,23 +56,12 @@ START = CostModel(flat_fixed_us=40.0, flat_bandwidth=9e12, level_fixed_us=50.0, 
                   flops=400e12, group_bandwidth=0.35e12, shared_bandwidth=4e12, step_fixed_us=0.0)
 
 
-def _kernel_bench() -> Any:
-    spec = importlib.util.spec_from_file_location("kernel_bench",
-                                                  ROOT / "benchmarks" / "kernel_bench.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["kernel_bench"] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
 def decode_plan(requests: int, prefix: int, own: int, groups: int = 1) -> CascadePlan:
     """The plan of a decode step: ``groups`` prefixes of ``prefix`` tokens, ``own`` more each."""
-    bench = _kernel_bench()
-    case = bench.Case(requests, prefix, own, groups)
-    layout = bench.build_layout(case, np.random.default_rng(0))
+    case = kernel_grid.Case(requests, prefix, own, groups)
+    layout = kernel_grid.build_layout(case, np.random.default_rng(0))
     return plan_cascade(layout.block_table, layout.seq_lens, np.ones(requests, np.int32),
-                        bench.PAGE)
+                        kernel_grid.PAGE)
 
 
 # Executor -> (its kernel-grid column, a stand-in column for grids measured before it existed).

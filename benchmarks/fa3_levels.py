@@ -38,7 +38,10 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import kernel_bench as kb
+import kernel_grid as kg
+from bench_common import error_text
+from kernel_bench import provenance
+from kernel_gpu import Gpu, Timer
 
 SPLITS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 SWEEP = ((32, 64, 128), (1, 2, 4, 8), (1, 2, 3))  # decode_level: BLOCK_N, num_warps, num_stages
@@ -46,36 +49,36 @@ DEFAULT_ROWS = ("64x8192,128x2048,128x8192,128x16384,128x32768,256x2048,256x8192
                 "256x32768,256x8192x4,256x8192x16")
 
 
-def run_row(case: kb.Case, gpu: kb.Gpu, timer: kb.Timer, rng: np.random.Generator,
+def run_row(case: kg.Case, gpu: Gpu, timer: Timer, rng: np.random.Generator,
             seed: int, pool_pages: int, sweep: bool = False) -> dict[str, Any]:
+    from vllm_cascade_plugin.execution import vllm_kernels
     from vllm_cascade_plugin.execution.decode_level import decode_level
     from vllm_cascade_plugin.execution.kernels import FlashAttnCascadeExecutor
-    from vllm_cascade_plugin.integration import compat
     from vllm_cascade_plugin.planning.planner import plan_cascade
 
     torch = gpu.torch
     dev, dtype = gpu.device, gpu.dtype
-    sm_scale = kb.HEAD_DIM ** -0.5
-    layout = kb.build_layout(case, rng, pool_pages)
+    sm_scale = kg.HEAD_DIM ** -0.5
+    layout = kg.build_layout(case, rng, pool_pages)
     gen = torch.Generator(dev).manual_seed(seed)
-    cache = torch.randn(layout.num_blocks, kb.PAGE, kb.NUM_KV_HEADS, 2 * kb.HEAD_DIM,
+    cache = torch.randn(layout.num_blocks, kg.PAGE, kg.NUM_KV_HEADS, 2 * kg.HEAD_DIM,
                         generator=gen, device=dev, dtype=dtype)
-    k, v = cache.split(kb.HEAD_DIM, dim=-1)
-    q = torch.randn(case.B, kb.NUM_QO_HEADS, kb.HEAD_DIM, generator=gen, device=dev, dtype=dtype)
-    plan = plan_cascade(layout.block_table, layout.seq_lens, np.ones(case.B, np.int32), kb.PAGE)
+    k, v = cache.split(kg.HEAD_DIM, dim=-1)
+    q = torch.randn(case.B, kg.NUM_QO_HEADS, kg.HEAD_DIM, generator=gen, device=dev, dtype=dtype)
+    plan = plan_cascade(layout.block_table, layout.seq_lens, np.ones(case.B, np.int32), kg.PAGE)
     executors = {"executor": gpu.executors["fa3"],
                  "executor_unfused": FlashAttnCascadeExecutor("NHD", 3, fused_decode=False)}
     for executor in executors.values():
-        executor.plan(plan, num_qo_heads=kb.NUM_QO_HEADS, num_kv_heads=kb.NUM_KV_HEADS,
-                      head_dim=kb.HEAD_DIM, page_size=kb.PAGE, sm_scale=sm_scale,
+        executor.plan(plan, num_qo_heads=kg.NUM_QO_HEADS, num_kv_heads=kg.NUM_KV_HEADS,
+                      head_dim=kg.HEAD_DIM, page_size=kg.PAGE, sm_scale=sm_scale,
                       logits_soft_cap=None, q_dtype=dtype, kv_dtype=dtype, device=dev)
     if not executors["executor"]._step.fused_decode:
         raise RuntimeError("the FA3 executor did not fuse this decode step")
     step = executors["executor_unfused"]._step
     shared, own = step.shared[0].level, step.last
-    attention, merge = compat.fa3_kernels()  # what the executor calls
+    attention, merge = vllm_kernels.fa3_kernels()  # what the executor calls
     row: dict[str, Any] = {"B": case.B, "P": case.P, "S": case.S, "groups": case.groups,
-                           "floor_ms": kb.floor_ms(case), "ms": {}, "errors": []}
+                           "floor_ms": kg.floor_ms(case), "ms": {}, "errors": []}
 
     def call(fl: Any, out: Any, causal: bool, splits: int) -> Any:
         return attention(q=q, k=k, v=v, out=out, cu_seqlens_q=fl.cu_q, max_seqlen_q=fl.max_q,
@@ -90,14 +93,14 @@ def run_row(case: kb.Case, gpu: kb.Gpu, timer: kb.Timer, rng: np.random.Generato
         try:
             call(shared, out, False, splits)
         except Exception as exc:  # a split count FA3 refuses: say so, go on
-            row["errors"].append(f"shared_s{splits}: {kb._error_text(exc)}")
+            row["errors"].append(f"shared_s{splits}: {error_text(exc)}")
             continue
         outs[splits] = out
         row["ms"][f"shared_s{splits}"] = timer.time(
             lambda out=out, splits=splits: call(shared, out, False, splits)).ms
     for splits, out in outs.items():
         err = float((out.float() - outs[1].float()).abs().max())
-        if err > kb.TOLERANCE:
+        if err > kg.TOLERANCE:
             row["errors"].append(f"shared_s{splits}: max error {err:.3g} vs num_splits=1")
     own_out = torch.empty_like(q)
     row["ms"]["own"] = timer.time(lambda: call(own, own_out, True, 0)).ms
@@ -121,11 +124,11 @@ def run_row(case: kb.Case, gpu: kb.Gpu, timer: kb.Timer, rng: np.random.Generato
         try:
             launch()
             err = float((fused_out.float() - merged.float()).abs().max())
-            if err > kb.TOLERANCE:
+            if err > kg.TOLERANCE:
                 row["errors"].append(f"{name}: max error {err:.3g} vs FA3 + merge")
             row["ms"][name] = timer.time(launch).ms
         except Exception as exc:  # a configuration Triton cannot build: say so, go on
-            row["errors"].append(f"{name}: {kb._error_text(exc)}")
+            row["errors"].append(f"{name}: {error_text(exc)}")
     results = {}
     for name, executor in executors.items():
         results[name] = out = torch.empty_like(q)
@@ -141,7 +144,7 @@ def run_row(case: kb.Case, gpu: kb.Gpu, timer: kb.Timer, rng: np.random.Generato
         window_size=[-1, -1], block_table=block_table, softcap=0.0, fa_version=3)).ms
     for name, out in results.items():
         err = float((out.float() - flat_out.float()).abs().max())
-        if err > kb.TOLERANCE:
+        if err > kg.TOLERANCE:
             row["errors"].append(f"{name}: max error {err:.3g} vs flat FA3 decode")
     return row
 
@@ -160,14 +163,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.plan_reps = 0  # kernel_bench's provenance field: no host planning is timed here
     started = time.perf_counter()
-    gpu = kb.Gpu()
+    gpu = Gpu()
     if "fa3" not in gpu.executors:
         print(f"fa3_levels: FA3 cannot run here ({gpu.kernel_line})", file=sys.stderr)
         return 1
-    timer = kb.Timer(gpu, args.reps, args.warmup)
+    timer = Timer(gpu, args.reps, args.warmup)
     rng = np.random.default_rng(args.seed)
     rows = []
-    for i, case in enumerate(kb.parse_rows(args.rows)):
+    for i, case in enumerate(kg.parse_rows(args.rows)):
         row = run_row(case, gpu, timer, rng, args.seed + i, args.pool_pages, args.sweep)
         rows.append(row)
         ms = row["ms"]
@@ -178,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         gpu.torch.cuda.empty_cache()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "fa3_levels.json").write_text(json.dumps(rows, indent=1) + "\n")
-    meta = kb._meta(gpu, args, timer, {"total_s": round(time.perf_counter() - started, 1)})
+    meta = provenance(gpu, args, timer, {"total_s": round(time.perf_counter() - started, 1)})
     (args.out / "fa3_levels.meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     return 0 if not any(r["errors"] for r in rows) else 1
 

@@ -1,4 +1,5 @@
-"""The pure parts of benchmarks/kernel_bench.py: grid, floor, page layout, targets (no GPU).
+"""The pure parts of benchmarks/kernel_bench.py: grid, floor, page layout (kernel_grid.py),
+targets (kernel_targets.py); no GPU.
 
 The module is loaded by path (benchmarks/ is no package); its GPU half is exercised on the H200.
 """
@@ -29,8 +30,10 @@ def _load():
     return module
 
 
-kb = _load()
-Case = kb.Case
+kb = _load()  # puts benchmarks/ on sys.path: its parts import by name
+kg = importlib.import_module("kernel_grid")  # the grid, floor and page layouts
+kt = importlib.import_module("kernel_targets")  # ratios, targets, summary
+Case = kg.Case
 
 
 # ------------------------------------------------------------------------------------ grid
@@ -39,19 +42,19 @@ Case = kb.Case
 def test_grid_is_exactly_the_issue_grid():
     expected = {(b, p, 128, 1) for b in (8, 32, 64, 128, 256) for p in (512, 2048, 8192, 32768)}
     expected |= {(256, 8192, 128, 4), (256, 8192, 128, 16)}
-    rows = [(c.B, c.P, c.S, c.groups) for c in kb.grid()]
+    rows = [(c.B, c.P, c.S, c.groups) for c in kg.grid()]
     assert len(rows) == 22 == len(set(rows))
     assert set(rows) == expected
 
 
 def test_quick_is_a_small_subset_of_the_grid_with_a_grouped_row():
-    assert 2 <= len(kb.QUICK) <= 3
-    assert set(kb.QUICK) <= set(kb.grid())
-    assert any(c.groups > 1 for c in kb.QUICK)
+    assert 2 <= len(kg.QUICK) <= 3
+    assert set(kg.QUICK) <= set(kg.grid())
+    assert any(c.groups > 1 for c in kg.QUICK)
 
 
 def test_rows_parse_with_default_groups_and_own_tokens():
-    assert kb.parse_rows("256x8192x4, 8x512,8X512X1X64") == [
+    assert kg.parse_rows("256x8192x4, 8x512,8X512X1X64") == [
         Case(256, 8192, 128, 4), Case(8, 512, 128, 1), Case(8, 512, 64, 1)]
 
 
@@ -64,7 +67,7 @@ def test_rows_parse_with_default_groups_and_own_tokens():
 ])
 def test_bad_rows_are_refused(text):
     with pytest.raises(ValueError):
-        kb.parse_rows(text)
+        kg.parse_rows(text)
 
 
 def test_bad_rows_are_a_usage_error_before_any_gpu_import(capsys):
@@ -95,8 +98,8 @@ def test_help_and_import_need_no_gpu_library():
 
 def test_unique_bytes_count_each_prefix_once_and_every_own_token():
     token = 8 * 128 * 2 * 2  # kv heads x head_dim x (K, V) x bf16
-    assert kb.unique_kv_bytes(Case(256, 8192, 128, 16)) == (16 * 8192 + 256 * 128) * token
-    assert kb.attention_flops(Case(8, 512)) == 4 * 8 * 32 * 128 * 640
+    assert kg.unique_kv_bytes(Case(256, 8192, 128, 16)) == (16 * 8192 + 256 * 128) * token
+    assert kg.attention_flops(Case(8, 512)) == 4 * 8 * 32 * 128 * 640
 
 
 @pytest.mark.parametrize(("b", "p", "floor"), [
@@ -106,13 +109,13 @@ def test_unique_bytes_count_each_prefix_once_and_every_own_token():
 ])
 def test_floor_reproduces_the_design_table(b, p, floor):
     digits = 4 if floor < 0.01 else 3
-    assert round(kb.floor_ms(Case(b, p)), digits) == floor
+    assert round(kg.floor_ms(Case(b, p)), digits) == floor
 
 
 def test_floor_is_the_slower_of_bandwidth_and_compute():
     small, large = Case(8, 512), Case(256, 32768)
-    assert kb.floor_ms(small) == pytest.approx(1e3 * kb.unique_kv_bytes(small) / 4.3e12)
-    assert kb.floor_ms(large) == pytest.approx(1e3 * kb.attention_flops(large) / 790e12)
+    assert kg.floor_ms(small) == pytest.approx(1e3 * kg.unique_kv_bytes(small) / 4.3e12)
+    assert kg.floor_ms(large) == pytest.approx(1e3 * kg.attention_flops(large) / 790e12)
 
 
 # ---------------------------------------------------------------------------------- layout
@@ -123,7 +126,7 @@ LAYOUT_CASES = [Case(8, 512), Case(256, 8192, 128, 16), Case(6, 32, 17, 3), Case
 
 @pytest.mark.parametrize("case", LAYOUT_CASES, ids=lambda c: c.label)
 def test_layout_gives_each_group_its_prefix_and_each_request_its_own_pages(case):
-    layout = kb.build_layout(case, np.random.default_rng(0), pool_pages=4096)
+    layout = kg.build_layout(case, np.random.default_rng(0), pool_pages=4096)
     prefix_w, own_w = case.P // 16, -(-case.S // 16)
     table = layout.block_table
     assert table.dtype == np.int32 and table.shape == (case.B, prefix_w + own_w)
@@ -142,16 +145,16 @@ def test_layout_gives_each_group_its_prefix_and_each_request_its_own_pages(case)
 
 def test_layout_pages_are_shuffled_and_seeded():
     case = Case(64, 2048)
-    a = kb.build_layout(case, np.random.default_rng(0), 32768).block_table
-    b = kb.build_layout(case, np.random.default_rng(0), 32768).block_table
-    c = kb.build_layout(case, np.random.default_rng(1), 32768).block_table
+    a = kg.build_layout(case, np.random.default_rng(0), 32768).block_table
+    b = kg.build_layout(case, np.random.default_rng(0), 32768).block_table
+    c = kg.build_layout(case, np.random.default_rng(1), 32768).block_table
     assert (a == b).all() and not (a == c).all()
     assert not (np.diff(a[0]) == 1).all()  # not handed out in order
 
 
 @pytest.mark.parametrize("case", LAYOUT_CASES, ids=lambda c: c.label)
 def test_flat_level_lists_every_request_s_full_page_list(case):
-    layout = kb.build_layout(case, np.random.default_rng(0))
+    layout = kg.build_layout(case, np.random.default_rng(0))
     flat = layout.flat()
     width = layout.block_table.shape[1]
     assert flat.qo_indptr.tolist() == list(range(case.B + 1))
@@ -165,7 +168,7 @@ def test_flat_level_lists_every_request_s_full_page_list(case):
 
 @pytest.mark.parametrize("case", LAYOUT_CASES, ids=lambda c: c.label)
 def test_cascade_levels_read_every_page_of_every_request_once(case):
-    layout = kb.build_layout(case, np.random.default_rng(0))
+    layout = kg.build_layout(case, np.random.default_rng(0))
     shared, own = layout.cascade()
     n = case.B // case.groups
     assert shared.qo_indptr.tolist() == [g * n for g in range(case.groups + 1)]
@@ -183,7 +186,7 @@ def test_cascade_levels_read_every_page_of_every_request_once(case):
 @pytest.mark.parametrize("case", LAYOUT_CASES, ids=lambda c: c.label)
 def test_the_planner_finds_exactly_the_layout_s_groups(case):
     """What the plugin row expects: two levels whose shared level is the groups' prefixes."""
-    layout = kb.build_layout(case, np.random.default_rng(0))
+    layout = kg.build_layout(case, np.random.default_rng(0))
     plan = plan_cascade(layout.block_table, layout.seq_lens, np.ones(case.B, np.int32), 16)
     assert plan.num_levels == 2
     shared = plan.levels[0]
@@ -199,7 +202,7 @@ def test_the_planner_finds_exactly_the_layout_s_groups(case):
 
 def _row(case, plugin, fi_decode, fa3_cascade, ok=True):
     return {"B": case.B, "P": case.P, "S": case.S, "groups": case.groups,
-            "floor_ms": kb.floor_ms(case), "plugin_choice": "cascade", "plan_us": 100.0,
+            "floor_ms": kg.floor_ms(case), "plugin_choice": "cascade", "plan_us": 100.0,
             "ms": {"plugin": plugin, "fi_decode": fi_decode, "fi_cascade": 1.0,
                    "fa3_decode": 1.0, "fa3_cascade": fa3_cascade},
             "ok": ok, "errors": [] if ok else ["fa3_decode: max abs error 0.3 > 0.02"]}
@@ -207,12 +210,12 @@ def _row(case, plugin, fi_decode, fa3_cascade, ok=True):
 
 def _good_grid():
     """Every target met: plugin = 2x floor, fi_decode 4x plugin, fa3_cascade 1.5x plugin."""
-    return [_row(c, 2 * kb.floor_ms(c), 8 * kb.floor_ms(c), 3 * kb.floor_ms(c))
-            for c in kb.grid()]
+    return [_row(c, 2 * kg.floor_ms(c), 8 * kg.floor_ms(c), 3 * kg.floor_ms(c))
+            for c in kg.grid()]
 
 
 def _targets(rows):
-    return {t["name"]: t for t in kb.evaluate_targets(rows)}
+    return {t["name"]: t for t in kt.evaluate_targets(rows)}
 
 
 def test_targets_pass_on_a_grid_that_meets_them_and_list_their_rows():
@@ -283,7 +286,7 @@ def test_targets_without_eligible_rows_are_not_applicable():
 def test_summary_shows_ratios_targets_and_a_loud_correctness_failure():
     rows = _good_grid()
     rows[3] = {**rows[3], "ok": False, "errors": ["fa3_decode: max abs error 0.3 > 0.02"]}
-    lines = kb.summary_lines(rows, kb.evaluate_targets(rows))
+    lines = kt.summary_lines(rows, kt.evaluate_targets(rows))
     text = "\n".join(lines)
     assert "fi/pl" in lines[0] and "fa3c/pl" in lines[0] and "pl/floor" in lines[0]
     big = next(line for line in lines if line.split()[:3] == ["256", "32768", "1"])
@@ -291,15 +294,15 @@ def test_summary_shows_ratios_targets_and_a_loud_correctness_failure():
     assert text.count("target PASS") == 4
     assert "!!! CORRECTNESS/ERRORS in 1 row(s)" in text
     assert "B=128 P=512 G=1: fa3_decode: max abs error" in text
-    json.dumps(kb.evaluate_targets(rows))  # the summary file is JSON
+    json.dumps(kt.evaluate_targets(rows))  # the summary file is JSON
 
 
 def test_ratios_of_a_row():
-    ratios = kb.row_ratios(_row(Case(64, 8192), 0.2, 0.8, 0.3))
+    ratios = kt.row_ratios(_row(Case(64, 8192), 0.2, 0.8, 0.3))
     assert ratios["fi_decode/plugin"] == pytest.approx(4.0)
     assert ratios["fa3_cascade/plugin"] == pytest.approx(1.5)
-    assert ratios["plugin/floor"] == pytest.approx(0.2 / kb.floor_ms(Case(64, 8192)))
-    assert math.isnan(kb.row_ratios(_row(Case(8, 512), math.nan, 1.0, 1.0))["plugin/floor"])
+    assert ratios["plugin/floor"] == pytest.approx(0.2 / kg.floor_ms(Case(64, 8192)))
+    assert math.isnan(kt.row_ratios(_row(Case(8, 512), math.nan, 1.0, 1.0))["plugin/floor"])
 
 
 # ------------------------------------------------------------------------------------ plot
