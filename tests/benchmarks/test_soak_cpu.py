@@ -28,12 +28,17 @@ def _load(name: str, path: Path) -> ModuleType:
     return module
 
 
-soak = _load("soak_under_test", ROOT / "benchmarks" / "soak.py")
-PREFIXES = soak.shared_prefixes(0)
+soak = _load("soak_under_test", ROOT / "benchmarks" / "soak.py")  # the orchestrator
+# Its parts, found by name (loading soak.py put benchmarks/ on sys.path).
+soak_mix = importlib.import_module("soak_mix")
+soak_judge = importlib.import_module("soak_judge")
+soak_drive = importlib.import_module("soak_drive")
+soak_worker = importlib.import_module("soak_worker")
+PREFIXES = soak_mix.shared_prefixes(0)
 
 
 def take(n: int, seed: int = 0) -> list:
-    stream = soak.request_stream(PREFIXES, seed)
+    stream = soak_mix.request_stream(PREFIXES, seed)
     return [next(stream) for _ in range(n)]
 
 
@@ -41,18 +46,18 @@ def take(n: int, seed: int = 0) -> list:
 
 def test_the_mix_is_the_same_for_a_seed_and_differs_between_seeds():
     assert take(50) == take(50)
-    assert soak.shared_prefixes(0) == PREFIXES
-    assert soak.subset_requests(PREFIXES, 0) == soak.subset_requests(PREFIXES, 0)
+    assert soak_mix.shared_prefixes(0) == PREFIXES
+    assert soak_mix.subset_requests(PREFIXES, 0) == soak_mix.subset_requests(PREFIXES, 0)
     assert [s.prompt for s in take(20)] != [s.prompt for s in take(20, seed=1)]
 
 
 def test_the_groups_share_one_system_prompt_in_the_first_half_and_stay_in_bounds():
-    system = PREFIXES[0][:soak.SYSTEM_TOKENS]
-    assert len(PREFIXES) == soak.GROUPS
+    system = PREFIXES[0][:soak_mix.SYSTEM_TOKENS]
+    assert len(PREFIXES) == soak_mix.GROUPS
     for group, prefix in enumerate(PREFIXES):
-        assert soak.PREFIX_TOKENS[0] <= len(prefix) <= soak.PREFIX_TOKENS[1]
-        assert (prefix[:soak.SYSTEM_TOKENS] == system) == (group < soak.GROUPS // 2)
-        assert all(soak.TOKEN_RANGE[0] <= t < soak.TOKEN_RANGE[1] for t in prefix)
+        assert soak_mix.PREFIX_TOKENS[0] <= len(prefix) <= soak_mix.PREFIX_TOKENS[1]
+        assert (prefix[:soak_mix.SYSTEM_TOKENS] == system) == (group < soak_mix.GROUPS // 2)
+        assert all(soak_mix.TOKEN_RANGE[0] <= t < soak_mix.TOKEN_RANGE[1] for t in prefix)
 
 
 def test_the_mix_has_each_kind_in_about_its_share():
@@ -63,41 +68,42 @@ def test_the_mix_has_each_kind_in_about_its_share():
     assert 0.12 < kinds["sampling"] / len(specs) < 0.18
     assert 0.08 < sum(s.abort_after is not None for s in specs) / len(specs) < 0.12
     assert 0.08 < sum(s.group < 0 for s in specs) / len(specs) < 0.12
-    assert {s.group for s in specs} == set(range(-1, soak.GROUPS))
+    assert {s.group for s in specs} == set(range(-1, soak_mix.GROUPS))
     for s in specs:
         n, max_tokens = s.params.get("n", 1), s.params["max_tokens"]
-        assert soak.MAX_TOKENS[0] <= max_tokens <= soak.MAX_TOKENS[1]
-        assert n == 1 if s.kind == "plain" else n in soak.SAMPLING_N
+        assert soak_mix.MAX_TOKENS[0] <= max_tokens <= soak_mix.MAX_TOKENS[1]
+        assert n == 1 if s.kind == "plain" else n in soak_mix.SAMPLING_N
         assert n == 1 or s.params["temperature"] > 0  # vLLM: n > 1 needs sampling
         assert s.abort_after is None or 1 <= s.abort_after < max_tokens
         if s.group >= 0:
             prefix = PREFIXES[s.group]
             assert s.prompt[:len(prefix)] == prefix
-            assert soak.SUFFIX_TOKENS[0] <= len(s.prompt) - len(prefix) <= soak.SUFFIX_TOKENS[1]
-        assert len(s.prompt) + max_tokens <= soak.ENGINE["max_model_len"]
+            low, high = soak_mix.SUFFIX_TOKENS
+            assert low <= len(s.prompt) - len(prefix) <= high
+        assert len(s.prompt) + max_tokens <= soak_mix.ENGINE["max_model_len"]
 
 
 def test_the_subset_is_greedy_with_logprobs_covers_every_group_and_is_never_aborted():
-    subset = soak.subset_requests(PREFIXES, 0)
-    assert len(subset) == soak.SUBSET_SIZE
-    assert {s.group for s in subset} == set(range(soak.GROUPS))
+    subset = soak_mix.subset_requests(PREFIXES, 0)
+    assert len(subset) == soak_mix.SUBSET_SIZE
+    assert {s.group for s in subset} == set(range(soak_mix.GROUPS))
     for s in subset:
         assert s.params == {"temperature": 0.0, "max_tokens": 24, "logprobs": 2,
                             "ignore_eos": True}
         assert s.abort_after is None and s.prompt[:len(PREFIXES[s.group])] == PREFIXES[s.group]
-    due = [soak.subset_due_s(i, 600) for i in range(len(subset))]
+    due = [soak_mix.subset_due_s(i, 600) for i in range(len(subset))]
     assert due == sorted(due) and due[0] == 0 and due[-1] < 0.8 * 600
 
 
 def test_the_warm_up_has_a_shared_greedy_batch_n_gt_1_sampling_and_an_unshared_request():
-    warmup = soak.warmup_requests(PREFIXES, 0)
+    warmup = soak_mix.warmup_requests(PREFIXES, 0)
     assert sum(s.group == 0 and s.params.get("logprobs") for s in warmup) >= 2
     assert any(s.params.get("n", 1) > 1 for s in warmup)
     assert any(s.group < 0 for s in warmup)
 
 
 def test_prefixes_outgrow_the_default_kv_cache_so_the_drive_preempts():
-    summary = soak.dry_run(soak.parse_args(["--dry-run"]))
+    summary = soak_mix.dry_run(soak.parse_args(["--dry-run"]))
     assert summary["prefix_kv_blocks"] > summary["num_gpu_blocks"] == 1024
 
 
@@ -119,7 +125,7 @@ print("heavy imports:", sorted({{"vllm", "torch"}} & set(sys.modules)))
     summary = json.loads(printed)
     assert summary["requests"] == 500 and sum(summary["kinds"].values()) == 500
     assert summary["subset"] == {"requests": 64, "groups": 8, "first_due_s": 0.0,
-                                 "last_due_s": soak.subset_due_s(63, 600)}
+                                 "last_due_s": soak_mix.subset_due_s(63, 600)}
     assert summary["longest_request_tokens"] <= summary["max_model_len"]
 
 
@@ -146,7 +152,7 @@ def test_help_and_a_missing_out_are_handled_by_argparse():
 ])
 def test_completion_problem_names_what_a_non_aborted_request_lacks(n, finished, completions,
                                                                    problem):
-    assert soak.completion_problem(n, 20, finished, completions) == problem
+    assert soak_judge.completion_problem(n, 20, finished, completions) == problem
 
 
 def _logprobs(*pairs: tuple[int, float]) -> dict[int, SimpleNamespace]:
@@ -168,7 +174,7 @@ def test_error_lines_finds_vllm_errors_tracebacks_and_cuda_errors_only():
         "RuntimeError: CUDA error: an illegal memory access was encountered",
         "Task exception was never retrieved",
     ])
-    assert soak.error_lines(log) == log.splitlines()[1:3] + log.splitlines()[5:]
+    assert soak_judge.error_lines(log) == log.splitlines()[1:3] + log.splitlines()[5:]
 
 
 # --- Judging.
@@ -178,7 +184,7 @@ RECORD = rec([4, 5, -1], [-0.2, -0.3, 0.0])
 
 
 def good_run() -> dict[str, Any]:
-    subset = {f"s{i}": RECORD for i in range(soak.SUBSET_SIZE)}
+    subset = {f"s{i}": RECORD for i in range(soak_mix.SUBSET_SIZE)}
     return {"requests": 2500, "completed": 2200, "aborts": 240, "aborts_raced": 3,
             "incomplete": 0, "request_errors": 0, "output_tokens": 300000,
             "kinds": {"plain": 2100, "sampling": 336, "subset": 64}, "problems": [],
@@ -196,14 +202,14 @@ def judge(run: dict | None = None, replay: dict | None = None, codes: dict | Non
           errors: dict | None = None) -> dict:
     run = good_run() if run is None else run
     replay = {"subset": dict(run["subset"])} if replay is None else replay
-    return soak.judge(run, replay, SETTINGS, codes or {"run": 0, "replay": 0},
+    return soak_judge.judge(run, replay, SETTINGS, codes or {"run": 0, "replay": 0},
                       errors or {"run": [], "replay": []})
 
 
 def test_a_good_run_passes_with_the_issue_fields_filled_in():
     result = judge()
     assert result["outcome"] == "pass", result["reasons"]
-    assert list(result)[:7] == list(soak.ISSUE_FIELDS)
+    assert list(result)[:7] == list(soak_judge.ISSUE_FIELDS)
     assert result["cascade_step_fraction"] == 0.8
     assert (result["requests"], result["aborts"], result["preemptions"]) == (2500, 240, 412)
     assert result["max_abs_dlogprob"] == 0.0 and result["compared_tokens"] == 2 * 64
@@ -270,12 +276,12 @@ def test_logprobs_beyond_the_tolerances_or_missing_replays_fail():
 
 
 def test_no_results_at_all_fail_every_criterion_without_crashing():
-    result = soak.judge(None, None, SETTINGS, {"run": 1, "replay": None}, {"run": []})
+    result = soak_judge.judge(None, None, SETTINGS, {"run": 1, "replay": None}, {"run": []})
     assert result["outcome"] == "fail"
     assert result["cascade_step_fraction"] is None and result["max_abs_dlogprob"] is None
     failed = {name for name, c in result["criteria"].items() if not c["ok"]}
     assert failed == set(result["criteria"]) - {"no_hang", "no_error_lines"}
-    assert not soak.judge(None, None, SETTINGS, {"run": -9, "replay": None},
+    assert not soak_judge.judge(None, None, SETTINGS, {"run": -9, "replay": None},
                           {"run": []})["criteria"]["no_hang"]["ok"]
 
 
@@ -316,9 +322,9 @@ class FakeEngine:
         self.aborted.add(request_id)
 
     async def collective_rpc(self, function: Any) -> list[dict]:
-        if function is soak._device_memory:
+        if function is soak_worker.device_memory:
             return [{"used_mib": 3000.0, "used_raw_mib": 3100.0, "gpu": "fake"}]
-        if function is soak._memory_sample:
+        if function is soak_worker.memory_sample:
             self.samples += 1
             return [{"allocated_mib": 1000.0 + self.samples, "plugin_mib": 12.0}]
         return [{"decode_steps_planned": 10, "decode_steps_cascade": 9, "fallbacks": {}}]
@@ -337,21 +343,21 @@ def drive_args(tmp_path: Path) -> argparse.Namespace:
 
 @pytest.fixture
 def fast(monkeypatch):
-    monkeypatch.setattr(soak, "PROGRESS_S", 0.5)
-    monkeypatch.setattr(soak, "WATCHDOG_S", 2.0)
-    monkeypatch.setattr(soak, "MAX_TOKENS", (4, 12))
+    monkeypatch.setattr(soak_drive, "PROGRESS_S", 0.5)
+    monkeypatch.setattr(soak_judge, "WATCHDOG_S", 2.0)
+    monkeypatch.setattr(soak_mix, "MAX_TOKENS", (4, 12))
 
 
 def test_the_drive_reaches_its_count_aborts_and_records_the_subset(tmp_path, monkeypatch, fast):
     engine = FakeEngine()
-    monkeypatch.setattr(soak, "make_engine", lambda args: engine)
-    assert asyncio.run(soak.run_phase(drive_args(tmp_path))) == 0
+    monkeypatch.setattr(soak_drive, "make_engine", lambda args: engine)
+    assert asyncio.run(soak_drive.run_phase(drive_args(tmp_path))) == 0
     run = json.loads((tmp_path / "soak.run.json").read_text())
     assert run["requests"] >= 300 and run["duration_s"] >= 2
     assert run["aborts"] > 0 and run["incomplete"] == 0 and run["request_errors"] == 0
     assert run["completed"] + run["aborts"] == run["requests"]
-    assert run["kinds"]["sampling"] > 0 and run["kinds"]["subset"] == soak.SUBSET_SIZE
-    assert len(run["subset"]) == soak.SUBSET_SIZE and run["hang"] is None
+    assert run["kinds"]["sampling"] > 0 and run["kinds"]["subset"] == soak_mix.SUBSET_SIZE
+    assert len(run["subset"]) == soak_mix.SUBSET_SIZE and run["hang"] is None
     assert run["memory_before"]["used_mib"] == run["memory_after"]["used_mib"] == 3000.0
     assert run["counters"] == {"decode_steps_planned": 0, "decode_steps_cascade": 0,
                                "fallbacks": {}}  # the fake's counters never move
@@ -365,8 +371,8 @@ def test_the_drive_reaches_its_count_aborts_and_records_the_subset(tmp_path, mon
 
 
 def test_the_watchdog_stops_a_drive_whose_request_never_answers(tmp_path, monkeypatch, fast):
-    monkeypatch.setattr(soak, "make_engine", lambda args: FakeEngine(stall="r3"))
-    assert asyncio.run(soak.run_phase(drive_args(tmp_path))) == 1
+    monkeypatch.setattr(soak_drive, "make_engine", lambda args: FakeEngine(stall="r3"))
+    assert asyncio.run(soak_drive.run_phase(drive_args(tmp_path))) == 1
     run = json.loads((tmp_path / "soak.run.json").read_text())
     assert run["hang"].startswith("no request produced output") and "r3" in run["hang"]
     assert run["memory_after"] is None
@@ -394,7 +400,7 @@ def test_the_orchestrator_judges_the_phases_and_writes_soak_json_and_meta(tmp_pa
     assert soak.orchestrate(soak.parse_args(argv)) == 0
     assert phases == [("run", True), ("replay", False)]
     result = json.loads((tmp_path / "soak.json").read_text())
-    assert result["outcome"] == "pass" and set(soak.ISSUE_FIELDS) <= set(result)
+    assert result["outcome"] == "pass" and set(soak_judge.ISSUE_FIELDS) <= set(result)
     meta = json.loads((tmp_path / "soak.meta.json").read_text())
     assert {"date", "gpu", "vllm", "flashinfer", "torch", "python", "command"} <= set(meta)
     assert meta["gpu"] == "NVIDIA H200" and meta["command"].endswith(" ".join(argv))
@@ -404,7 +410,7 @@ def test_the_orchestrator_judges_the_phases_and_writes_soak_json_and_meta(tmp_pa
 def test_child_phases_get_the_plugin_only_in_the_run(monkeypatch):
     monkeypatch.setenv("CASCADE_MAX_LEVELS", "2")
     on, off = soak.child_env(plugin=True), soak.child_env(plugin=False)
-    assert {k: on[k] for k in soak.PLUGIN_ENV} == soak.PLUGIN_ENV
+    assert {k: on[k] for k in soak_mix.PLUGIN_ENV} == soak_mix.PLUGIN_ENV
     assert on["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1" and "CASCADE_MAX_LEVELS" not in on
     assert not any(k.startswith("CASCADE_") for k in off)
 
@@ -418,9 +424,29 @@ def test_memory_readings_count_both_kinds_of_cuda_graphs(monkeypatch):
 
     graphs = fullgraph.StepGraphs(eager_mode=None)
     graphs.captures, graphs.replays = 3, 7
-    reading = soak._graphs()
+    reading = soak_worker.graphs()
     assert reading == {**kernels.graph_stats(), **fullgraph.graph_stats()}
     assert reading["full_graph_replays"] >= 7 and "graph_replays" in reading
     monkeypatch.delitem(sys.modules, "vllm_cascade_plugin.execution.kernels")
     monkeypatch.delitem(sys.modules, "vllm_cascade_plugin.graphs.fullgraph")
-    assert soak._graphs() is None
+    assert soak_worker.graphs() is None
+
+
+def test_the_worker_functions_travel_by_value_to_a_process_without_benchmarks_on_its_path(
+        tmp_path):
+    """collective_rpc pickles the readings with cloudpickle: registered by value, as a function
+    of ``__main__`` would be, they load and run in a process that cannot import soak_worker."""
+    import cloudpickle
+
+    soak_drive.worker_functions_by_value()
+    payload = tmp_path / "counters.pickle"
+    payload.write_bytes(cloudpickle.dumps(soak_worker.plugin_counters))
+    code = ("import pickle, sys\n"
+            "assert not any(p.endswith('benchmarks') for p in sys.path)\n"
+            f"counters = pickle.loads(open({str(payload)!r}, 'rb').read())(None)\n"
+            "assert 'soak_worker' not in sys.modules, 'pickled by reference'\n"
+            "print(sorted(counters)[:2])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "['decode_steps_cascade', 'decode_steps_graphed']"
