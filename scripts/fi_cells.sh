@@ -30,7 +30,9 @@ fi_build_overlay() {  # release, then its extra packages
   [ -z "$dir" ] || [ -f "$dir/.complete" ] && return 0
   echo "[fi-matrix] building $dir"
   rm -rf "$dir"
-  uv pip install -q --python "$VENV/bin/python" --no-deps --target "$dir" \
+  # uv's cache of the environments (scripts/env.sh): a wheel an environment has too is linked.
+  UV_CACHE_DIR="$fi_cache/uv" UV_LINK_MODE=hardlink \
+    uv pip install -q --python "$VENV/bin/python" --no-deps --target "$dir" \
     "flashinfer-python==$1" "${@:2}" || return 1
   touch "$dir/.complete"
 }

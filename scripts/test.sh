@@ -17,17 +17,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Environments first, side by side; failing to build one stops everything (nothing ran in the
-# wrong one). Sourcing env.sh again after a build only reinstalls this checkout (seconds).
-( source scripts/env.sh requirements/vllm-0.33.0.txt > /dev/null ) & build_033=$!
-source scripts/env.sh requirements/vllm-0.26.0.txt
-source scripts/fi_cells.sh
-fi_build_overlays
-wait "$build_033"
+# Environments first, one after the other: the second links the wheels it shares with the first
+# (the same files in uv's cache, ~3 GB) where two builds side by side would each unpack their
+# own. Failing to build one stops everything (nothing ran in the wrong one).
 source scripts/env.sh requirements/vllm-0.33.0.txt
 venv_033=$VENV
 source scripts/env.sh requirements/vllm-0.26.0.txt  # first on PATH: ruff, mypy, the matrix
 venv_026=$VENV
+source scripts/fi_cells.sh
+fi_build_overlays
 source scripts/stages.sh
 
 lint() {
