@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from vllm_cascade_plugin.face import cli
+from vllm_cascade_plugin.face import check, cli
 from vllm_cascade_plugin.integration import support
 
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
@@ -109,8 +109,25 @@ def test_check_with_arguments_that_keep_the_cascade_flat_says_so_and_exits_1(plu
 
 
 @pytest.mark.flashinfer  # check reports the installed FlashInfer
-def test_check_with_arguments_the_cascade_can_serve_exits_0(plugin_on, capsys):
-    assert cli.main(["check", "my/model", "--speculative-config", NGRAM]) == 0
+@pytest.mark.parametrize(("gpu", "status"), [("NVIDIA H200 (sm_90), CUDA 13.0, 1 device(s)", 0),
+                                             (None, 3)])
+def test_check_with_arguments_the_cascade_can_serve_exits_0_on_a_gpu_and_3_without(
+        plugin_on, capsys, monkeypatch, gpu, status):
+    """Exit status 0 means it will run here: not on a machine without a CUDA GPU, where
+    everything else being in place is status 3 (the report's last line says which)."""
+    monkeypatch.setattr(check, "gpu", lambda: gpu)
+    assert cli.main(["check", "my/model", "--speculative-config", NGRAM]) == status
     out = " ".join(capsys.readouterr().out.split())
     assert "nothing keeps the cascade off" in out
     assert "no --attention-backend, so vLLM picks it: FLASH_ATTN on Hopper" in out
+    assert out.endswith(f"Exit status {status}: {' '.join(check.EXIT_STATUS[status].split())}")
+    assert ("GPU none" in out) is (gpu is None)
+
+
+@pytest.mark.flashinfer  # check reports the installed FlashInfer
+def test_without_a_gpu_arguments_that_keep_the_cascade_flat_still_exit_1(plugin_on, capsys,
+                                                                        monkeypatch):
+    monkeypatch.setattr(check, "gpu", lambda: None)
+    assert cli.main(["check", "--no-enable-prefix-caching"]) == 1
+    assert capsys.readouterr().out.splitlines()[-1].startswith("Exit status 1: the plugin will "
+                                                                "not run")

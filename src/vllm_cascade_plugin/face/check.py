@@ -1,7 +1,10 @@
 """``vllm-cascade check [VLLM_ARGS...]``: what the plugin finds here and will do at vLLM's start.
 
-Exit status 0 when vLLM will start with the plugin on and, with the arguments vLLM will be
-started with, able to run cascade; 1 otherwise, with every reason named.
+Exit status (:data:`EXIT_STATUS`, also the report's last line): 0 when vLLM will start here with
+the plugin on and, with the arguments vLLM will be started with, able to run cascade; 1 when it
+will not, with every reason named; 3 when nothing but the GPU is missing: the plugin is set up,
+but this machine has no CUDA GPU, without which vLLM's FLASH_ATTN and FLASHINFER backends (and
+so the cascade) do not run. 2 is a usage error (argparse's).
 """
 
 from __future__ import annotations
@@ -21,6 +24,14 @@ from ..integration.compat import (
     SUPPORTED_VLLM,
     check_environment,
 )
+
+WILL_RUN, WILL_NOT_RUN, NO_GPU = 0, 1, 3
+EXIT_STATUS = {
+    WILL_RUN: "the plugin will run here.",
+    WILL_NOT_RUN: "the plugin will not run (the reasons are above).",
+    NO_GPU: "the plugin is set up, but this machine has no CUDA GPU, which vLLM's FLASH_ATTN and "
+            "FLASHINFER backends, and so the cascade, need; on a machine with one it will run.",
+}
 
 
 def say(lines: Iterable[str], width: int = 100) -> None:
@@ -52,14 +63,21 @@ def _torch_line() -> str:
     return f"{torch.__version__} ({'supported' if ok else 'NOT supported'}: {wanted})"
 
 
-def _gpu_line() -> str:
+def gpu() -> str | None:
+    """The CUDA GPU vLLM would run on, described; None when there is none."""
     import torch
 
     if not torch.cuda.is_available():
-        return "none (vLLM's FlashAttention and FlashInfer backends need a CUDA GPU)"
+        return None
     major, minor = torch.cuda.get_device_capability()
     return (f"{torch.cuda.get_device_name()} (sm_{major}{minor}), CUDA {torch.version.cuda}, "
-            f"{torch.cuda.device_count()} device(s); GPU-verified on NVIDIA H200 (sm_90)")
+            f"{torch.cuda.device_count()} device(s)")
+
+
+def _gpu_line(found: str | None) -> str:
+    if found is None:
+        return "none (vLLM's FlashAttention and FlashInfer backends need a CUDA GPU)"
+    return f"{found}; GPU-verified on NVIDIA H200 (sm_90)"
 
 
 def _knob_value(knob: Knob, raw: str | None) -> str:
@@ -73,11 +91,9 @@ def _knob_value(knob: Knob, raw: str | None) -> str:
         return f"INVALID (expected {knob.accepted})"
 
 
-def _fa3_line() -> str:
+def _fa3_line(found: str | None) -> str:
     """Whether FlashAttention 3 runs here: the FLASH_ATTN backend's cascade needs it."""
-    import torch
-
-    if not torch.cuda.is_available():
+    if found is None:
         return "unknown without a GPU (it needs Hopper, sm_90)"
     from ..execution.vllm_kernels import fa3_kernels
 
@@ -89,14 +105,26 @@ def _fa3_line() -> str:
 
 
 def check(vllm_args: Sequence[str] = ()) -> int:
-    """Print the environment report; 0 when vLLM will start with the plugin on (and, given
-    ``vllm_args``, can run cascade with them), else 1."""
+    """Print the environment report and, last, what its exit status means; the status is
+    :data:`WILL_RUN` when vLLM will start here with the plugin on (and, given ``vllm_args``, can
+    run cascade with them), :data:`NO_GPU` when only the CUDA GPU is missing, else
+    :data:`WILL_NOT_RUN`."""
+    found = gpu()
+    status = _report(list(vllm_args), found)
+    if status == WILL_RUN and found is None:
+        status = NO_GPU
+    say([f"Exit status {status}: {EXIT_STATUS[status]}"])
+    return status
+
+
+def _report(vllm_args: list[str], found_gpu: str | None) -> int:
+    """The report but its last line; :data:`WILL_RUN` or :data:`WILL_NOT_RUN`."""
     reasons: list[str] = []
     report = check_environment()
     python = importlib.metadata.metadata("vllm-cascade-plugin")["Requires-Python"]
     say([f"Python      {platform.python_version()} (supported: {python}; {sys.executable})",
          f"torch       {_torch_line()}",
-         f"GPU         {_gpu_line()}",
+         f"GPU         {_gpu_line(found_gpu)}",
          f"vLLM        {report.vllm or 'not installed'} (supported {SUPPORTED_VLLM}; "
          f"GPU-verified {GPU_VERIFIED_VLLM})",
          f"FlashInfer  {report.flashinfer or 'not installed'} (supported "
@@ -117,11 +145,11 @@ def check(vllm_args: Sequence[str] = ()) -> int:
     if refused is not None:  # register() raises the same error in every vLLM process
         say(["At startup: vLLM refuses to start (the plugin's entry point raises this error "
              "before any model loads):", f"  - {refused}"])
-        return 1
+        return WILL_NOT_RUN
 
-    found = _entry_point_found()
-    print(f"Entry point vllm.general_plugins:cascade {'found' if found else 'NOT found'}")
-    if not found:
+    entry_point = _entry_point_found()
+    print(f"Entry point vllm.general_plugins:cascade {'found' if entry_point else 'NOT found'}")
+    if not entry_point:
         reasons.append("the entry point is not installed: pip install vllm-cascade-plugin")
     if _plugin_filtered_out():
         reasons.append("VLLM_PLUGINS does not list 'cascade', so vLLM will not load the plugin")
@@ -134,13 +162,13 @@ def check(vllm_args: Sequence[str] = ()) -> int:
     if reasons:
         print("At startup: the plugin stays OFF and vLLM runs unchanged, because:")
         say(f"  - {reason}" for reason in reasons)
-        return 1
+        return WILL_NOT_RUN
     assert config is not None
-    _startup_lines(config)
-    return _engine_arguments(list(vllm_args), config.fp8_kv)
+    _startup_lines(config, found_gpu)
+    return _engine_arguments(vllm_args, config.fp8_kv)
 
 
-def _startup_lines(config: CascadeConfig) -> None:
+def _startup_lines(config: CascadeConfig, found_gpu: str | None) -> None:
     interval = (f"every {config.log_interval_s:g} s" if config.log_interval_s > 0
                 else "never (CASCADE_LOG_INTERVAL=0)")
     metrics = ("PROMETHEUS_MULTIPROC_DIR is set" if "PROMETHEUS_MULTIPROC_DIR" in os.environ
@@ -154,7 +182,7 @@ def _startup_lines(config: CascadeConfig) -> None:
         "Hopper (its cascade needs FlashAttention 3), or FLASHINFER with --attention-backend "
         "FLASHINFER (FlashAttention 3 kernels on Hopper, FlashInfer's elsewhere). Each worker "
         "logs which backend carries it. Other backends run as without the plugin.",
-        f"  FlashAttention 3 here: {_fa3_line()}.",
+        f"  FlashAttention 3 here: {_fa3_line(found_gpu)}.",
         f"  CASCADE_POLICY={config.policy}: " + (
             "each step with a shared prefix runs as cascade where the cost model predicts a win, "
             "else flat." if config.policy == "auto"
@@ -172,14 +200,15 @@ def _startup_lines(config: CascadeConfig) -> None:
 
 
 def _engine_arguments(argv: list[str], fp8_kv: bool = False) -> int:
-    """What the plugin does with the vLLM arguments ``argv``; 0 unless they keep it flat."""
+    """What the plugin does with the vLLM arguments ``argv``; :data:`WILL_RUN` unless they keep
+    it flat."""
     if not argv:
-        return 0
+        return WILL_RUN
     try:
         values = support.read_engine_arguments(argv)
     except ValueError as exc:
         say([f"With the vLLM arguments given: cannot read them ({exc})."])
-        return 1
+        return WILL_NOT_RUN
     reasons = support.engine_argument_reasons(values, fp8_kv)
     backend = values["attention_backend"]
     where = (f"--attention-backend {backend}" if backend is not None
@@ -187,7 +216,7 @@ def _engine_arguments(argv: list[str], fp8_kv: bool = False) -> int:
     if reasons:
         say([f"With the vLLM arguments given ({where}), every step runs vLLM's flat attention "
              "and the plugin has nothing to do, because:", *(f"  - {r}" for r in reasons)])
-        return 1
+        return WILL_NOT_RUN
     say([f"With the vLLM arguments given ({where}): nothing keeps the cascade off; steps "
          "whose requests share KV pages can run as cascade."])
-    return 0
+    return WILL_RUN

@@ -155,9 +155,11 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     check_parser = commands.add_parser(
         "check", help="report the environment and what the plugin will do",
-        description="What the plugin finds here and will do at vLLM's startup; exit status 0 "
-        "when it will run. Given the arguments vLLM will be started with (as for vllm serve: "
-        "MODEL --kv-cache-dtype ...), also whether they leave the cascade anything to do.")
+        description="What the plugin finds here and will do at vLLM's startup. Given the "
+        "arguments vLLM will be started with (as for vllm serve: MODEL --kv-cache-dtype ...), "
+        "also whether they leave the cascade anything to do. Exit status: 0 it will run here; "
+        "1 it will not (the report says why); 3 it is set up, but this machine has no CUDA "
+        "GPU.")
     check_parser.add_argument("vllm_args", nargs=argparse.REMAINDER, metavar="VLLM_ARGS",
                               help="vllm serve's arguments (the model and any flags)")
 
