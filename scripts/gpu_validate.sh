@@ -29,11 +29,13 @@
 #   soak               tests/gpu/test_soak.py: benchmarks/soak.py shortened to SOAK_SECONDS
 # then alone (they take most of the GPU, or time what they run):
 #   serving_memory     tests/gpu/test_serving.py at gpu_memory_utilization=0.92
-#   demo               `vllm-cascade demo` (Llama-3-8B shapes, plugin off vs on)
+#   demo               `vllm-cascade demo` (Llama-3-8B shapes: plugin off, on, off on FLASH_ATTN)
 #   examples           the three examples as a user runs them (llama-tiny: they check that it
 #                      runs; their speed is the demo's and the benchmarks' business)
-# Each part's outcome becomes a row of gpu_validate.json (scripts/gpu_validate_rows.py); logs
-# and result JSON go to /tmp/gv/<part>/ (unpack into benchmarks/results/h200/ what belongs there).
+# Each part's outcome becomes a row of gpu_validate.json (scripts/gpu_validate_rows.py): the
+# parts a run did not run keep their rows of benchmarks/results/h200/gpu_validate.json, so a run
+# of some parts (GV_SIDE_BY_SIDE, GV_ALONE: the lists to run) completes the committed table.
+# Logs and result JSON go to /tmp/gv/<part>/: benchmarks/results/h200/gpu_validate/<part>/.
 # Other parts, each alone: e2e, e2e_fa (offline end-to-end tables), serve (the serving
 # benchmark), tp (tensor parallelism: two GPUs).
 set -uo pipefail
@@ -45,7 +47,7 @@ mkdir -p "$res"
 SIDE_BY_SIDE=${GV_SIDE_BY_SIDE-"engine_flash_attn engine_flashinfer engine_graphs kernels serving fp8 speculative sliding soak"}
 ALONE=${GV_ALONE-"serving_memory demo examples"}
 ORDER="engine_flash_attn engine_flashinfer engine_graphs kernels serving serving_memory fp8 speculative sliding soak demo examples"
-SOAK_SECONDS=${SOAK_SECONDS:-150}
+SOAK_SECONDS=${SOAK_SECONDS:-90}
 E2E_WORKLOADS=b128_16k_prefix_64_own,8_prefixes_8k_x16_interleaved,n16_sampling_32_prompts_4k,no_sharing_256_random_2k
 stamp() { echo "[gpu_validate $(date +%T)] $*"; }
 row() { python3 scripts/gpu_validate_rows.py row "$@"; }
@@ -158,7 +160,8 @@ part_all() {
   for p in $SIDE_BY_SIDE; do "part_$p" & sleep 2; done
   wait
   for p in $ALONE; do "part_$p"; done
-  python3 scripts/gpu_validate_rows.py table "$res/gpu_validate.json" $ORDER
+  python3 scripts/gpu_validate_rows.py table "$res/gpu_validate.json" $ORDER \
+    --previous benchmarks/results/h200/gpu_validate.json
 }
 
 restore_caches() {  # compiled kernels and graphs from an earlier machine (.devb/*-cache.tar.xz)
@@ -178,7 +181,8 @@ save_caches() {  # for the next fresh machine: .devb/ (see ../shared/device/READ
 
 pack() {  # what has finished, into $OUT
   [ -n "${OUT:-}" ] || return 0
-  python3 scripts/gpu_validate_rows.py table "$res/gpu_validate.json" $ORDER > /dev/null
+  python3 scripts/gpu_validate_rows.py table "$res/gpu_validate.json" $ORDER \
+    --previous benchmarks/results/h200/gpu_validate.json > /dev/null
   tar -C "$res" -cJf "$OUT/gv.tar.xz" --exclude=./engines --exclude=./models --exclude=./caches \
     --exclude='*.safetensors' --exclude='*.bin' .
   [ -e "$res/done" ] && cp "$res"/caches/*.tar.xz "$OUT"/ 2>/dev/null

@@ -1,13 +1,16 @@
 """The rows of ``benchmarks/results/h200/gpu_validate.json``, written by scripts/gpu_validate.sh.
 
     python3 scripts/gpu_validate_rows.py row PART SECONDS [--junit FILE] [--rc N] [--checks P F]
-    python3 scripts/gpu_validate_rows.py table OUT_JSON PART...
+    python3 scripts/gpu_validate_rows.py table OUT_JSON PART... [--previous JSON]
     python3 scripts/gpu_validate_rows.py join FOLDER
 
 ``row`` appends one part's outcome to ``rows.jsonl`` beside this run's results
 (``CASCADE_GV_DIR``): passed, failed and skipped tests from pytest's JUnit XML, or a command's
 checks (``--checks PASSED FAILED``); a part whose XML is missing (killed at its time limit,
-crashed) counts one failure. ``table`` writes the latest row of each named part, in that order.
+crashed) counts one failure. ``table`` writes the latest row of each named part, in that order;
+with ``--previous`` (the committed gpu_validate.json) a part this run did not run keeps its
+earlier row, and every row carries ``last_passed``: the date and commit of the latest run of
+that part without a failure (null: none yet).
 ``join`` merges result files that pytest-xdist workers wrote one each (``name.gw0.json``, ...)
 into ``name.json``. The commit is ``CASCADE_COMMIT`` (the device's copy of the checkout has no
 git history), else git's, else "unknown".
@@ -71,15 +74,25 @@ def row(args: argparse.Namespace) -> dict:
     return record
 
 
-def table(out: Path, parts: list[str]) -> list[dict]:
-    latest: dict[str, dict] = {}
+def passed(record: dict) -> bool:
+    return record["failed"] == 0 and record["passed"] > 0
+
+
+def table(out: Path, parts: list[str], previous: Path | None = None) -> list[dict]:
+    earlier = {r["part"]: r for r in json.loads(previous.read_text())} if (
+        previous is not None and previous.is_file()) else {}
+    latest: dict[str, dict] = dict(earlier)
+    last_passed = {part: r.get("last_passed") for part, r in earlier.items()}
     rows_file = RESULTS / "rows.jsonl"
     if rows_file.is_file():
         for line in rows_file.read_text().splitlines():
             if line.strip():
                 record = json.loads(line)
                 latest[record["part"]] = record
-    rows = [latest[p] for p in parts if p in latest]
+                if passed(record):
+                    last_passed[record["part"]] = {"date": record["date"],
+                                                   "commit": record["commit"]}
+    rows = [{**latest[p], "last_passed": last_passed.get(p)} for p in parts if p in latest]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=1) + "\n")
     return rows
@@ -115,13 +128,14 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("table")
     p.add_argument("out", type=Path)
     p.add_argument("parts", nargs="+")
+    p.add_argument("--previous", type=Path)
     p = sub.add_parser("join")
     p.add_argument("folder", type=Path)
     args = parser.parse_args(argv)
     if args.command == "row":
         print(json.dumps(row(args)))
     elif args.command == "table":
-        for record in table(args.out, args.parts):
+        for record in table(args.out, args.parts, args.previous):
             print(json.dumps(record))
     else:
         for whole in join(args.folder):

@@ -20,6 +20,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))  # its parts, wherever it is loaded from
+from readme_compat import block_compatibility  # noqa: E402
+
 README = ROOT / "README.md"
 RESULTS = ROOT / "benchmarks" / "results"
 H200 = RESULTS / "h200"
@@ -309,7 +312,7 @@ BLOCKS: dict[str, Callable[[], list[str]]] = {
     "summary": block_summary, "e2e": block_e2e, "kernel": block_kernel,
     "planner": block_planner, "serve": block_serve, "correctness": block_correctness,
     "kernel_correctness": block_kernel_correctness, "soak": block_soak,
-    "demo_cpu": block_demo_cpu,
+    "demo_cpu": block_demo_cpu, "compatibility": block_compatibility,
 }
 
 

@@ -15,6 +15,7 @@ from vllm_cascade_plugin.face import check, cli
 from vllm_cascade_plugin.integration import support
 
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
+SUFFIX = json.dumps({"method": "suffix", "num_speculative_tokens": 3})
 EAGLE = json.dumps({"method": "eagle", "model": "some/eagle", "num_speculative_tokens": 3})
 
 
@@ -32,7 +33,7 @@ def test_check_reads_the_settings_it_judges_in_both_spellings():
          "--speculative-config", NGRAM, "--attention-backend", "FLASH_ATTN", "-tp", "2"])
     assert values == {"attention_backend": "FLASH_ATTN", "kv_cache_dtype": "fp8",
                       "enable_prefix_caching": False, "async_scheduling": None,
-                      "speculative_config": json.loads(NGRAM)}
+                      "speculative_config": json.loads(NGRAM), "tensor_parallel_size": 2}
     assert support.read_engine_arguments([]) == dict.fromkeys(support.ENGINE_FIELDS)
     for bad in (["--kv-cache-dtype"], ["--speculative-config", "{not json"]):
         with pytest.raises(ValueError):
@@ -49,6 +50,9 @@ def test_check_reads_the_settings_it_judges_in_both_spellings():
     (["--kv-cache-dtype", "fp8_e5m2"], [support.kv_cache_dtype_reason("fp8_e5m2")]),
     (["--speculative-config", NGRAM, "--async-scheduling"], [support.ASYNC_SPECULATIVE]),
     (["--speculative-config", EAGLE], [support.speculative_reason("eagle", None)]),
+    (["--speculative-config", SUFFIX], [support.speculative_reason("suffix", None)]),
+    (["--tensor-parallel-size", "2"], [support.parallel_reason(2)]),
+    (["-tp", "1"], []),
     (["--attention-backend", "TRITON_ATTN"], ["--attention-backend TRITON_ATTN: the plugin "
                                               "extends FLASH_ATTN and FLASHINFER only; other "
                                               "backends run as without it"]),
@@ -64,7 +68,12 @@ def test_the_reasons_for_fp8_and_speculative_decoding_say_why():
     assert support.kv_cache_dtype_reason("fp8", fp8_kv=True) is None
     assert "not supported" in support.kv_cache_dtype_reason("fp8_e5m2", fp8_kv=True)
     assert support.speculative_reason("ngram", False) is None
-    assert support.speculative_reason("suffix", None) is None
+    # suffix is served but not run on a GPU with this release: CASCADE_UNVERIFIED only.
+    assert "CASCADE_UNVERIFIED=1" in support.speculative_reason("suffix", None)
+    assert support.speculative_reason("suffix", None, unverified=True) is None
+    assert "CASCADE_UNVERIFIED=1" in support.parallel_reason(2)
+    assert support.parallel_reason(2, unverified=True) is None
+    assert support.parallel_reason(1) is None and support.parallel_reason(None) is None
     assert "upper bounds" in support.speculative_reason("ngram", True)
     assert "drafter" in support.speculative_reason("mtp", False)
 
@@ -73,7 +82,7 @@ def test_vllms_own_parser_reads_these_flags_as_check_does():
     """The flags check reads are EngineArgs fields vLLM parses to the same values (a CPU platform
     stands in for the GPU; in a subprocess, so no other test sees it)."""
     argv = ["--kv-cache-dtype", "fp8", "--no-enable-prefix-caching", "--speculative-config",
-            NGRAM, "--attention-backend", "FLASHINFER", "--no-async-scheduling"]
+            NGRAM, "--attention-backend", "FLASHINFER", "--no-async-scheduling", "-tp", "2"]
     script = textwrap.dedent("""
         import dataclasses, json, sys
         import vllm.platforms

@@ -13,7 +13,7 @@ Every workload runs on three engines, side by side: the plugin on (FlashInfer wr
 plugin off with FlashInfer, and the plugin off with FlashAttention (for the plugin in vLLM's
 FLASH_ATTN backend, ``test_flash_attn_engine.py``, the two swap). A row of ``correctness.json``
 (``engine_oracle.judge``) compares the plugin with plugin-off FlashInfer by
-``vllm_cascade_plugin.agreement``: chosen-token logprobs position by position up to each
+``vllm_cascade_plugin.face.agreement``: chosen-token logprobs position by position up to each
 completion's first diverging token, where the top-2 margin exceeds 0.1 in both; a mean and a
 largest deviation at most 1.5 times the two plugin-off kernels' on the same workload in the same
 run (``reference_mean_abs_dlogprob``, ``reference_max_abs_dlogprob``; the mean floored at 0.002,

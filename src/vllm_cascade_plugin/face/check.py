@@ -165,7 +165,7 @@ def _report(vllm_args: list[str], found_gpu: str | None) -> int:
         return WILL_NOT_RUN
     assert config is not None
     _startup_lines(config, found_gpu)
-    return _engine_arguments(vllm_args, config.fp8_kv)
+    return _engine_arguments(vllm_args, config)
 
 
 def _startup_lines(config: CascadeConfig, found_gpu: str | None) -> None:
@@ -190,18 +190,22 @@ def _startup_lines(config: CascadeConfig, found_gpu: str | None) -> None:
         f"  Each worker logs its cascade statistics {interval}; Prometheus metrics reach "
         f"/metrics {metrics}.",
         "  Runs flat, with one line at startup saying why: prefix caching off (nothing is "
-        "shared: the plugin has nothing to do), a quantised KV cache (FP8 e4m3 with "
-        "per-layer scales runs cascade with CASCADE_FP8_KV=1: "
-        f"{'on' if config.fp8_kv else 'off'}, not yet verified on a GPU), speculative "
-        f"decoding other than {' or '.join(support.SPECULATIVE_METHODS)} or with asynchronous "
+        "shared: the plugin has nothing to do), a quantised KV cache, speculative decoding "
+        f"other than {' or '.join(support.SPECULATIVE_METHODS)} or with asynchronous "
         "scheduling, and the models listed in the README. Check the arguments vLLM will start "
         "with: vllm-cascade check MODEL --kv-cache-dtype ... (as for vllm serve).",
+        "  Not verified on a GPU with this release, so off unless asked for: an FP8 KV cache "
+        "(e4m3, per-layer scales; its kernels are verified, its engine-level comparison not "
+        f"yet): CASCADE_FP8_KV={'on' if config.fp8_kv else 'off'}; tensor parallelism above 1 "
+        "and suffix speculative decoding: "
+        f"CASCADE_UNVERIFIED={'on' if config.unverified else 'off'}.",
     ])
 
 
-def _engine_arguments(argv: list[str], fp8_kv: bool = False) -> int:
-    """What the plugin does with the vLLM arguments ``argv``; :data:`WILL_RUN` unless they keep
-    it flat."""
+def _engine_arguments(argv: list[str], config: CascadeConfig | None = None) -> int:
+    """What the plugin does with the vLLM arguments ``argv`` under ``config``; :data:`WILL_RUN`
+    unless they keep it flat."""
+    config = config or CascadeConfig()
     if not argv:
         return WILL_RUN
     try:
@@ -209,7 +213,7 @@ def _engine_arguments(argv: list[str], fp8_kv: bool = False) -> int:
     except ValueError as exc:
         say([f"With the vLLM arguments given: cannot read them ({exc})."])
         return WILL_NOT_RUN
-    reasons = support.engine_argument_reasons(values, fp8_kv)
+    reasons = support.engine_argument_reasons(values, config.fp8_kv, config.unverified)
     backend = values["attention_backend"]
     where = (f"--attention-backend {backend}" if backend is not None
              else "no --attention-backend, so vLLM picks it: FLASH_ATTN on Hopper")

@@ -107,14 +107,16 @@ def fp8_layer_reason(vllm_config: Any, layer_names: list[str]) -> str | None:
 def _reasons(vllm_config: Any, kv_cache_spec: Any, impls: list[Any],
              layer_names: list[str]) -> Iterator[str | None]:
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
-    fp8 = load_config().fp8_kv
+    config = load_config()
+    fp8 = config.fp8_kv
     if not getattr(vllm_config.cache_config, "enable_prefix_caching", True):
         yield support.PREFIX_CACHING_OFF
     speculative = vllm_config.speculative_config
     if speculative is not None:
         yield support.speculative_reason(
             getattr(speculative, "method", None),
-            getattr(vllm_config.scheduler_config, "async_scheduling", None))
+            getattr(vllm_config.scheduler_config, "async_scheduling", None), config.unverified)
+    yield support.parallel_reason(parallel.tensor_parallel_size, config.unverified)
     yield support.kv_cache_dtype_reason(getattr(vllm_config.cache_config, "cache_dtype", None),
                                         fp8)
     yield next(filter(None, (support.kv_cache_dtype_reason(getattr(i, "kv_cache_dtype", None),

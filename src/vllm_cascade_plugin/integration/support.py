@@ -28,6 +28,10 @@ UNQUANTISED_KV = ("auto", "bfloat16", "float16")
 # through the same backend, on batches and under CUDA graphs of its own that no plan was made
 # for; that is not verified.
 SPECULATIVE_METHODS = ("ngram", "suffix")
+# Of those, the ones run on a GPU with this release; the others need CASCADE_UNVERIFIED.
+GPU_VERIFIED_SPECULATIVE = ("ngram",)
+
+UNVERIFIED = "CASCADE_UNVERIFIED=1 runs the cascade on it"
 
 ASYNC_SPECULATIVE = (
     "speculative decoding with asynchronous scheduling: the host then knows only upper bounds of "
@@ -49,22 +53,36 @@ def kv_cache_dtype_reason(kv_cache_dtype: str | None, fp8_kv: bool = False) -> s
         if fp8_kv:
             return None
         return (f"FP8 KV cache (kv_cache_dtype={kv_cache_dtype}): runs flat by default; "
-                "CASCADE_FP8_KV=1 runs the cascade on it (e4m3 with per-layer scales; tested "
-                "on CPU only, not yet verified on a GPU)")
+                "CASCADE_FP8_KV=1 runs the cascade on it (e4m3 with per-layer scales; its "
+                "kernels are verified on a GPU, its engine-level comparison not yet)")
     return (f"quantised KV cache (kv_cache_dtype={kv_cache_dtype}): the cascade reads "
             f"{' or '.join(FP8_KV)} (e4m3) with per-layer scales only (CASCADE_FP8_KV=1); "
             "this layout is not supported")
 
 
-def speculative_reason(method: str | None, async_scheduling: bool | None) -> str | None:
+def speculative_reason(method: str | None, async_scheduling: bool | None,
+                       unverified: bool = False) -> str | None:
     """Why speculative decoding with ``method`` keeps every step flat, or None (verification
-    steps, 1 + k query tokens per request, run cascade like any other step)."""
+    steps, 1 + k query tokens per request, run cascade like any other step). ``unverified``:
+    ``CASCADE_UNVERIFIED`` is on."""
     if async_scheduling:
         return ASYNC_SPECULATIVE
     if method not in SPECULATIVE_METHODS:
         return (f"speculative decoding with method {method or '(from the draft model)'}: "
-                f"cascade is verified with {' and '.join(SPECULATIVE_METHODS)} only, whose "
-                "drafting runs no attention (a drafter's own attention steps are not planned)")
+                f"cascade serves {' and '.join(SPECULATIVE_METHODS)} only, whose drafting runs "
+                "no attention (a drafter's own attention steps are not planned)")
+    if method not in GPU_VERIFIED_SPECULATIVE and not unverified:
+        return (f"speculative decoding with method {method}: not verified on a GPU with this "
+                f"release; {UNVERIFIED}")
+    return None
+
+
+def parallel_reason(tensor_parallel_size: int | None, unverified: bool = False) -> str | None:
+    """Why tensor parallelism keeps every step flat, or None. ``unverified``:
+    ``CASCADE_UNVERIFIED`` is on."""
+    if (tensor_parallel_size or 1) > 1 and not unverified:
+        return (f"tensor parallelism (tensor_parallel_size={tensor_parallel_size}): not "
+                f"verified on a GPU with this release; {UNVERIFIED}")
     return None
 
 
@@ -73,7 +91,7 @@ def speculative_reason(method: str | None, async_scheduling: bool | None) -> str
 # The EngineArgs fields ``check`` reads from vLLM's command line (the same names, flags and
 # meaning in 0.26-0.33; tests/face/test_check.py holds them against vLLM's EngineArgs).
 ENGINE_FIELDS = ("attention_backend", "kv_cache_dtype", "enable_prefix_caching",
-                 "speculative_config", "async_scheduling")
+                 "speculative_config", "async_scheduling", "tensor_parallel_size")
 
 
 def read_engine_arguments(argv: list[str]) -> dict[str, Any]:
@@ -87,6 +105,7 @@ def read_engine_arguments(argv: list[str]) -> dict[str, Any]:
     parser.add_argument("--attention-backend")
     parser.add_argument("--kv-cache-dtype")
     parser.add_argument("--speculative-config")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int)
     for flag in ("enable-prefix-caching", "async-scheduling"):
         parser.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction)
     try:
@@ -109,9 +128,11 @@ def _dashed(arg: str) -> str:
     return flag.replace("_", "-") + equals + value
 
 
-def engine_argument_reasons(values: dict[str, Any], fp8_kv: bool = False) -> list[str]:
+def engine_argument_reasons(values: dict[str, Any], fp8_kv: bool = False,
+                            unverified: bool = False) -> list[str]:
     """Why an engine started with these settings (:func:`read_engine_arguments`) runs every
-    step flat; empty: the cascade can run. ``fp8_kv``: ``CASCADE_FP8_KV`` is on."""
+    step flat; empty: the cascade can run. ``fp8_kv``, ``unverified``: ``CASCADE_FP8_KV``,
+    ``CASCADE_UNVERIFIED`` are on."""
     reasons = []
     backend = values.get("attention_backend")
     if backend is not None and str(backend).upper() not in BACKENDS:
@@ -124,6 +145,9 @@ def engine_argument_reasons(values: dict[str, Any], fp8_kv: bool = False) -> lis
     speculative = values.get("speculative_config")
     if speculative is not None:
         method = speculative.get("method") if isinstance(speculative, dict) else None
-        if (reason := speculative_reason(method, values.get("async_scheduling"))) is not None:
+        if (reason := speculative_reason(method, values.get("async_scheduling"),
+                                         unverified)) is not None:
             reasons.append(reason)
+    if (reason := parallel_reason(values.get("tensor_parallel_size"), unverified)) is not None:
+        reasons.append(reason)
     return reasons

@@ -1,0 +1,86 @@
+"""README.md's compatibility table: what each row is, and when its GPU checks last passed.
+
+Rendered by ``scripts/readme_tables.py`` (block ``compatibility``). A row names the parts of
+``scripts/gpu_validate.sh`` that check it on the GPU; its last column is read from
+``benchmarks/results/h200/gpu_validate.json`` (each part's ``last_passed``: the date and commit
+of its latest run without a failure), so the table says, per row, when the GPU last agreed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+GPU_VALIDATE = Path(__file__).resolve().parents[1] / "benchmarks/results/h200/gpu_validate.json"
+
+# (what, status, how it is checked, gpu_validate.sh parts that check it on the GPU)
+ROWS: list[tuple[str, str, str, tuple[str, ...]]] = [
+    ("vLLM 0.26.0 + FlashInfer 0.6.14, `FLASHINFER` backend",
+     "works; engine rows within a second kernel's deviation by the rule as revised after "
+     "their run (`gpu_validate/rejudged.txt`)",
+     "H200: kernels vs flat attention and fp32; engine on vs off vs a second kernel, both "
+     "runners, whole-step and per-layer graphs; CPU suite",
+     ("kernels", "engine_flashinfer", "engine_graphs")),
+    ("`FLASH_ATTN` backend (vLLM's default on Hopper)", "works; as the row above",
+     "H200: engine on vs off (FlashInfer the second kernel), both runners, no sharing, a "
+     "corrupted plan; CPU suite on 0.26.0 and 0.33.0", ("engine_flash_attn",)),
+    ("`vllm serve` (engine-core process, async scheduling), vLLM's CUDA graphs",
+     "works; `enforce_eager`: CPU only",
+     "H200: a batch changing every step (graphs replayed, outputs agree), at "
+     "`gpu_memory_utilization=0.92`, a soak", ("serving", "serving_memory", "soak")),
+    ("vLLM 0.26.0 + FlashInfer 0.6.8.post1, 0.6.11.post3", "kernels work",
+     "H200 kernel tests (`flashinfer_matrix.json`); engine not run", ()),
+    ("vLLM 0.26.0 + FlashInfer 0.7.0.post1, 0.7.2.post1, 0.7.4; vLLM 0.33.0 + FlashInfer "
+     "0.7.2.post1", "registers, plans",
+     "CPU suite per release (hooks, registration, builder and impl on real vLLM objects)", ()),
+    ("vLLM 0.27 to 0.32", "accepted",
+     "every vLLM symbol the plugin uses read in each release's source; not run", ()),
+    ("FP8 KV cache (`fp8`/`fp8_e4m3`, per-layer scales)",
+     "opt-in (`CASCADE_FP8_KV=1`), flat by default",
+     "H200: kernels vs fp32 attention on the dequantised cache; engine vs two FP8 kernels",
+     ("fp8",)),
+    ("other quantised KV caches, `--calculate-kv-scales`", "run flat",
+     "one INFO line naming the layout, `check` says so", ()),
+    ("speculative decoding: `ngram`, `--no-async-scheduling`", "works",
+     "H200: V1 engine on vs off, verification steps run cascade", ("speculative",)),
+    ("speculative decoding: `suffix`", "opt-in (`CASCADE_UNVERIFIED=1`), flat by default",
+     "CPU suite (its drafter is not on the validation machine)", ()),
+    ("speculative decoding: other methods or async scheduling", "runs flat",
+     "reason logged once and shown by `check`", ()),
+    ("tensor parallelism", "opt-in (`CASCADE_UNVERIFIED=1`), flat by default",
+     "needs two GPUs; whole-step graphs are off at TP > 1", ("tp",)),
+    ("sliding-window attention", "those layers run flat",
+     "H200: a model mixing sliding-window and full layers in both KV-cache layouts (V1 runner: "
+     "its full layers run cascade with `--disable-hybrid-kv-cache-manager`)", ("sliding",)),
+    ("`vllm-cascade demo`, `examples/`", "run", "H200, as a user runs them",
+     ("demo", "examples")),
+    ("prefix caching off; other attention backends; ALiBi, sinks, context or pipeline "
+     "parallelism, microbatching, encoder-decoder and hybrid models, mixed scales or soft-caps",
+     "run as without the plugin", "one INFO line, `check` says so", ()),
+]
+
+
+def _cell(parts: tuple[str, ...], results: dict[str, dict]) -> str:
+    if not parts:
+        return "—"
+    cells = []
+    for part in parts:
+        row = results.get(part)
+        last = None if row is None else row.get("last_passed")
+        if row is None:
+            cells.append(f"`{part}`: not run")
+        elif last is None:
+            cells.append(f"`{part}`: not yet ({row['failed']} failed {row['date']}, "
+                         f"{row['commit']})")
+        else:
+            cells.append(f"`{part}` {last['date']}, {last['commit']}")
+    return "; ".join(cells)
+
+
+def block_compatibility() -> list[str]:
+    results = {r["part"]: r for r in json.loads(GPU_VALIDATE.read_text())}
+    lines = ["| what | status | how it is checked | last passed on the GPU |",
+             "|---|---|---|---|"]
+    lines += [f"| {what} | {status} | {how} | {_cell(parts, results)} |"
+              for what, status, how, parts in ROWS]
+    return lines
