@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -274,6 +275,7 @@ class CascadeBuilder:
         """The cascade fields of this step's metadata, the executor planned; None: the step
         runs flat (counted)."""
         args = self._kernel_args
+        start = time.perf_counter()
         try:
             executor = self._executor()
             executor.plan(step.plan, num_qo_heads=args.num_qo_heads,
@@ -285,6 +287,8 @@ class CascadeBuilder:
         except Exception as exc:
             stats.record_fallback("kernel planning error", f"{type(exc).__name__}: {exc}")
             return None
+        finally:
+            stats.record_builder(time.perf_counter() - start)
         stats.record_cascade(step.plan.stats.pages_flat, step.plan.stats.pages_cascade,
                              step.decode)
         return {"cascade": executor, "cascade_max_page": step.plan.stats.max_page,
