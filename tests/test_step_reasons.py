@@ -42,6 +42,32 @@ def prefix_rows(rows: int, prefix_pages: int = 512, own_pages: int = 12):
     return table, np.full(rows, prefix_pages * 16 + 144, np.int32)
 
 
+def test_a_decode_step_above_the_largest_capture_size_is_always_charged_the_eager_cost():
+    """vLLM runs such a step without graphs and unpadded, and so does the plugin: however often
+    its layout repeats, the step is charged the eager per-step cost (a decode step that only
+    the graphed cost makes worth it stays flat), where below the largest size the same
+    layout's second step gets the graphed cost."""
+    table, seq = prefix_rows(64)
+    q = np.ones(64, np.int32)
+    plan_of = fa3_session(()).plan_step(table, seq, q).plan
+    assert decide(plan_of, H200_LAYER, GRAPHED).use_cascade
+    assert not decide(plan_of, H200_LAYER, EAGER).use_cascade
+    below, above = fa3_session((16, 32, 64)), fa3_session((8, 16, 32))
+    assert below.graphable(64) and not above.graphable(64) and above.graphable(32)
+    assert StepSession().graphable(10_000)  # no capture sizes known: no limit
+    verdicts = {}
+    for name, session in (("below", below), ("above", above)):
+        stats.reset()
+        verdicts[name] = [session.plan_step(table, seq + i, q).decision.use_cascade
+                          for i in range(4)]
+        session.end_step()
+        verdicts[name + " reasons"] = stats.snapshot().flat_reasons
+    assert verdicts["below"] == [False, True, True, True]
+    assert verdicts["below reasons"] == {c.NOT_CAPTURED: 1, c.UNUSED: 3}  # no builder here
+    assert verdicts["above"] == [False] * 4
+    assert verdicts["above reasons"] == {c.COST_MODEL: 4}
+
+
 def test_each_flat_step_is_counted_with_the_reason_the_session_decided(monkeypatch):
     session = fa3_session()
     small, _ = prefix_rows(4, prefix_pages=2, own_pages=2)  # a fixed cost never repaid

@@ -284,12 +284,23 @@ class StepSession:
         at = bisect.bisect_left(self._capture_sizes, num_tokens)
         return self._capture_sizes[at] if at < len(self._capture_sizes) else num_tokens
 
+    def graphable(self, num_tokens: int) -> bool:
+        """Whether a step of ``num_tokens`` may run from the plugin's CUDA graphs (per layer or
+        whole step): vLLM pads it to one of its capture sizes. Above the largest, vLLM neither
+        pads it nor runs its own graphs, and neither does the plugin: graphs keyed by the exact
+        row count would be captured anew nearly every step while a batch shrinks a few rows at
+        a time. Without known capture sizes (vLLM without CUDA graphs, where the executors have
+        none either; tests) every size is."""
+        return not self._capture_sizes or num_tokens <= self._capture_sizes[-1]
+
     def _graph_state(self, plan: CascadePlan, decode: bool) -> str:
         """How a step's attention runs as cascade: :data:`STEADY`, a decode step whose graph
         layout an earlier planned step (flat or cascade) had, whose graphs replay (or are
         captured now); :data:`FIRST`, a decode step of a new layout (recorded now); else
-        :data:`EAGER` (no shared level, not a decode step, graphs off)."""
-        if not decode or plan.num_levels < 2 or self.steady_cost_model is None:
+        :data:`EAGER` (no shared level, not a decode step, graphs off, or not
+        :meth:`graphable`)."""
+        if (not decode or plan.num_levels < 2 or self.steady_cost_model is None
+                or not self.graphable(plan.stats.num_tokens)):
             return EAGER
         key = graph_shape(plan, self.padded(plan.stats.num_tokens))
         if key in self._layouts_seen:

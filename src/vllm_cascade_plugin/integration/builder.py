@@ -283,7 +283,8 @@ class CascadeBuilder:
                           page_size=args.page_size, sm_scale=args.sm_scale,
                           logits_soft_cap=args.logits_soft_cap, q_dtype=args.q_dtype,
                           kv_dtype=args.kv_dtype, device=self.device,
-                          padded_rows=session.padded_tokens)
+                          padded_rows=session.padded_tokens,
+                          graphs=session.graphable(step.plan.stats.num_tokens))
         except Exception as exc:
             stats.record_fallback("kernel planning error", f"{type(exc).__name__}: {exc}")
             return None

@@ -125,9 +125,9 @@ COST_MODELS: dict[str, CostModel] = {
 # fits from ``e2e_step_cost_fa3_layer_graphs.json`` (``tests/planning/test_cost.py`` checks it).
 FA3_LAYER_GRAPHS_STEP_FIXED_US = 1500.0
 # The FA3 executor's per-step cost when its decode steps launch their kernels from Python
-# (``CASCADE_CUDA_GRAPHS=0``, ``CASCADE_FUSED_DECODE=0`` or vLLM without CUDA graphs): the same
-# calibration on runs without the plugin's CUDA graphs (``e2e_step_cost_fa3_eager.json``, checked
-# the same way).
+# (``CASCADE_CUDA_GRAPHS=0``, ``CASCADE_FUSED_DECODE=0``, vLLM without CUDA graphs, or a step
+# above vLLM's largest capture size): the same calibration on runs without the plugin's CUDA
+# graphs (``e2e_step_cost_fa3_eager.json``, checked the same way).
 FA3_EAGER_STEP_FIXED_US = 7570.0
 
 
