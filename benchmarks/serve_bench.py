@@ -13,7 +13,8 @@ prefix cache is reset before every run (``POST /reset_prefix_cache``, ``VLLM_SER
 and every run draws prompts of its own (its own ``--seed``), the same ones in every config. The
 plugin's counters come from ``/metrics`` before and after each run (``PROMETHEUS_MULTIPROC_DIR``
 joins the engine processes' counters there). Rows go to ``--out`` after every run, merged with the
-file's rows of other workloads/configs; ``serve.meta.json`` beside it records the commands.
+file's rows of other workloads/configs; ``serve.meta.json`` beside it records the commands. Every
+row of one invocation has the same ``run`` (its start time and the checkout's commit).
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ class Bench:
     known: dict[str, float]  # workload -> flat FlashInfer's sustainable req/s
     work: Path
     run_id: str
+    run: str  # the invocation and the checkout it ran: "<run_id>-<commit>"
     max_len: int
     special: list[int]
     vocab_size: int
@@ -174,6 +176,7 @@ def measure(bench: Bench, server: Server, w: sw.Workload, config: str) -> Iterat
             capture_warnings=warnings,
             extra={"rate_spec": item, "sustainable_rate": bench.known.get(w.name),
                    "seed": int(cmd[cmd.index("--seed") + 1]), "run_id": bench.run_id,
+                   "run": bench.run,
                    "max_model_len": bench.max_len, "prompt_len": w.input_len,
                    "output_len": w.output_len})
 
@@ -213,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         run_id += "x"
     config_json = json.loads((Path(args.model) / "config.json").read_text())
     bench = Bench(args, rates, known, Path(args.work_dir) / run_id, run_id,
-                  sw.max_model_len(workloads),
+                  f"{run_id}-{sr.commit()}", sw.max_model_len(workloads),
                   [config_json["bos_token_id"], config_json["eos_token_id"]],
                   config_json["vocab_size"])
     if args.dry_run:
@@ -223,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(f"missing {', '.join(sw.missing_modules(workloads))}: vllm bench serve's custom "
                  "dataset (the tree workload) reads its JSONL with pandas")
     sw.write_model_folder(Path(args.model), bench.model_dir)
-    meta = {"run_id": run_id, "date": datetime.date.today().isoformat(), **sr.provenance(),
+    meta = {"run_id": run_id, "run": bench.run, "date": datetime.date.today().isoformat(),
+            **sr.provenance(),
             "command": shlex.join([Path(sys.executable).name, os.path.relpath(__file__), *argv]),
             "model": f"{args.model} config.json, --load-format dummy, word-level tokenizer",
             "max_model_len": bench.max_len,

@@ -21,6 +21,7 @@ from serve_workloads import BURST
 # --- Server-side measurements -----------------------------------------------------------------
 
 COUNTERS = {  # row key -> Prometheus sample name
+    "steps_planned": "vllm_cascade_steps_planned_total",
     "decode_steps_planned": "vllm_cascade_decode_steps_planned_total",
     "decode_steps_cascade": "vllm_cascade_decode_steps_cascade_total",
     "decode_steps_graphed": "vllm_cascade_decode_steps_graphed_total",
@@ -28,37 +29,105 @@ COUNTERS = {  # row key -> Prometheus sample name
     "graph_captures": "vllm_cascade_graph_captures_total",
     "graph_capture_s": "vllm_cascade_graph_capture_seconds_total",
     "planning_s": "vllm_cascade_planning_seconds_total",
+    "builder_s": "vllm_cascade_builder_seconds_total",
     "graph_pool_bytes": "vllm_cascade_graph_pool_bytes",  # a level (gauge): its value after
 }
 LEVELS = ("graph_pool_bytes",)
 # Counted on tp_rank="0" only: every tensor-parallel rank plans (and captures) the same steps.
-STEP_COUNTERS = ("decode_steps_planned", "decode_steps_cascade", "decode_steps_graphed",
-                 "graph_captures", "graph_capture_s", "planning_s")
+STEP_COUNTERS = ("steps_planned", "decode_steps_planned", "decode_steps_cascade",
+                 "decode_steps_graphed", "graph_captures", "graph_capture_s", "planning_s",
+                 "builder_s")
+# Step counts by label, on tp_rank="0": {label value: count}.
+BY_LABEL = {  # key -> (Prometheus sample name, label)
+    "decode_flat_steps": ("vllm_cascade_decode_flat_steps_total", "reason"),
+    # The per-step planning histogram: its cumulative counts by upper bound in seconds.
+    "planning_buckets": ("vllm_cascade_step_planning_seconds_bucket", "le"),
+}
+# The host times whose sum over the planned steps is host_us_per_step (see derived()).
+HOST_TIMES = ("planning_s", "builder_s", "graph_capture_s")
 
 
-def parse_counters(text: str) -> dict[str, float | None]:
+def parse_counters(text: str) -> dict[str, Any]:
     """The plugin's counters in a ``/metrics`` text: summed over label sets, step counts on
-    ``tp_rank="0"`` only (tensor-parallel ranks plan the same steps); None when absent."""
+    ``tp_rank="0"`` only (tensor-parallel ranks plan the same steps), :data:`BY_LABEL` as
+    ``{label value: count}`` (``le`` as a float); None when absent."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    totals: dict[str, float | None] = dict.fromkeys(COUNTERS)
+    totals: dict[str, Any] = dict.fromkeys([*COUNTERS, *BY_LABEL])
     wanted = {sample: key for key, sample in COUNTERS.items()}
+    labelled = {sample: (key, label) for key, (sample, label) in BY_LABEL.items()}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
+            rank0 = sample.labels.get("tp_rank", "0") == "0"
+            if sample.name in labelled and rank0:
+                key, label = labelled[sample.name]
+                value = sample.labels.get(label, "")
+                by = totals[key] = totals[key] or {}
+                name = float(value) if label == "le" else value
+                by[name] = by.get(name, 0.0) + sample.value
             key = wanted.get(sample.name)
             if key is None:
                 continue
-            if key in STEP_COUNTERS and sample.labels.get("tp_rank", "0") != "0":
+            if key in STEP_COUNTERS and not rank0:
                 continue
             totals[key] = (totals[key] or 0.0) + sample.value
     return totals
 
 
-def counter_deltas(before: dict[str, float | None],
-                   after: dict[str, float | None]) -> dict[str, float | None]:
-    return {k: None if after.get(k) is None
-            else after[k] if k in LEVELS else after[k] - (before.get(k) or 0.0)
-            for k in COUNTERS}
+def counter_deltas(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    def delta(key: str) -> Any:
+        now, then = after.get(key), before.get(key)
+        if now is None:
+            return None
+        if key in BY_LABEL:
+            return {k: v - (then or {}).get(k, 0.0) for k, v in now.items()}
+        return now if key in LEVELS else now - (then or 0.0)
+
+    return {k: delta(k) for k in (*COUNTERS, *BY_LABEL)}
+
+
+def planning_percentiles(buckets: dict[float, float] | None) -> tuple[float | None, float | None]:
+    """(p50, p99) in µs of the per-step planning time from a histogram's cumulative counts by
+    upper bound (seconds; the last, ``inf``), interpolated inside a bucket as the plugin's log
+    line does (``vllm_cascade_plugin.stats.histogram``)."""
+    from vllm_cascade_plugin.stats.histogram import quantile
+
+    if not buckets:
+        return None, None
+    bounds = sorted(buckets)
+    cumulative = [buckets[b] for b in bounds]
+    counts = [n - m for n, m in zip(cumulative, [0.0, *cumulative[:-1]], strict=True)]
+    finite = [b for b in bounds if b != float("inf")]
+    if len(finite) == len(bounds):  # no +Inf bucket: nothing above the last bound
+        counts.append(0.0)
+    p50, p99 = (quantile(counts, q, finite) for q in (0.5, 0.99))
+    return (None if p50 is None else p50 * 1e6), (None if p99 is None else p99 * 1e6)
+
+
+def derived(delta: dict[str, Any], plugin_on: bool) -> dict[str, Any]:
+    """What a row says of the plugin's host time and flat steps over one run (None with the
+    plugin off or a counter missing):
+
+    - ``planning_us_p50``, ``planning_us_p99``: percentiles of the per-step planning time;
+    - ``host_us_per_step``: planning, the metadata builders' executor planning and CUDA-graph
+      captures (:data:`HOST_TIMES`), over the planned steps;
+    - ``flat_reasons``: {reason: decode steps that ran flat for it / decode steps planned};
+      with ``cascade_step_fraction`` they add up to 1.
+    """
+    out: dict[str, Any] = dict.fromkeys(("planning_us_p50", "planning_us_p99",
+                                         "host_us_per_step", "flat_reasons"))
+    if not plugin_on:
+        return out
+    out["planning_us_p50"], out["planning_us_p99"] = planning_percentiles(
+        delta.get("planning_buckets"))
+    steps, host = delta.get("steps_planned"), [delta.get(k) for k in HOST_TIMES]
+    if steps and None not in host:
+        out["host_us_per_step"] = 1e6 * sum(host) / steps
+    decode, flat = delta.get("decode_steps_planned"), delta.get("decode_flat_steps")
+    if decode:
+        out["flat_reasons"] = {reason: n / decode for reason, n in sorted((flat or {}).items())
+                               if n}
+    return out
 
 
 def fractions(delta: dict[str, float | None], plugin_on: bool) -> tuple[float | None, ...]:
@@ -106,7 +175,8 @@ def make_row(*, workload: str, config: str, request_rate: float | str, tensor_pa
     row.update({k: result.get(field) for k, field in EXTRAS.items()})
     if row["request_throughput"] is None and result.get("duration"):
         row["request_throughput"] = result["completed"] / result["duration"]
-    row.update(delta)
+    row.update(derived(delta, plugin_on))
+    row.update({k: v for k, v in delta.items() if k not in BY_LABEL})
     row.update(extra)
     return row
 
@@ -188,6 +258,20 @@ def plot(out: Path, order: Sequence[str] = ()) -> Path:
 
 
 # --- The machine ------------------------------------------------------------------------
+
+
+def commit() -> str:
+    """The benchmarks' checkout: its commit (12 hex digits, ``+dirty`` with changes to tracked
+    files not committed), or ``unknown`` outside a git checkout."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), *args],
+                              capture_output=True, text=True, timeout=30, check=True).stdout
+    try:
+        head = git("rev-parse", "--short=12", "HEAD").strip()
+        dirty = git("status", "--porcelain", "--untracked-files=no").strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
 
 
 def provenance() -> dict[str, str]:

@@ -232,9 +232,7 @@ class Drive:
         t, start = self.tally, self.counters_start
         counters = None
         if counters_end and start:
-            counters = {k: counters_end[k] - start[k] for k in counters_end if k != "fallbacks"}
-            counters["fallbacks"] = dict(Counter(counters_end["fallbacks"])
-                                         - Counter(start["fallbacks"]))
+            counters = {k: counter_delta(counters_end[k], start.get(k)) for k in counters_end}
         return {"requests": t.submitted, "completed": t.completed, "aborts": t.aborts,
                 "aborts_raced": t.aborts_raced, "incomplete": t.incomplete,
                 "request_errors": t.errors, "output_tokens": t.output_tokens,
@@ -246,6 +244,17 @@ class Drive:
                 "failures": self.failures,
                 "gpu": (memory_after or self.memory_before or {}).get("gpu"),
                 "subset": t.subset}
+
+
+def counter_delta(end: Any, start: Any) -> Any:
+    """One of the plugin's counters over the soak: a number, counts by reason (a dict: the
+    reasons that grew) or a histogram's bucket counts (a list)."""
+    if isinstance(end, dict):
+        before = start or {}
+        return {k: v - before.get(k, 0) for k, v in end.items() if v != before.get(k, 0)}
+    if isinstance(end, list):
+        return [a - b for a, b in zip(end, start or [0] * len(end), strict=True)]
+    return end - (start or 0)
 
 
 def preemptions() -> int:

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import bisect
 import logging
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,6 +28,7 @@ from .planning.graph_layout import graph_shape
 from .planning.invariants import plan_violations
 from .planning.plan import CascadePlan
 from .planning.planner import CascadePlanner, nothing_shared
+from .stats.counters import COST_MODEL, MIXED, MULTI_TOKEN, NO_SHARED, NOT_CAPTURED
 
 
 @dataclass(frozen=True, eq=False)
@@ -86,6 +86,8 @@ def flat_attention(backend: str) -> str:
 
 
 MAX_LAYOUTS = 4096  # graph layouts remembered (then forgotten all at once)
+# How a step's attention would run as cascade (StepSession._graph_state).
+STEADY, FIRST, EAGER = "graphed", "first of its layout", "eager"
 
 
 class StepSession:
@@ -189,56 +191,60 @@ class StepSession:
         self.current = None
         if not self.active or (self.config is not None and self.config.debug):
             return False
-        try:
-            if not nothing_shared(first_pages, seq_lens, query_lens, self.page_size):
+        with stats.planning():
+            try:
+                if not nothing_shared(first_pages, seq_lens, query_lens, self.page_size):
+                    return False
+            except Exception as exc:  # the full planner decides instead
+                stats.record_fallback("planner error", f"{type(exc).__name__}: {exc}")
                 return False
-        except Exception as exc:  # the full planner decides instead
-            stats.record_fallback("planner error", f"{type(exc).__name__}: {exc}")
-            return False
-        stats.record_planned(bool(np.all(np.asarray(query_lens) == 1)))
+            stats.record_planned(bool(np.all(np.asarray(query_lens) == 1)))
+            stats.flat_decision(NO_SHARED)
         return True
 
-    def plan_step(self, block_table: np.ndarray, seq_lens: np.ndarray,
-                  query_lens: np.ndarray) -> StepPlan | None:
+    def flat_step(self, reason: str, query_lens: np.ndarray) -> None:
+        """Count a real step the runner hooks cannot plan (``reason``, counted as a fallback)
+        as planned and flat."""
+        self.end_step()
+        stats.record_planned(bool(np.all(np.asarray(query_lens) == 1)))
+        stats.record_fallback(reason)
+
+    def plan_step(self, block_table: np.ndarray | Callable[[], np.ndarray],
+                  seq_lens: np.ndarray, query_lens: np.ndarray) -> StepPlan | None:
         """Plan a real engine step (rows in the builder's order); None: run it flat.
 
-        A failure here never escapes into vLLM: the step runs flat and the reason is counted.
+        ``block_table``: the rows' block ids, or a function that reads them (its time counts
+        as planning). A failure here never escapes into vLLM: the step runs flat and the reason
+        is counted. Why a step runs flat goes to the step's counters (``stats.flat_decision``).
         """
         self.current = None
         if not self.active:
             return None
         assert self._planner is not None and self.config is not None and self.shape is not None
-        start = time.perf_counter()
-        decode = bool(np.all(query_lens == 1))
-        stats.record_planned(decode)
-        try:
-            plan = self._planner.plan(block_table, seq_lens, query_lens, self.page_size)
-            if self.config.debug:
-                broken = plan_violations(plan, block_table, seq_lens, query_lens)
-                if (plan.num_levels > 1 and block_table.shape[1] > 0
-                        and nothing_shared(block_table[:, 0], seq_lens, query_lens,
-                                           self.page_size)):
-                    broken.append("nothing_shared() would have skipped a step with sharing")
-                if broken:
-                    stats.record_fallback("plan invariant violated", "; ".join(broken[:3]))
-                    return None
-            graphed = self._graphed(plan, decode)
-            if plan.num_levels < 2:
-                decision = Decision(False, 0.0, 0.0, "no shared pages")
-            elif self.config.policy == "always":
-                decision = Decision(True, 0.0, 0.0, "CASCADE_POLICY=always")
-            else:
-                model = self.steady_cost_model if graphed and self.steady_cost_model else None
-                decision = decide(plan, self.shape, model or self.cost_model)
-        except Exception as exc:  # the engine must never fail because of the planner
-            stats.record_fallback("planner error", f"{type(exc).__name__}: {exc}")
-            return None
-        finally:
-            stats.record_planning(time.perf_counter() - start)
-        qsl = np.zeros(len(query_lens) + 1, dtype=np.int32)
-        np.cumsum(query_lens, out=qsl[1:])
-        self.current = StepPlan(plan, decision, qsl, decode,
-                                np.array(seq_lens, dtype=np.int32), self.page_size, self.shape)
+        with stats.planning():
+            decode = bool(np.all(query_lens == 1))
+            stats.record_planned(decode)
+            try:
+                table = block_table() if callable(block_table) else block_table
+                plan = self._planner.plan(table, seq_lens, query_lens, self.page_size)
+                if self.config.debug:
+                    broken = plan_violations(plan, table, seq_lens, query_lens)
+                    if (plan.num_levels > 1 and table.shape[1] > 0
+                            and nothing_shared(table[:, 0], seq_lens, query_lens,
+                                               self.page_size)):
+                        broken.append("nothing_shared() would have skipped a step with sharing")
+                    if broken:
+                        stats.record_fallback("plan invariant violated", "; ".join(broken[:3]))
+                        return None
+                decision = self._decide(plan, query_lens, decode)
+            except Exception as exc:  # the engine must never fail because of the planner
+                stats.record_fallback("planner error", f"{type(exc).__name__}: {exc}")
+                return None
+            qsl = np.zeros(len(query_lens) + 1, dtype=np.int32)
+            np.cumsum(query_lens, out=qsl[1:])
+            self.current = StepPlan(plan, decision, qsl, decode,
+                                    np.array(seq_lens, dtype=np.int32), self.page_size,
+                                    self.shape)
         if stats.logger.isEnabledFor(logging.DEBUG):
             stats.logger.debug(
                 "cascade step: %s (%s); %d levels, groups %s, pages %d flat -> %d; totals %s",
@@ -247,24 +253,62 @@ class StepSession:
                 stats.snapshot())
         return self.current
 
+    def _decide(self, plan: CascadePlan, query_lens: np.ndarray, decode: bool) -> Decision:
+        """Cascade or flat for ``plan``; a flat step's reason (and the cascade/flat time the
+        cost model predicted) goes to the step's counters."""
+        assert self.config is not None and self.shape is not None
+        if plan.num_levels < 2:
+            stats.flat_decision(NO_SHARED)
+            return Decision(False, 0.0, 0.0, "no shared pages")
+        if self.config.policy == "always":
+            return Decision(True, 0.0, 0.0, "CASCADE_POLICY=always")
+        graphs = self._graph_state(plan, decode)
+        steady = self.steady_cost_model
+        decision = decide(plan, self.shape, steady if graphs == STEADY and steady
+                          else self.cost_model)
+        if decision.use_cascade:
+            return decision
+        if not decode:  # such steps never replay the plugin's graphs: always the eager cost
+            reason = MIXED if bool(np.any(np.asarray(query_lens) == 1)) else MULTI_TOKEN
+        elif graphs == FIRST and steady and decide(plan, self.shape, steady).use_cascade:
+            reason = NOT_CAPTURED  # the next step of this layout gets the graphed cost
+        else:
+            reason = COST_MODEL
+        ratio = decision.cascade_us / decision.flat_us if decision.flat_us > 0 else None
+        stats.flat_decision(reason, ratio)
+        return decision
+
     def padded(self, num_tokens: int) -> int:
         """The token count vLLM pads a step of ``num_tokens`` to: the smallest capture size
         that holds it (none beyond the largest, or without CUDA graphs)."""
         at = bisect.bisect_left(self._capture_sizes, num_tokens)
         return self._capture_sizes[at] if at < len(self._capture_sizes) else num_tokens
 
-    def _graphed(self, plan: CascadePlan, decode: bool) -> bool:
-        """Whether a decode step will replay (or capture) its CUDA graphs: an earlier planned
-        step, flat or cascade, had its graph layout. Records this step's layout."""
-        if not decode or plan.num_levels < 2 or self.steady_cost_model is None:
-            return False
+    def graphable(self, num_tokens: int) -> bool:
+        """Whether a step of ``num_tokens`` may run from the plugin's CUDA graphs (per layer or
+        whole step): vLLM pads it to one of its capture sizes. Above the largest, vLLM neither
+        pads it nor runs its own graphs, and neither does the plugin: graphs keyed by the exact
+        row count would be captured anew nearly every step while a batch shrinks a few rows at
+        a time. Without known capture sizes (vLLM without CUDA graphs, where the executors have
+        none either; tests) every size is."""
+        return not self._capture_sizes or num_tokens <= self._capture_sizes[-1]
+
+    def _graph_state(self, plan: CascadePlan, decode: bool) -> str:
+        """How a step's attention runs as cascade: :data:`STEADY`, a decode step whose graph
+        layout an earlier planned step (flat or cascade) had, whose graphs replay (or are
+        captured now); :data:`FIRST`, a decode step of a new layout (recorded now); else
+        :data:`EAGER` (no shared level, not a decode step, graphs off, or not
+        :meth:`graphable`)."""
+        if (not decode or plan.num_levels < 2 or self.steady_cost_model is None
+                or not self.graphable(plan.stats.num_tokens)):
+            return EAGER
         key = graph_shape(plan, self.padded(plan.stats.num_tokens))
         if key in self._layouts_seen:
-            return True
+            return STEADY
         if len(self._layouts_seen) >= MAX_LAYOUTS:
             self._layouts_seen.clear()
         self._layouts_seen.add(key)
-        return False
+        return FIRST
 
     def graphs_lost(self) -> None:
         """The executor's graphs are off from now on (a capture failed): charge every step
@@ -295,8 +339,11 @@ class StepSession:
         return step
 
     def end_step(self) -> None:
+        """The step ends (the runner hooks, when ``execute_model`` returns): its plan is
+        forgotten and its outcome counted (``stats.end_step``)."""
         self.current = None
         self.padded_tokens = 0
+        stats.end_step()
 
 
 session = StepSession()

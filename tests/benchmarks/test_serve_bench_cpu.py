@@ -360,16 +360,41 @@ vllm_cascade_graph_pool_bytes{tp_rank="0"} 1000.0
 vllm_cascade_graph_pool_bytes{tp_rank="1"} 900.0
 # HELP vllm_cascade_fallbacks_total Fallbacks.
 # TYPE vllm_cascade_fallbacks_total counter
-vllm_cascade_fallbacks_total{reason="no shared prefix",tp_rank="0"} 50.0
+vllm_cascade_fallbacks_total{reason="kernel error",tp_rank="0"} 50.0
+# HELP vllm_cascade_steps_planned_total Steps planned.
+# TYPE vllm_cascade_steps_planned_total counter
+vllm_cascade_steps_planned_total{tp_rank="0"} 250.0
+vllm_cascade_steps_planned_total{tp_rank="1"} 250.0
+# HELP vllm_cascade_builder_seconds_total Builder seconds.
+# TYPE vllm_cascade_builder_seconds_total counter
+vllm_cascade_builder_seconds_total{tp_rank="0"} 0.25
+# HELP vllm_cascade_decode_flat_steps_total Decode steps that ran flat, by reason.
+# TYPE vllm_cascade_decode_flat_steps_total counter
+vllm_cascade_decode_flat_steps_total{reason="cost model",tp_rank="0"} 40.0
+vllm_cascade_decode_flat_steps_total{reason="no shared level",tp_rank="0"} 10.0
+vllm_cascade_decode_flat_steps_total{reason="cost model",tp_rank="1"} 40.0
+# HELP vllm_cascade_step_planning_seconds Per-step planning.
+# TYPE vllm_cascade_step_planning_seconds histogram
+vllm_cascade_step_planning_seconds_bucket{le="0.0001",tp_rank="0"} 100.0
+vllm_cascade_step_planning_seconds_bucket{le="0.001",tp_rank="0"} 240.0
+vllm_cascade_step_planning_seconds_bucket{le="+Inf",tp_rank="0"} 250.0
+vllm_cascade_step_planning_seconds_bucket{le="0.0001",tp_rank="1"} 250.0
+vllm_cascade_step_planning_seconds_bucket{le="0.001",tp_rank="1"} 250.0
+vllm_cascade_step_planning_seconds_bucket{le="+Inf",tp_rank="1"} 250.0
+vllm_cascade_step_planning_seconds_count{tp_rank="0"} 250.0
+vllm_cascade_step_planning_seconds_sum{tp_rank="0"} 0.1
 """
+PARSED = {"steps_planned": 250.0, "decode_steps_planned": 200.0, "decode_steps_cascade": 150.0,
+          "decode_steps_graphed": 120.0, "graph_capture_failures": 3.0, "graph_captures": 12.0,
+          "graph_capture_s": 0.75, "planning_s": 2.5, "builder_s": 0.25,
+          "graph_pool_bytes": 1900.0,
+          "decode_flat_steps": {"cost model": 40.0, "no shared level": 10.0},
+          "planning_buckets": {1e-4: 100.0, 1e-3: 240.0, float("inf"): 250.0}}
 
 
 def test_counters_parsed_from_metrics_text():
     counters = sr.parse_counters(METRICS)
-    assert counters == {"decode_steps_planned": 200.0, "decode_steps_cascade": 150.0,
-                        "decode_steps_graphed": 120.0, "graph_capture_failures": 3.0,
-                        "graph_captures": 12.0, "graph_capture_s": 0.75, "planning_s": 2.5,
-                        "graph_pool_bytes": 1900.0}
+    assert counters == PARSED
     assert sr.parse_counters(METRICS.split("# HELP vllm_cascade")[0]) == dict.fromkeys(counters)
 
 
@@ -385,22 +410,98 @@ def test_counters_as_prometheus_client_writes_them():
 
 
 def test_fractions_from_counter_deltas():
-    before = {"decode_steps_planned": 100.0, "decode_steps_cascade": 50.0,
-              "decode_steps_graphed": 40.0, "graph_capture_failures": 0.0,
-              "graph_captures": 2.0, "graph_capture_s": 0.25, "planning_s": 0.5,
-              "graph_pool_bytes": 400.0}
+    before = {"steps_planned": 100.0, "decode_steps_planned": 100.0,
+              "decode_steps_cascade": 50.0, "decode_steps_graphed": 40.0,
+              "graph_capture_failures": 0.0, "graph_captures": 2.0, "graph_capture_s": 0.25,
+              "planning_s": 0.5, "builder_s": 0.05, "graph_pool_bytes": 400.0,
+              "decode_flat_steps": {"cost model": 30.0},
+              "planning_buckets": {1e-4: 60.0, 1e-3: 90.0, float("inf"): 100.0}}
     after = sr.parse_counters(METRICS)
     delta = sr.counter_deltas(before, after)
-    assert delta == {"decode_steps_planned": 100.0, "decode_steps_cascade": 100.0,
-                     "decode_steps_graphed": 80.0, "graph_capture_failures": 3.0,
-                     "graph_captures": 10.0, "graph_capture_s": 0.5, "planning_s": 2.0,
-                     "graph_pool_bytes": 1900.0}
+    assert delta == {"steps_planned": 150.0, "decode_steps_planned": 100.0,
+                     "decode_steps_cascade": 100.0, "decode_steps_graphed": 80.0,
+                     "graph_capture_failures": 3.0, "graph_captures": 10.0,
+                     "graph_capture_s": 0.5, "planning_s": 2.0, "builder_s": 0.2,
+                     "graph_pool_bytes": 1900.0,
+                     "decode_flat_steps": {"cost model": 10.0, "no shared level": 10.0},
+                     "planning_buckets": {1e-4: 40.0, 1e-3: 150.0, float("inf"): 150.0}}
     assert sr.fractions(delta, True) == (1.0, 0.8)
     assert sr.fractions(delta, False) == (None, None)
     idle = sr.counter_deltas(after, after)
     assert sr.fractions(idle, True) == (None, None)  # no decode step at all
     missing = sr.counter_deltas(dict.fromkeys(before), {**after, "decode_steps_graphed": None})
     assert sr.fractions(missing, True) == (0.75, None)
+
+
+def test_planning_percentiles_host_time_and_flat_reasons_of_a_run():
+    """What a row derives from the deltas: a percentile interpolated inside the bucket that
+    holds it (40 steps up to 100 us, 110 more up to 1 ms: the median, the 75th of 150, is the
+    35th of those 110 from 100 us), host time over planned steps, flat decode steps per decode
+    step."""
+    delta = sr.counter_deltas({**dict.fromkeys(PARSED), "steps_planned": 100.0,
+                               "planning_s": 0.5, "builder_s": 0.05, "graph_capture_s": 0.25,
+                               "decode_steps_planned": 150.0,
+                               "decode_flat_steps": {"cost model": 30.0},
+                               "planning_buckets": {1e-4: 60.0, 1e-3: 90.0,
+                                                    float("inf"): 100.0}},
+                              sr.parse_counters(METRICS))
+    got = sr.derived(delta, True)
+    assert got["planning_us_p50"] == pytest.approx(100 + 900 * 35 / 110)
+    assert got["planning_us_p99"] == pytest.approx(100 + 900 * (148.5 - 40) / 110)
+    assert got["host_us_per_step"] == pytest.approx(1e6 * (2.0 + 0.2 + 0.5) / 150)
+    assert got["flat_reasons"] == {"cost model": 0.2, "no shared level": 0.2}
+    assert sr.derived(delta, False) == dict.fromkeys(got)
+    idle = sr.derived(sr.counter_deltas(PARSED, PARSED), True)
+    assert idle == {**dict.fromkeys(got), "host_us_per_step": None}
+
+
+def test_derived_values_agree_with_the_plugins_own_metrics_and_counters():
+    """End to end through the plugin's real exporter: steps counted by ``stats`` (known
+    planning times and outcomes), written by prometheus_client, parsed and derived here; the
+    percentiles against numpy's of the same times, to a bucket's width."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from vllm_cascade_plugin import stats
+    from vllm_cascade_plugin.stats.histogram import BOUNDS_S
+    from vllm_cascade_plugin.stats.prometheus import PrometheusCounters
+
+    registry = CollectorRegistry()
+    saved = stats._metrics
+    stats.reset()
+    stats._metrics = PrometheusCounters(registry, tp_rank="0")
+    rng = np.random.default_rng(3)
+    times = rng.lognormal(np.log(200e-6), 0.8, 400)
+    try:
+        before = sr.parse_counters(generate_latest(registry).decode())
+        for i, t in enumerate(times):
+            stats.record_planned(decode=i % 4 != 0)
+            stats.record_planning(float(t))
+            if i % 3 == 0:
+                stats.record_cascade(10, 2, decode=i % 4 != 0)
+            elif i % 3 == 1:
+                stats.flat_decision("cost model", 1.2)
+            else:
+                stats.record_fallback("plan does not match the batch", level=10)
+            stats.record_builder(1e-5)
+        stats.end_step()
+        counters = stats.snapshot()
+        after = sr.parse_counters(generate_latest(registry).decode())
+    finally:
+        stats._metrics = saved
+        stats.reset()
+    got = sr.derived(sr.counter_deltas(before, after), True)
+    for q, key in ((50, "planning_us_p50"), (99, "planning_us_p99")):
+        exact = float(np.percentile(times, q))
+        at = int(np.searchsorted(BOUNDS_S, exact))
+        lower = BOUNDS_S[at - 1] if at else 0.0
+        assert lower * 1e6 <= got[key] <= BOUNDS_S[at] * 1e6, (q, exact)
+    assert got["host_us_per_step"] == pytest.approx(1e6 * (times.sum() + 400 * 1e-5) / 400)
+    decode = sum(i % 4 != 0 for i in range(400))
+    want = {r: n / decode for r, n in counters.decode_flat_reasons.items()}
+    assert got["flat_reasons"] == pytest.approx(want)
+    assert set(want) == {"cost model", "plan does not match the batch"}
+    cascade = counters.decode_steps_cascade / decode
+    assert sum(got["flat_reasons"].values()) + cascade == pytest.approx(1.0)
 
 
 def test_capture_warnings_counted_in_log_text():
@@ -487,7 +588,17 @@ if argv[0] == "serve":
             text = ("" if not plugin else
                     f'vllm_cascade_decode_steps_planned_total{{tp_rank="0"}} {10 * n}\\n'
                     f'vllm_cascade_decode_steps_cascade_total{{tp_rank="0"}} {8 * n}\\n'
-                    f'vllm_cascade_decode_steps_graphed_total{{tp_rank="0"}} {6 * n}\\n')
+                    f'vllm_cascade_decode_steps_graphed_total{{tp_rank="0"}} {6 * n}\\n'
+                    f'vllm_cascade_steps_planned_total{{tp_rank="0"}} {12 * n}\\n'
+                    f'vllm_cascade_planning_seconds_total{{tp_rank="0"}} {0.012 * n}\\n'
+                    f'vllm_cascade_builder_seconds_total{{tp_rank="0"}} {0.006 * n}\\n'
+                    f'vllm_cascade_graph_capture_seconds_total{{tp_rank="0"}} {0.006 * n}\\n'
+                    f'vllm_cascade_decode_flat_steps_total{{reason="cost model",tp_rank="0"}} '
+                    f'{2 * n}\\n'
+                    f'vllm_cascade_step_planning_seconds_bucket{{le="0.001",tp_rank="0"}} '
+                    f'{12 * n}\\n'
+                    f'vllm_cascade_step_planning_seconds_bucket{{le="+Inf",tp_rank="0"}} '
+                    f'{12 * n}\\n')
             self.reply("vllm:num_requests_running 0.0\\n" + text)
         def do_POST(self):
             if self.path == "/reset_prefix_cache":
@@ -588,7 +699,15 @@ def test_whole_loop_writes_rows_after_each_run_and_merges(tmp_path, monkeypatch,
         assert r["cascade_step_fraction"] == (0.8 if plugin else None)
         assert r["graph_replay_fraction"] == (0.75 if plugin else None)
         assert r["capture_warnings"] == (1 if plugin else 0)  # the warm-up's are not counted
+        # Per run: 12 steps planned, 10 of them decode steps, 8 cascade, 2 flat (cost model);
+        # 24 ms of host time; every step's planning up to 1 ms.
+        assert r["flat_reasons"] == ({"cost model": 0.2} if plugin else None)
+        assert r["host_us_per_step"] == (pytest.approx(2000) if plugin else None)
+        assert r["planning_us_p50"] == (pytest.approx(500) if plugin else None)
+        assert r["planning_us_p99"] == (pytest.approx(990) if plugin else None)
     assert len({r["seed"] for r in rows}) == 6  # same prompts in both configs
+    [run] = {r["run"] for r in rows}  # one per invocation: when, and which commit
+    assert run.startswith(rows[0]["run_id"] + "-") and run == meta_run(out)
     assert (out.parent / "serve.png").is_file() and (out.parent / "logs").is_dir()
     meta = json.loads(out.with_suffix(".meta.json").read_text())
     assert meta["max_model_len"] == 10752 and meta["vllm"] and meta["gpu"]
@@ -602,7 +721,24 @@ def test_whole_loop_writes_rows_after_each_run_and_merges(tmp_path, monkeypatch,
     assert key == [(r["config"], r["workload"], r["request_rate"]) for r in rows[:6]] + [
         ("cascade", w, r) for w in ("prefix_2k_x4", "tree_2k_4x8k") for r in ("burst", 4.0)]
     assert len(json.loads(out.with_suffix(".meta.json").read_text())["runs"]) == 2
+    later = {r["run"] for r in again if r["config"] == "cascade"}
+    assert len(later) == 1 and later != {run} and later == {meta_run(out)}
+    assert {r["run"] for r in again if r["config"] == "flashinfer"} == {run}  # rows kept
     capsys.readouterr()
+
+
+def meta_run(out: Path) -> str:
+    return json.loads(out.with_suffix(".meta.json").read_text())["run"]
+
+
+def test_a_run_names_the_commit_it_ran():
+    commit = sr.commit()
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
+                          text=True)
+    if head.returncode != 0:
+        assert commit == "unknown"
+        return
+    assert head.stdout.startswith(commit.removesuffix("+dirty")) and len(commit) >= 12
 
 
 def test_dry_run_prints_the_commands_and_writes_nothing(tmp_path, capsys):

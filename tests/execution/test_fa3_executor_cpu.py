@@ -482,6 +482,66 @@ def test_graphed_steps_of_a_changing_batch_replay_one_layout_per_padded_size():
     assert 1 + executor.graphs.captures + executor.graphs.replays == layers * steps
 
 
+def shrinking_decode_steps(sizes):
+    """(table, seq_lens) of decode steps whose batch has ``sizes[i]`` rows at step ``i``: GRPO
+    groups on two prefixes, the rows that finish dropping off the end, every row one token
+    longer per step."""
+    prefixes = [[1, 2, 3], [4, 5, 6, 7]]
+    for step, rows in enumerate(sizes):
+        table = [[*prefixes[r % 2], 20 + 3 * r, 21 + 3 * r] for r in range(rows)]
+        yield table, [16 * len(prefixes[r % 2]) + 2 + r + step for r in range(rows)]
+
+
+@pytest.mark.skipif(not TRITON_ON_CPU, reason="needs Triton (its CPU interpreter)")
+def test_steps_above_vllms_largest_capture_size_run_without_graphs_and_smaller_ones_replay():
+    """Above the largest capture size (here 8) vLLM neither pads a step nor runs its graphs:
+    graphs keyed by the exact row count would be captured anew nearly every step of a batch
+    that shrinks a row at a time. Such steps run eagerly (no graph key: no whole-step graph
+    either), as the step session says (``graphable``), and still equal per-request attention;
+    below it, steps padded to 8 capture once per layout and replay."""
+    from vllm_cascade_plugin.config import CascadeConfig
+    from vllm_cascade_plugin.planning.cost import AttentionShape
+    from vllm_cascade_plugin.step import StepSession
+
+    heads, kv_heads, d, layers = 4, 2, 64, 2
+    session = StepSession()
+    session.configure(CascadeConfig(enabled=True), AttentionShape(heads, kv_heads, d, 4), 16,
+                      None, capture_sizes=(1, 2, 4, 8))
+    executor = FlashAttnCascadeExecutor("NHD", max_levels=4, cuda_graphs=True)
+    executor.graphs.capture = replaying_capture
+    planner = CascadePlanner()
+    gen = torch.Generator().manual_seed(9)
+    caches = [kv_cache(64, 16, kv_heads, d, torch.float32, seed=20 + i) for i in range(layers)]
+    # vLLM's static buffers, one per layer, sliced to the step's (padded) tokens.
+    qs = [torch.empty(16, heads, d) for _ in range(layers)]
+    outs = [torch.empty(16, heads, d) for _ in range(layers)]
+    counts = {}
+    for phase, sizes in (("above", [14, 13, 12, 11, 10, 9]), ("below", [8, 8, 7, 7, 6, 6])):
+        for table, seq_lens in shrinking_decode_steps(sizes):
+            rows = len(table)
+            batch = make_batch(table, seq_lens, [1] * rows, page_size=16)
+            plan = planner.plan(batch.block_table, batch.seq_lens, batch.query_lens, 16)
+            padded = session.padded(rows)  # vLLM's tensors: padded below 8, exact above
+            executor.plan(plan, num_qo_heads=heads, num_kv_heads=kv_heads, head_dim=d,
+                          page_size=16, sm_scale=d**-0.5, logits_soft_cap=None,
+                          q_dtype=torch.float32, kv_dtype=torch.float32,
+                          device=torch.device("cpu"), padded_rows=padded,
+                          graphs=session.graphable(rows))
+            assert (executor._step.graph_key is None) is (phase == "above")
+            assert executor.rows == padded
+            for (k_cache, v_cache), q_buffer, out_buffer in zip(caches, qs, outs, strict=True):
+                q, out = q_buffer[:padded], out_buffer[:padded]
+                q.copy_(torch.randn(padded, heads, d, generator=gen))
+                out.fill_(math.nan)
+                executor.run(q, k_cache, v_cache, out)
+                want, _ = dense_attention(batch, q[:rows], k_cache, v_cache, d**-0.5)
+                torch.testing.assert_close(out[:rows], want, atol=1e-5, rtol=1e-5)
+        counts[phase] = (executor.graphs.captures, executor.graphs.replays)
+    assert counts["above"] == (0, 0)
+    captures, replays = (b - a for a, b in zip(counts["above"], counts["below"], strict=True))
+    assert 0 < captures < replays  # per layout, not per step
+
+
 def test_a_graphed_step_refuses_query_rows_it_was_not_planned_for():
     table = [[1, 2, 3, 10], [1, 2, 3, 11]]
     plan = make_batch(table, [60, 60], [1, 1], page_size=16).plan()

@@ -5,6 +5,7 @@ capture needs a GPU (``tests/gpu/test_engine.py`` compares whole engines with an
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 from types import SimpleNamespace
@@ -157,11 +158,12 @@ def test_full_graphs_knob_is_on_by_default_and_parses():
         load_config({"CASCADE_FULL_GRAPHS": "sometimes"})
 
 
-def make_runner(tp=1, lora=None):
+def make_runner(tp=1, lora=None, kv_transfer=None):
     parallel = SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1,
                                data_parallel_size=1)
     return SimpleNamespace(vllm_config=SimpleNamespace(parallel_config=parallel,
-                                                       lora_config=lora))
+                                                       lora_config=lora,
+                                                       kv_transfer_config=kv_transfer))
 
 
 @pytest.fixture
@@ -200,6 +202,32 @@ def test_whole_step_graphs_are_kept_per_runner_and_refused_where_unsupported(con
     assert hooks_graphs.full_graphs(make_runner()) is not None  # the no-op offloader is back
     session.config = dataclasses.replace(session.config, full_graphs=False)
     assert hooks_graphs.full_graphs(make_runner()) is None
+
+
+def test_whole_step_graphs_are_refused_while_a_kv_connector_is_active(configured, caplog,
+                                                                       tmp_path):
+    """A KV connector's per-layer hooks run around each attention op inside the model call:
+    a replayed graph of the whole call would skip them (vLLM itself keeps such engines off
+    FULL graphs). vLLM's own KVTransferConfig: a connector with a role is active, the empty
+    config (what vLLM makes before it knows of any) is not."""
+    from vllm.config import KVTransferConfig
+
+    import vllm_cpu
+    from vllm_cascade_plugin.integration import hooks_graphs
+
+    active = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both")
+    with caplog.at_level(logging.INFO, logger="vllm.cascade_plugin"):
+        assert hooks_graphs.full_graphs(make_runner(kv_transfer=active)) is None
+    assert sum("KV connector is active" in r.getMessage() for r in caplog.records) == 1
+    assert hooks_graphs.full_graphs(make_runner(kv_transfer=KVTransferConfig())) is not None
+    assert hooks_graphs.full_graphs(make_runner()) is not None
+    # The attribute the check reads is the one vLLM's engine configuration has.
+    config = vllm_cpu.engine_config(str(tmp_path))
+    assert config.kv_transfer_config is None
+    assert hooks_graphs.full_graphs_reason(config) is None
+    connected = copy.copy(config)
+    object.__setattr__(connected, "kv_transfer_config", active)
+    assert "KV connector" in (hooks_graphs.full_graphs_reason(connected) or "")
 
 
 def test_graph_stats_count_every_live_runners_graphs():

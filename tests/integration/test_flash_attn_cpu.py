@@ -248,6 +248,25 @@ def test_a_failing_kernel_runs_vllms_forward_with_the_same_metadata(fa_engine, f
     assert stats.snapshot().fallbacks["kernel error"] == len(layers)
 
 
+@pytest.mark.parametrize(("capture_sizes", "graphs"),
+                         [((8, 16, 32), True), ((1, 2, 4, 8), False), ((), True)],
+                         ids=["within", "above the largest", "no graphs in vLLM"])
+def test_the_builder_plans_a_step_above_vllms_largest_capture_size_without_graphs(
+        fa_engine, monkeypatch, capture_sizes, graphs):
+    """The batch has 29 tokens: vLLM pads it to 32, or runs it as it is above a largest
+    capture size of 8, without graphs; the executor is told which (and the host time of its
+    planning is counted)."""
+    _config, builder, _ = fa_engine
+    executor = builder._cascade_executor = ReferenceExecutor()
+    monkeypatch.setattr(session, "_capture_sizes", capture_sizes)
+    table, seq, q = batch()
+    assert int(q.sum()) == 29
+    session.plan_step(table, seq, q)
+    assert builder.build(0, common_metadata(table, seq, q)).cascade is executor
+    assert executor.plan_args[1]["graphs"] is graphs
+    assert stats.snapshot().builder_s > 0
+
+
 def test_another_kv_cache_groups_copy_of_the_metadata_runs_flat(fa_engine):
     """vLLM's update_block_table copies one group's metadata with another group's block
     table; the plan is for the first group's block ids, so the copy keeps none."""

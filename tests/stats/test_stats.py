@@ -57,14 +57,19 @@ def test_no_line_before_the_interval_then_one_line_with_the_interval_numbers(clo
     stats.record_fallback("kernel error", level=logging.DEBUG)
     stats.record_capture(0.5)
     stats.record_capture(0.25)
-    stats.record_planning(0.125)
+    stats.record_planning(0.0011)  # this step's planning: the 1 ms - 1.5 ms bucket
+    stats.record_builder(0.0005)
     assert lines(caplog) == []
     clock.now += 31  # 61 s after the first planned step
     stats.record_planned(decode=True)
     [line] = lines(caplog)
+    # Planning per step: three steps of 0 s, one of 1.1 ms: the median in the first bucket
+    # (0-5 us, interpolated at 2/3 of it), p99 in the 1-1.5 ms one (96% of the way up).
+    # Host time: planning, builders and captures, over the 4 steps.
     assert ("last 61 s: 4 steps, 75.0% ran cascade (decode steps: 100.0%, 66.7% of them from "
-            "CUDA graphs; 2 graphs captured in 0.75 s; planning 0.12 s)") in line
-    assert "fallbacks: kernel error 1" in line
+            "CUDA graphs; 2 graphs captured in 0.75 s; planning 0.00 s, per step p50 3 us, "
+            "p99 1480 us; host time 187900 us per step)") in line
+    assert "flat steps: kernel error 1; fallbacks: kernel error 1" in line
     assert "300 instead of 3,000 flat" in line
     saved = 2700 * PAGE_BYTES / 1e9
     assert f"{saved:.2f} GB saved ({saved:.2f} GB since start)" in line
@@ -84,6 +89,7 @@ def test_second_line_counts_only_its_own_interval(clock, caplog):
     first, second = lines(caplog)
     assert "last 60 s: 1 steps, 100.0% ran cascade" in first
     assert "last 60 s: 2 steps, 0.0% ran cascade" in second and "fallbacks: none" in second
+    assert f"flat steps: {stats.counters.UNUSED} 2;" in second  # nothing said why
     assert "0 instead of 0 flat, 0 B saved (" in second
 
 
@@ -161,6 +167,9 @@ stats.set_page_bytes(10)
 stats.record_planned(True)
 stats.record_cascade(1000, 100, True)
 stats.record_fallback("kernel error")
+stats.record_planned(True)
+stats.flat_decision("cost model", 1.5)
+stats.end_step()
 """
 
 API_SERVER = """
@@ -182,3 +191,6 @@ def test_worker_counters_reach_vllms_metrics_registry_in_multiprocess_mode(tmp_p
     assert 'vllm_cascade_steps_cascade_total{tp_rank="0"} 2.0' in served
     assert 'vllm_cascade_kv_bytes_saved_total{tp_rank="0"} 18000.0' in served
     assert 'vllm_cascade_fallbacks_total{reason="kernel error",tp_rank="0"} 2.0' in served
+    assert 'vllm_cascade_flat_steps_total{reason="cost model",tp_rank="0"} 2.0' in served
+    assert 'vllm_cascade_flat_cost_ratio_total{reason="cost model",tp_rank="0"} 3.0' in served
+    assert 'vllm_cascade_step_planning_seconds_count{tp_rank="0"} 4.0' in served

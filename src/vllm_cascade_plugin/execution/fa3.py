@@ -141,12 +141,14 @@ class FlashAttnCascadeExecutor:
         kv_dtype: torch.dtype,
         device: torch.device,
         padded_rows: int = 0,
+        graphs: bool = True,
     ) -> None:
         """Same contract as :meth:`FlashInferCascadeExecutor.plan`; ``padded_rows``: the rows of
         the step's query and output tensors (vLLM's CUDA-graph padding), which a graphed decode
-        step runs whole (:attr:`rows`). With an FP8 ``kv_dtype`` (e4m3) ``q_dtype`` is the
-        output's, which FA3 writes in bf16 only for FP8 input; :meth:`run` then needs the
-        layer's scales."""
+        step runs whole (:attr:`rows`); ``graphs``: False runs the step without graphs (vLLM
+        does not pad it: above its largest capture size). With an FP8 ``kv_dtype`` (e4m3)
+        ``q_dtype`` is the output's, which FA3 writes in bf16 only for FP8 input; :meth:`run`
+        then needs the layer's scales."""
         self._step = None
         self._graphed_counted = False
         check_plan(plan, page_size, self._max_levels)
@@ -161,7 +163,7 @@ class FlashAttnCascadeExecutor:
                  and int(last_level.qo_indptr[-1]) == last_level.num_groups
                  and decode_level.unsupported_reason(num_qo_heads, num_kv_heads, head_dim)
                  is None)
-        graphed = fused and self.graphs is not None and self.graphs.usable(device)
+        graphed = fused and graphs and self.graphs is not None and self.graphs.usable(device)
         rows = plan.stats.num_tokens
         static_key: tuple[Any, ...] = ()
         if graphed:

@@ -91,6 +91,7 @@ class FlashInferCascadeExecutor:
         kv_dtype: torch.dtype,
         device: torch.device,
         padded_rows: int = 0,
+        graphs: bool = True,
     ) -> None:
         """Plan every level of one engine step on the host; call once, then :meth:`run` per layer.
 
@@ -120,8 +121,11 @@ class FlashInferCascadeExecutor:
         padded_rows : int
             Rows of the step's query tensor beyond its tokens (vLLM's CUDA-graph padding); this
             executor runs the tokens only (:attr:`rows`).
+        graphs : bool
+            Whether the step may run from CUDA graphs (False above vLLM's largest capture
+            size); this executor captures none.
         """
-        del padded_rows
+        del padded_rows, graphs
         self._step = None  # a plan that fails halfway must not leave the previous step runnable
         check_plan(plan, page_size, self._max_levels)
         *shared_levels, last_level = plan.levels

@@ -19,8 +19,10 @@ attention included — the ``capture_after``-th time the same key comes, and rep
   while requests come and go;
 - eligible: a planned cascade decode step (``StepSession.current``), every layer's metadata the
   same planned FA3 executor with a graphed step, tensor/pipeline/data parallel size 1, plain
-  token inputs, the plan's largest block id inside the cache; never with LoRA or vLLM's weight
-  offloading (``hooks_graphs.full_graphs_reason`` checks those once per runner);
+  token inputs, the plan's largest block id inside the cache; never with LoRA, vLLM's weight
+  offloading or a KV connector (``hooks_graphs.full_graphs_reason`` checks those once per
+  runner), nor above vLLM's largest capture size (the executor has no graphed step there:
+  ``StepSession.graphable``);
 - capture: vLLM's wrappers are told to run their code (forward context mode NONE, as vLLM's own
   FULL capture does), a side stream in ``thread_local`` mode, a private pool; the graph is kept
   only if every attention layer ran the executor (none fell back to flat attention, whose

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -276,6 +277,7 @@ class CascadeBuilder:
         """The cascade fields of this step's metadata, the executor planned; None: the step
         runs flat (counted)."""
         args = self._kernel_args
+        start = time.perf_counter()
         try:
             executor = self._executor()
             executor.plan(step.plan, num_qo_heads=args.num_qo_heads,
@@ -283,10 +285,13 @@ class CascadeBuilder:
                           page_size=args.page_size, sm_scale=args.sm_scale,
                           logits_soft_cap=args.logits_soft_cap, q_dtype=args.q_dtype,
                           kv_dtype=args.kv_dtype, device=self.device,
-                          padded_rows=session.padded_tokens)
+                          padded_rows=session.padded_tokens,
+                          graphs=session.graphable(step.plan.stats.num_tokens))
         except Exception as exc:
             stats.record_fallback("kernel planning error", f"{type(exc).__name__}: {exc}")
             return None
+        finally:
+            stats.record_builder(time.perf_counter() - start)
         stats.record_cascade(step.plan.stats.pages_flat, step.plan.stats.pages_cascade,
                              step.decode)
         return {"cascade": executor, "cascade_max_page": step.plan.stats.max_page,

@@ -316,6 +316,15 @@ def cudagraph_capture_sizes(vllm_config: Any) -> tuple[int, ...]:
     return tuple(sorted(int(size) for size in sizes))
 
 
+def kv_connector_active(vllm_config: Any) -> bool:
+    """Whether this engine runs a KV connector (disaggregated prefill, KV offloading, which
+    vLLM turns into a connector): ``kv_transfer_config.is_kv_transfer_instance``, a connector
+    named with a role (0.26-0.33), the condition under which vLLM asks the connector whether it
+    needs PIECEWISE graphs."""
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    return transfer is not None and bool(getattr(transfer, "is_kv_transfer_instance", False))
+
+
 def weight_offloading() -> bool:
     """Whether vLLM offloads weights through its global offloader (``cpu_offload_gb`` and the
     prefetch offloader; ``vllm.model_executor.offloader`` in 0.26-0.33), whose streams vLLM syncs

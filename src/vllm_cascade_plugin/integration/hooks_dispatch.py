@@ -33,20 +33,21 @@ def plan_rows(first_pages: np.ndarray, block_table: Callable[[], np.ndarray],
     """
     needed = -(-seq_lens // max(session.page_size, 1))
     if np.any(num_blocks < needed):
-        stats.record_fallback("block table shorter than the sequence")
-        session.end_step()
+        session.flat_step("block table shorter than the sequence", query_lens)
         return False
     if session.skip_unshared(first_pages, seq_lens, query_lens):
         return False
-    step = session.plan_step(block_table(), seq_lens, query_lens)
+    step = session.plan_step(block_table, seq_lens, query_lens)
     return step is not None and step.decision.use_cascade
 
 
 def plan_once(step: PendingStep, plan: Callable[[PendingStep], bool]) -> bool:
-    """The step's verdict, planned on first use (dispatch runs again under data parallelism)."""
+    """The step's verdict, planned on first use (dispatch runs again under data parallelism).
+    All of it, reading vLLM's rows included, is the step's planning time."""
     if step.cascade is None:
         try:
-            step.cascade = plan(step)
+            with stats.planning():
+                step.cascade = plan(step)
         except Exception as exc:
             run_flat(step)
             stats.record_fallback("runner hook error", f"{type(exc).__name__}: {exc}")

@@ -31,6 +31,12 @@ def full_graphs_reason(vllm_config: Any) -> str | None:
         return "LoRA is enabled (its per-step adapter mapping is not in the graph's key)"
     if compat.weight_offloading():
         return "vLLM offloads weights (its prefetch streams are synced around vLLM's own graphs)"
+    if compat.kv_connector_active(vllm_config):
+        # vLLM runs a connector's per-layer hooks (wait_for_layer_load, save_kv_layer) around
+        # each layer's attention op, inside the model call: a replayed graph of the whole call
+        # would skip them. A graph per layer, inside the attention impl, leaves them outside.
+        return ("a KV connector is active (its per-layer load and save hooks run inside the "
+                "model call, which a graph of the whole step would skip on replay)")
     return None
 
 

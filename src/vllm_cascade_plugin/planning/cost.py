@@ -35,7 +35,7 @@ Those runs still built vLLM's flat FlashInfer metadata on every cascade step, wh
 Runner V2 waits for the previous step's GPU work; it is now built only when a layer falls back,
 so 1.26 ms overstates today's cost, which can only keep a borderline step flat. With a graph
 per layer inside vLLM's piecewise path instead (``CASCADE_FULL_GRAPHS=0``, or where whole-step
-graphs are not used: tensor parallelism, LoRA, weight offloading) 1.5 ms
+graphs are not used: tensor parallelism, LoRA, weight offloading, a KV connector) 1.5 ms
 (``FA3_LAYER_GRAPHS_STEP_FIXED_US``, ``e2e_step_cost_fa3_layer_graphs.json``); launched from
 Python (108 to 128 µs of host time per layer against 25 to 33 µs for flat decode,
 ``kernel_grid.json`` ``host_us``) 7.57 ms (``FA3_EAGER_STEP_FIXED_US``,
@@ -125,9 +125,9 @@ COST_MODELS: dict[str, CostModel] = {
 # fits from ``e2e_step_cost_fa3_layer_graphs.json`` (``tests/planning/test_cost.py`` checks it).
 FA3_LAYER_GRAPHS_STEP_FIXED_US = 1500.0
 # The FA3 executor's per-step cost when its decode steps launch their kernels from Python
-# (``CASCADE_CUDA_GRAPHS=0``, ``CASCADE_FUSED_DECODE=0`` or vLLM without CUDA graphs): the same
-# calibration on runs without the plugin's CUDA graphs (``e2e_step_cost_fa3_eager.json``, checked
-# the same way).
+# (``CASCADE_CUDA_GRAPHS=0``, ``CASCADE_FUSED_DECODE=0``, vLLM without CUDA graphs, or a step
+# above vLLM's largest capture size): the same calibration on runs without the plugin's CUDA
+# graphs (``e2e_step_cost_fa3_eager.json``, checked the same way).
 FA3_EAGER_STEP_FIXED_US = 7570.0
 
 

@@ -1,7 +1,16 @@
-"""Per-process counters of what the plugin did, and the "log once per reason" rule.
+"""Per-process counters of what the plugin did, how each planned step ended, and the "log once
+per reason" rule.
 
-Read them with :func:`snapshot` (tests, the periodic log line, metrics). Pure stdlib here; the
-Prometheus counters live in :mod:`vllm_cascade_plugin.stats.prometheus`, imported on first use.
+Read them with :func:`snapshot` (tests, the periodic log line, metrics); what each counter is:
+:class:`~.counters.Counters`. Pure stdlib here; the Prometheus counters live in
+:mod:`vllm_cascade_plugin.stats.prometheus`, imported on first use.
+
+A planned step (:func:`record_planned`) is *open* until :func:`end_step` ends it, or the next
+step is planned. It ends as a cascade step when a builder ran cascade in it
+(:func:`record_cascade`, counted once however many builders did), else as one flat step with one
+reason: the step session's decision (:func:`flat_decision`), or else the first fallback recorded
+while it was open, or else :data:`~.counters.UNUSED`. Its planning time (:func:`planning`) is one
+sample of the planning histogram.
 
 Every ``CASCADE_LOG_INTERVAL`` seconds (default 60, ``0`` = off) the first planned step after
 the interval logs one INFO line with what happened since the last line; an idle worker logs
@@ -10,37 +19,40 @@ nothing. The clock is read once per planned step (a monotonic clock, ~50 ns).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
+
+from .counters import UNUSED, Counters, copy, difference
+from .histogram import bucket
+from .line import format_line
+
+__all__ = ["Counters", "end_step", "flat_decision", "format_line", "log_once", "logger",
+           "page_bytes", "planning", "record_builder", "record_capture", "record_capture_failure",
+           "record_cascade", "record_fallback", "record_graphed_step", "record_planned",
+           "record_planning", "reset", "set_graph_pool_bytes", "set_page_bytes", "snapshot"]
 
 logger = logging.getLogger("vllm.cascade_plugin")
 
 
 @dataclass
-class Counters:
-    steps_planned: int = 0  # real engine steps the planner looked at
-    steps_cascade: int = 0  # steps whose attention ran as cascade
-    decode_steps_planned: int = 0  # of those planned: pure-decode steps (one token per row)
-    decode_steps_cascade: int = 0  # of those run as cascade: pure-decode steps
-    decode_steps_graphed: int = 0  # of those: replayed from a CUDA graph (whole step or layers)
-    graph_capture_failures: int = 0  # CUDA-graph captures that failed (each turns graphs off)
-    graph_captures: int = 0  # CUDA graphs the plugin captured (whole steps or single layers)
-    graph_capture_s: float = 0.0  # host time those captures took: the steps they delayed
-    planning_s: float = 0.0  # host time the planner took on the planned steps
-    graph_pool_bytes: int = 0  # GPU memory the plugin's CUDA-graph pools hold now (a level)
-    pages_flat: int = 0  # KV pages flat attention would have read, over cascade steps
-    pages_cascade: int = 0  # KV pages the cascade read instead, over cascade steps
-    fallbacks: Counter[str] = field(default_factory=Counter)  # steps run flat, by reason
+class _OpenStep:
+    decode: bool
+    reason: str | None = None  # why it runs flat, the first one said
+    ratio: float | None = None  # the cascade/flat time the cost model predicted, if it decided
+    cascade: bool = False
+    planning_s: float = 0.0
 
 
 _lock = threading.Lock()
 _counters = Counters()
 _logged: set[str] = set()
+_open: _OpenStep | None = None  # the planned step that has not ended yet
+_planning_depth = 0  # planning() blocks entered and not left (the outermost one counts)
 
 # The periodic log line. Tests replace _clock with a fake one.
 _clock: Callable[[], float] = time.monotonic
@@ -66,20 +78,71 @@ def page_bytes() -> int:
 
 
 def record_planned(decode: bool) -> None:
+    """A real step was planned: the open step ends, this one is open until it ends."""
+    global _open
     now = _clock()
     with _lock:
-        line = _due_line(now)  # the steps before this one, whose cascade counts are complete
+        ended = _end_locked()
+        line = _due_line(now)  # the steps before this one, every one ended
         _counters.steps_planned += 1
         _counters.decode_steps_planned += decode
+        _open = _OpenStep(decode)
     sink = _sink()
     if sink is not None:
+        if ended is not None:
+            sink.ended(*ended)
         sink.planned(decode)
     if line is not None:
         logger.info(*line)
 
 
-def record_cascade(pages_flat: int, pages_cascade: int, decode: bool) -> None:
+def end_step() -> None:
+    """The open step (if any) ends: counted as cascade or flat with its reason."""
     with _lock:
+        ended = _end_locked()
+    if ended is None:
+        return
+    sink = _sink()
+    if sink is not None:
+        sink.ended(*ended)
+
+
+def _end_locked() -> tuple[float, str | None, bool, float | None] | None:
+    """Under the lock: end the open step; (planning seconds, flat reason or None for a cascade
+    step, decode, predicted cascade/flat ratio) for the metrics, or None without one."""
+    global _open
+    step, _open = _open, None
+    if step is None:
+        return None
+    _counters.planning_buckets[bucket(step.planning_s)] += 1
+    if step.cascade:
+        return step.planning_s, None, step.decode, None
+    reason = step.reason or UNUSED
+    _counters.flat_reasons[reason] += 1
+    if step.decode:
+        _counters.decode_flat_reasons[reason] += 1
+    if step.ratio is not None:
+        ratios = _counters.flat_cost_ratio
+        ratios[reason] = ratios.get(reason, 0.0) + step.ratio
+    return step.planning_s, reason, step.decode, step.ratio
+
+
+def flat_decision(reason: str, ratio: float | None = None) -> None:
+    """The open step runs flat for ``reason``, as the step session decided (``ratio``: the
+    cascade/flat time the cost model predicted, where it decided)."""
+    with _lock:
+        if _open is not None and _open.reason is None:
+            _open.reason, _open.ratio = reason, ratio
+
+
+def record_cascade(pages_flat: int, pages_cascade: int, decode: bool) -> None:
+    """A builder runs the open step's plan as cascade. Counted once per step: every builder
+    that runs it runs the same plan, whose pages are those of all their layers."""
+    with _lock:
+        if _open is not None:
+            if _open.cascade:
+                return
+            _open.cascade = True
         _counters.steps_cascade += 1
         _counters.decode_steps_cascade += decode
         _counters.pages_flat += pages_flat
@@ -118,12 +181,38 @@ def set_graph_pool_bytes(total: int) -> None:
 
 
 def record_planning(seconds: float) -> None:
-    """Host time one planned step spent in the planner and the cost model."""
+    """Host time spent planning the open step (or a step that never opened)."""
     with _lock:
         _counters.planning_s += seconds
+        if _open is not None:
+            _open.planning_s += seconds
     sink = _sink()
     if sink is not None:
         sink.planning(seconds)
+
+
+@contextlib.contextmanager
+def planning() -> Iterator[None]:
+    """Count the block's host time as planning (:func:`record_planning`); a block inside
+    another is part of the outer one's time. For the worker's step thread only."""
+    global _planning_depth
+    _planning_depth += 1
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        _planning_depth -= 1
+        if _planning_depth == 0:
+            record_planning(time.perf_counter() - start)
+
+
+def record_builder(seconds: float) -> None:
+    """Host time a metadata builder spent planning its executor for a cascade step."""
+    with _lock:
+        _counters.builder_s += seconds
+    sink = _sink()
+    if sink is not None:
+        sink.builder(seconds)
 
 
 def record_capture_failure() -> None:
@@ -135,9 +224,12 @@ def record_capture_failure() -> None:
 
 
 def record_fallback(reason: str, detail: str = "", *, level: int = logging.WARNING) -> None:
-    """Count a step (or layer) that ran flat for ``reason``; log the first one of each reason."""
+    """Count a fallback to flat attention (a step's, a builder's or a layer call's) for
+    ``reason``; the open step's flat reason unless it has one; log the first of each reason."""
     with _lock:
         _counters.fallbacks[reason] += 1
+        if _open is not None and _open.reason is None:
+            _open.reason = reason
         first = reason not in _logged
         _logged.add(reason)
     sink = _sink()
@@ -158,21 +250,19 @@ def log_once(key: str, message: str, *args: object, level: int = logging.INFO) -
 
 def snapshot() -> Counters:
     with _lock:
-        return _copy(_counters)
+        return copy(_counters)
 
 
 def reset() -> None:
-    """Forget counts, logged reasons and the log line's timer (tests)."""
-    global _counters, _interval_s, _last_logged
+    """Forget counts, the open step, logged reasons and the log line's timer (tests)."""
+    global _counters, _interval_s, _last_logged, _open, _planning_depth
     with _lock:
         _counters = Counters()
+        _open = None
+        _planning_depth = 0
         _logged.clear()
         _interval_s = None
         _last_logged = Counters()
-
-
-def _copy(counters: Counters) -> Counters:
-    return replace(counters, fallbacks=Counter(counters.fallbacks))
 
 
 def _sink() -> Any:
@@ -196,13 +286,13 @@ def _due_line(now: float) -> tuple[object, ...] | None:
     if _interval_s is None:
         _interval_s = _read_interval()
         _next_log = now + _interval_s
-        _last_logged = _copy(_counters)
+        _last_logged = copy(_counters)
         return None
     if _interval_s <= 0 or now < _next_log:
         return None
     elapsed = now - (_next_log - _interval_s)
-    since = _difference(_counters, _last_logged)
-    _last_logged = _copy(_counters)
+    since = difference(_counters, _last_logged)
+    _last_logged = copy(_counters)
     _next_log = now + _interval_s
     return format_line(since, _counters, elapsed, _page_bytes)
 
@@ -214,53 +304,3 @@ def _read_interval() -> float:
         return load_config().log_interval_s
     except ConfigError:  # vLLM has already refused to start with it; stay quiet
         return 0.0
-
-
-def _difference(now: Counters, before: Counters) -> Counters:
-    return Counters(
-        steps_planned=now.steps_planned - before.steps_planned,
-        steps_cascade=now.steps_cascade - before.steps_cascade,
-        decode_steps_planned=now.decode_steps_planned - before.decode_steps_planned,
-        decode_steps_cascade=now.decode_steps_cascade - before.decode_steps_cascade,
-        decode_steps_graphed=now.decode_steps_graphed - before.decode_steps_graphed,
-        graph_capture_failures=now.graph_capture_failures - before.graph_capture_failures,
-        graph_captures=now.graph_captures - before.graph_captures,
-        graph_capture_s=now.graph_capture_s - before.graph_capture_s,
-        planning_s=now.planning_s - before.planning_s,
-        graph_pool_bytes=now.graph_pool_bytes,  # a level, not a count
-        pages_flat=now.pages_flat - before.pages_flat,
-        pages_cascade=now.pages_cascade - before.pages_cascade,
-        fallbacks=now.fallbacks - before.fallbacks,
-    )
-
-
-def _percent(part: int, whole: int) -> str:
-    return f"{100 * part / whole:.1f}%" if whole else "n/a"
-
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
-        if abs(n) < 1000 or unit == "PB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    raise AssertionError("unreachable")
-
-
-def format_line(since: Counters, total: Counters, elapsed_s: float,
-                page_bytes: int) -> tuple[object, ...]:
-    """The periodic log line as ``logger.info`` arguments (a format string, then values)."""
-    fallbacks = ", ".join(f"{reason} {n}" for reason, n in sorted(since.fallbacks.items()))
-    saved = since.pages_flat - since.pages_cascade
-    if page_bytes:
-        total_saved = (total.pages_flat - total.pages_cascade) * page_bytes
-        kv = f"{_bytes(saved * page_bytes)} saved ({_bytes(total_saved)} since start)"
-    else:
-        kv = "bytes unknown (page size not set)"
-    return ("vllm-cascade-plugin: last %.0f s: %d steps, %s ran cascade (decode steps: %s, "
-            "%s of them from CUDA graphs; %d graphs captured in %.2f s; planning %.2f s); "
-            "fallbacks: %s; KV pages read on cascade steps: %s instead of %s flat, %s.",
-            elapsed_s, since.steps_planned, _percent(since.steps_cascade, since.steps_planned),
-            _percent(since.decode_steps_cascade, since.decode_steps_planned),
-            _percent(since.decode_steps_graphed, since.decode_steps_cascade),
-            since.graph_captures, since.graph_capture_s, since.planning_s, fallbacks or "none",
-            f"{since.pages_cascade:,}", f"{since.pages_flat:,}", kv)

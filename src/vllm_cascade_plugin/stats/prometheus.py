@@ -9,6 +9,9 @@ Without it these counters stay in the worker's own registry and ``/metrics`` nev
 
 Every series carries ``tp_rank``: tensor-parallel workers plan the same steps, so count steps on
 ``tp_rank="0"`` and sum bytes over all ranks (each rank reads its own share of the KV heads).
+Flat steps carry their ``reason`` (one of a few fixed strings: ``counters.FLAT_REASONS`` and the
+fallbacks' reasons); per-step planning time is a histogram in fixed buckets
+(``histogram.BOUNDS_S``), whose percentiles ``histogram.quantile`` reads.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+from .histogram import BOUNDS_S
 
 PREFIX = "vllm_cascade_"
 
@@ -58,13 +63,30 @@ class PrometheusCounters:
         self.graph_capture_seconds = counter(
             "graph_capture_seconds", "Host seconds spent capturing those CUDA graphs.")
         self.planning_seconds = counter(
-            "planning_seconds", "Host seconds the cascade planner and cost model took.")
+            "planning_seconds", "Host seconds planning the planned steps took (runner hooks, "
+            "planner, cost model).")
+        self.step_planning_seconds = Histogram(
+            PREFIX + "step_planning_seconds", "Host seconds each planned step's planning took.",
+            ["tp_rank"], buckets=BOUNDS_S, registry=registry).labels(rank)
+        self.builder_seconds = counter(
+            "builder_seconds", "Host seconds the metadata builders took planning cascade "
+            "executors.")
+        self._flat_steps = counter(
+            "flat_steps", "Planned steps that ran flat attention, by their one reason.",
+            ("reason",))
+        self._decode_flat_steps = counter(
+            "decode_flat_steps", "Pure-decode planned steps that ran flat attention, by reason.",
+            ("reason",))
+        self._flat_cost_ratio = counter(
+            "flat_cost_ratio", "Over steps the cost model kept flat: the cascade/flat time it "
+            "predicted, summed per reason (divided by flat_steps, the mean).", ("reason",))
         # A level per process; /metrics adds up the live processes (each GPU's worker).
         self.graph_pool_bytes = Gauge(
             PREFIX + "graph_pool_bytes", "GPU memory the plugin's CUDA-graph pools hold.",
             ["tp_rank"], registry=registry, multiprocess_mode="livesum").labels(rank)
         self._fallbacks = counter(
-            "fallbacks", "Steps or layer calls that ran flat attention instead, by reason.",
+            "fallbacks", "Fallbacks to flat attention (a step's, a builder's or a layer call's), "
+            "by reason.",
             ("reason",))
         self.kv_pages_flat = counter(
             "kv_pages_flat", "KV pages flat attention would have read on the cascade steps.")
@@ -100,6 +122,21 @@ class PrometheusCounters:
 
     def planning(self, seconds: float) -> None:
         self.planning_seconds.inc(seconds)
+
+    def builder(self, seconds: float) -> None:
+        self.builder_seconds.inc(seconds)
+
+    def ended(self, planning_s: float, flat_reason: str | None, decode: bool,
+              ratio: float | None) -> None:
+        """A planned step ended: its planning time; flat (with its reason) or cascade (None)."""
+        self.step_planning_seconds.observe(planning_s)
+        if flat_reason is None:
+            return
+        self._flat_steps.labels(self._rank, flat_reason).inc()
+        if decode:
+            self._decode_flat_steps.labels(self._rank, flat_reason).inc()
+        if ratio is not None:
+            self._flat_cost_ratio.labels(self._rank, flat_reason).inc(ratio)
 
     def capture_failure(self) -> None:
         self.graph_capture_failures.inc()

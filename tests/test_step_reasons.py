@@ -1,0 +1,119 @@
+"""Why the step session keeps a step flat, as counted (``stats``: one reason per flat step), and
+which steps it charges the cost of running from CUDA graphs (numpy only). The reference for each
+verdict is ``decide()`` on the same plan with the cost model the step should be charged."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from test_cost import H200_LAYER
+from vllm_cascade_plugin import stats
+from vllm_cascade_plugin.config import CascadeConfig
+from vllm_cascade_plugin.planning.cost import cost_model_for, decide
+from vllm_cascade_plugin.stats import counters as c
+from vllm_cascade_plugin.step import StepSession
+
+EAGER, GRAPHED = cost_model_for("fa3", decode_graphs=False), cost_model_for("fa3")
+
+
+@pytest.fixture(autouse=True)
+def counters():
+    stats.reset()
+    yield
+    stats.reset()
+
+
+def fa3_session(capture_sizes=(32, 64, 128), **config) -> StepSession:
+    """Planned like the FA3 executor with per-layer graphs: the eager per-step cost, and the
+    graphed one for a decode step whose graph layout was planned before."""
+    session = StepSession()
+    session.configure(CascadeConfig(enabled=True, **config), H200_LAYER, 16, None,
+                      cost_model=EAGER, steady_cost_model=GRAPHED, capture_sizes=capture_sizes)
+    return session
+
+
+def prefix_rows(rows: int, prefix_pages: int = 512, own_pages: int = 12):
+    """``rows`` requests behind one shared prefix of ``prefix_pages`` pages (8K tokens by
+    default), each with pages of its own: (block table, sequence lengths)."""
+    table = np.zeros((rows, prefix_pages + own_pages), np.int32)
+    table[:, :prefix_pages] = np.arange(1, prefix_pages + 1)
+    table[:, prefix_pages:] = 10_000 + np.arange(rows * own_pages).reshape(rows, own_pages)
+    return table, np.full(rows, prefix_pages * 16 + 144, np.int32)
+
+
+def test_a_decode_step_above_the_largest_capture_size_is_always_charged_the_eager_cost():
+    """vLLM runs such a step without graphs and unpadded, and so does the plugin: however often
+    its layout repeats, the step is charged the eager per-step cost (a decode step that only
+    the graphed cost makes worth it stays flat), where below the largest size the same
+    layout's second step gets the graphed cost."""
+    table, seq = prefix_rows(64)
+    q = np.ones(64, np.int32)
+    plan_of = fa3_session(()).plan_step(table, seq, q).plan
+    assert decide(plan_of, H200_LAYER, GRAPHED).use_cascade
+    assert not decide(plan_of, H200_LAYER, EAGER).use_cascade
+    below, above = fa3_session((16, 32, 64)), fa3_session((8, 16, 32))
+    assert below.graphable(64) and not above.graphable(64) and above.graphable(32)
+    assert StepSession().graphable(10_000)  # no capture sizes known: no limit
+    verdicts = {}
+    for name, session in (("below", below), ("above", above)):
+        stats.reset()
+        verdicts[name] = [session.plan_step(table, seq + i, q).decision.use_cascade
+                          for i in range(4)]
+        session.end_step()
+        verdicts[name + " reasons"] = stats.snapshot().flat_reasons
+    assert verdicts["below"] == [False, True, True, True]
+    assert verdicts["below reasons"] == {c.NOT_CAPTURED: 1, c.UNUSED: 3}  # no builder here
+    assert verdicts["above"] == [False] * 4
+    assert verdicts["above reasons"] == {c.COST_MODEL: 4}
+
+
+def test_each_flat_step_is_counted_with_the_reason_the_session_decided(monkeypatch):
+    session = fa3_session()
+    small, _ = prefix_rows(4, prefix_pages=2, own_pages=2)  # a fixed cost never repaid
+    seq_small = np.full(4, 2 * 16 + 20, np.int32)
+    big, seq_big = prefix_rows(64)
+    expected: list[tuple[str | None, float | None]] = []  # (reason or None: cascade, ratio)
+
+    def step(table, seq, q, runs=False, on=session):
+        """One step as the runner hooks plan it and, with ``runs``, a builder runs it."""
+        q = np.asarray(q, np.int32)
+        planned = None
+        if not on.skip_unshared(table[:, 0], seq, q):
+            planned = on.plan_step(table, seq, q)
+            if runs and planned is not None and planned.decision.use_cascade:
+                stats.record_cascade(1, 1, planned.decode)
+        on.end_step()
+        return planned
+
+    unshared = small.copy()
+    unshared[:, :2] += 100 * np.arange(4)[:, None]
+    assert step(unshared, seq_small, [1] * 4) is None  # skipped: no first page alike
+    expected.append((c.NO_SHARED, None))
+    alike = step(small, seq_small, [1] * 4, on=fa3_session(min_shared_pages=4))
+    assert alike.plan.num_levels == 1  # first pages alike, but 2 shared pages are too few
+    expected.append((c.NO_SHARED, None))
+    planned = [step(small, seq_small, q) for q in ([1] * 4, [1, 1, 3, 1], [3] * 4)]
+    for p, reason in zip(planned, (c.COST_MODEL, c.MIXED, c.MULTI_TOKEN), strict=True):
+        d = decide(p.plan, H200_LAYER, EAGER)  # none of them graphed: the eager cost
+        assert not d.use_cascade and p.decision == d
+        expected.append((reason, d.cascade_us / d.flat_us))
+    first = step(big, seq_big, [1] * 64, runs=True)  # a new layout: the eager cost, flat ...
+    d = decide(first.plan, H200_LAYER, EAGER)
+    expected.append((c.NOT_CAPTURED, d.cascade_us / d.flat_us))
+    assert step(big, seq_big + 1, [1] * 64, runs=True).decision.use_cascade  # ... then graphed
+    expected.append((None, None))
+    assert step(big, seq_big + 2, [1] * 64).decision.use_cascade  # no builder ran it
+    expected.append((c.UNUSED, None))
+    monkeypatch.setattr(session._planner, "plan", lambda *a: 1 / 0)
+    assert step(big, seq_big + 3, [1] * 64) is None
+    expected.append(("planner error", None))
+    counted = stats.snapshot()
+    flat = [(r, x) for r, x in expected if r is not None]
+    assert counted.flat_reasons == {r: sum(y == r for y, _ in flat) for r, _ in flat}
+    assert counted.decode_flat_reasons == {r: n for r, n in counted.flat_reasons.items()
+                                           if r not in (c.MIXED, c.MULTI_TOKEN)}
+    assert counted.flat_cost_ratio == pytest.approx(
+        {r: sum(x for y, x in flat if y == r and x is not None) for r, x in flat
+         if x is not None})
+    assert counted.steps_planned == len(expected) and counted.steps_cascade == 1
