@@ -41,18 +41,9 @@ def rejudge(row: dict) -> tuple[str, str]:
         beams = row["beams"]
         plugin, kernels = (agreement.BeamDeviation(d.worst, d.mean, round(d.fraction * beams),
                                                    beams) for d in (plugin, kernels))
-    if row.get("kv_cache_dtype") == "fp8":
-        ok, reference_ok = engine_oracle._within_kernels(plugin, kernels), kernels.fraction > 0
-    elif isinstance(plugin, agreement.BeamDeviation):
-        assert isinstance(kernels, agreement.BeamDeviation)
-        ok = agreement.beams_agree(plugin, kernels)
-        reference_ok = engine_oracle._reference_ok(kernels)
-    else:
-        assert isinstance(kernels, agreement.Deviation)
-        ok = agreement.agrees_with_reference(plugin, kernels)
-        reference_ok = engine_oracle._reference_ok(kernels)
-    if row["workload"].startswith(engine_oracle.CASCADE_WORKLOADS):
-        ok = ok and row["cascade_step_fraction"] >= engine_oracle.MIN_CASCADE_STEPS
+    ok, reference_ok = engine_oracle.verdicts(row["workload"], plugin, kernels,
+                                              row["cascade_step_fraction"],
+                                              row.get("kv_cache_dtype") == "fp8")
     return "pass" if ok else "fail", "pass" if reference_ok else "fail"
 
 

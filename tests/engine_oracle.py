@@ -40,6 +40,26 @@ def _within_kernels(plugin: agreement.Deviation | agreement.BeamDeviation,
             and plugin.fraction >= kernels.fraction / agreement.RELATIVE)
 
 
+def verdicts(name: str, plugin: agreement.Deviation | agreement.BeamDeviation,
+             kernels: agreement.Deviation | agreement.BeamDeviation, steps: float,
+             quantised: bool = False) -> tuple[bool, bool]:
+    """(the plugin agrees, the two kernels agree) for workload ``name``: ``plugin`` and
+    ``kernels`` are the plugin's and the second kernel's deviations from the plugin-off run,
+    ``steps`` the share of (decode) steps that ran cascade."""
+    if quantised:
+        ok, reference_ok = _within_kernels(plugin, kernels), kernels.fraction > 0
+    elif isinstance(plugin, agreement.BeamDeviation):
+        assert isinstance(kernels, agreement.BeamDeviation)
+        ok, reference_ok = agreement.beams_agree(plugin, kernels), _reference_ok(kernels)
+    else:
+        assert isinstance(kernels, agreement.Deviation)
+        ok = agreement.agrees_with_reference(plugin, kernels)
+        reference_ok = _reference_ok(kernels)
+    if name.startswith(CASCADE_WORKLOADS):
+        ok = ok and steps >= MIN_CASCADE_STEPS
+    return ok, reference_ok
+
+
 def judge(name: str, runner: str, on: dict, off: dict, reference: dict,
           tp: int = 1, quantised: bool = False) -> dict[str, Any]:
     """One workload's row: ``on``, ``off`` and ``reference`` are engine_driver.py's results for
@@ -51,22 +71,17 @@ def judge(name: str, runner: str, on: dict, off: dict, reference: dict,
     if "beams" in off:
         plugin = agreement.compare_beams(on["beams"], off["beams"])
         kernels = agreement.compare_beams(reference["beams"], off["beams"])
-        ok = agreement.beams_agree(plugin, kernels)
         # Beam search runs each step as new one-token requests: prefills, no decode steps.
         steps = on["steps_cascade"] / max(on["steps_planned"], 1)
         row.update(metric=BEAM_METRIC, compared_beams=plugin.matched, beams=plugin.beams)
     else:
         plugin = agreement.measure(on["requests"], off["requests"])
         kernels = agreement.measure(reference["requests"], off["requests"])
-        ok = agreement.agrees_with_reference(plugin, kernels)
         steps = on["decode_steps_cascade"] / max(on["decode_steps_planned"], 1)
         row.update(compared_tokens=plugin.compared, positions=plugin.positions)
-    reference_ok = _reference_ok(kernels)
+    ok, reference_ok = verdicts(name, plugin, kernels, steps, quantised)
     if quantised:
-        ok, reference_ok = _within_kernels(plugin, kernels), kernels.fraction > 0
         row["rule"] = "quantised KV cache: relative to two correct kernels only"
-    if name.startswith(CASCADE_WORKLOADS):
-        ok = ok and steps >= MIN_CASCADE_STEPS
     row.update(
         max_abs_dlogprob=plugin.worst, mean_abs_dlogprob=plugin.mean,
         compared_fraction=plugin.fraction,
