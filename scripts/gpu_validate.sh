@@ -44,6 +44,9 @@ res=${CASCADE_GV_DIR:-/tmp/gv}
 export CASCADE_GV_DIR=$res CASCADE_ENGINE_CACHE=$res/engines CASCADE_MODEL_CACHE=$res/models
 export CASCADE_ENGINE_SLOTS=${CASCADE_ENGINE_SLOTS:-12}
 mkdir -p "$res"
+# Pure-Python wheels the device bundle lacks (e.g. truststore, which the OpenAI client's HTTP
+# stack imports): put in .devb/wheels/, they are imported from the wheel files directly.
+for w in .devb/wheels/*.whl; do [ -f "$w" ] && export PYTHONPATH="$PWD/$w${PYTHONPATH:+:$PYTHONPATH}"; done
 SIDE_BY_SIDE=${GV_SIDE_BY_SIDE-"engine_flash_attn engine_flashinfer engine_graphs kernels serving fp8 speculative sliding soak"}
 ALONE=${GV_ALONE-"serving_memory demo examples"}
 ORDER="engine_flash_attn engine_flashinfer engine_graphs kernels serving serving_memory fp8 speculative sliding soak demo examples"
