@@ -8,7 +8,6 @@ engine's processes need not import it from ``benchmarks/``, as for a function of
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 from typing import Any
@@ -17,9 +16,7 @@ from typing import Any
 def plugin_counters(worker: object) -> dict[str, Any]:
     from vllm_cascade_plugin import stats
 
-    counters = stats.snapshot()
-    return {**{f.name: getattr(counters, f.name) for f in dataclasses.fields(counters)},
-            "fallbacks": dict(counters.fallbacks)}
+    return stats.plain(stats.snapshot())
 
 
 def device_memory(worker: object) -> dict[str, Any]:

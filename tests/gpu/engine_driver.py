@@ -236,7 +236,7 @@ def _worker_counters(worker) -> dict:
         graphs = {**kernels.graph_stats(), **fullgraph.graph_stats()}
     except ImportError:
         alive, graphs = [], {}
-    return {**dataclasses.asdict(counters), "fallbacks": dict(counters.fallbacks),
+    return {**stats.plain(counters),
             "executors": sorted({e.kernel for e in alive}),
             **{k: graphs.get(k, 0) for k in ("graph_captures", "graph_replays",
                                               "full_graph_captures", "full_graph_replays",

@@ -27,14 +27,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .counters import UNUSED, Counters, copy, difference
+from .counters import UNUSED, Counters, copy, difference, plain
 from .histogram import bucket
 from .line import format_line
 
 __all__ = ["Counters", "end_step", "flat_decision", "format_line", "log_once", "logger",
-           "page_bytes", "planning", "record_builder", "record_capture", "record_capture_failure",
-           "record_cascade", "record_fallback", "record_graphed_step", "record_planned",
-           "record_planning", "reset", "set_graph_pool_bytes", "set_page_bytes", "snapshot"]
+           "page_bytes", "plain", "planning", "record_builder", "record_capture",
+           "record_capture_failure", "record_cascade", "record_fallback", "record_graphed_step",
+           "record_planned", "record_planning", "reset", "set_graph_pool_bytes", "set_page_bytes",
+           "snapshot"]
 
 logger = logging.getLogger("vllm.cascade_plugin")
 

@@ -10,7 +10,8 @@ else: every fallback to flat attention, per layer call or builder, several in on
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 from .histogram import BOUNDS_S
 
@@ -57,6 +58,19 @@ class Counters:
         """The plugin's host time on its steps: planning, the builders' executor planning and
         CUDA-graph captures (not the per-layer Python of cascade layers)."""
         return self.planning_s + self.builder_s + self.graph_capture_s
+
+
+def plain(counters: Counters) -> dict[str, Any]:
+    """The counters as builtin types only (dict, list, int, float, str): what a function run in
+    vLLM's engine process through ``collective_rpc`` may return. vLLM's serializer records each
+    value's exact type and rebuilds it with msgspec, which cannot rebuild a ``Counter``; the
+    client's output handler then dies and every request in flight hangs."""
+    out: dict[str, Any] = {}
+    for f in fields(counters):
+        value = getattr(counters, f.name)
+        out[f.name] = dict(value) if isinstance(value, dict) else (
+            list(value) if isinstance(value, list) else value)
+    return out
 
 
 def copy(counters: Counters) -> Counters:
