@@ -65,7 +65,7 @@ def test_without_the_knob_an_fp8_cache_runs_flat_and_the_reason_says_how_to_opt_
     builder = vllm_cpu.make_builder(fp8_engine, names, backend=backend, dtype=torch.uint8)
     reason = builder._settings.unsupported
     assert reason == support.kv_cache_dtype_reason("fp8") and "CASCADE_FP8_KV=1" in reason
-    assert "engine-level comparison not yet" in reason and not session.active
+    assert "speed is not measured yet" in reason and not session.active
 
 
 def test_with_the_knob_the_cascade_reads_the_fp8_cache_with_each_layers_scales(

@@ -194,10 +194,10 @@ def _startup_lines(config: CascadeConfig, found_gpu: str | None) -> None:
         f"other than {' or '.join(support.SPECULATIVE_METHODS)} or with asynchronous "
         "scheduling, and the models listed in the README. Check the arguments vLLM will start "
         "with: vllm-cascade check MODEL --kv-cache-dtype ... (as for vllm serve).",
-        "  Not verified on a GPU with this release, so off unless asked for: an FP8 KV cache "
-        "(e4m3, per-layer scales; its kernels are verified, its engine-level comparison not "
-        f"yet): CASCADE_FP8_KV={'on' if config.fp8_kv else 'off'}; tensor parallelism above 1 "
-        "and suffix speculative decoding: "
+        "  Off unless asked for: an FP8 KV cache (e4m3, per-layer scales; its kernels and "
+        "engines agree with flat FP8 attention on a GPU, its speed is not measured yet): "
+        f"CASCADE_FP8_KV={'on' if config.fp8_kv else 'off'}; not verified on a GPU with this "
+        "release: tensor parallelism above 1 and suffix speculative decoding: "
         f"CASCADE_UNVERIFIED={'on' if config.unverified else 'off'}.",
     ])
 

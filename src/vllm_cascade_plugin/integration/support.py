@@ -54,7 +54,8 @@ def kv_cache_dtype_reason(kv_cache_dtype: str | None, fp8_kv: bool = False) -> s
             return None
         return (f"FP8 KV cache (kv_cache_dtype={kv_cache_dtype}): runs flat by default; "
                 "CASCADE_FP8_KV=1 runs the cascade on it (e4m3 with per-layer scales; its "
-                "kernels are verified on a GPU, its engine-level comparison not yet)")
+                "kernels and engines agree with flat FP8 attention on a GPU, its speed is not "
+                "measured yet)")
     return (f"quantised KV cache (kv_cache_dtype={kv_cache_dtype}): the cascade reads "
             f"{' or '.join(FP8_KV)} (e4m3) with per-layer scales only (CASCADE_FP8_KV=1); "
             "this layout is not supported")
