@@ -7,8 +7,10 @@ Usage (on the GPU machine; ``--dry-run`` anywhere prints the commands and writes
 
 One server per config serves every workload (``--load-format dummy``, prefix caching on, a
 word-level tokenizer written next to a copy of config.json). Per workload: a warm-up (not
-recorded), then a burst (``--request-rate inf``) and Poisson rates at 50% and 90% of what flat
-FlashInfer sustained in its burst (completed / duration); flashinfer's server runs first. The
+recorded), then a burst (``--request-rate inf``) and Poisson rates at 50% and 90% of what the
+same backend flat (``flashinfer``, ``flash_attn``) sustained in its burst (completed / duration);
+the flat servers run first. ``--rates`` may differ per workload and repeat a rate
+(``"prefix_8k_x4=burst,90%*2;*=burst,90%"``). The
 prefix cache is reset before every run (``POST /reset_prefix_cache``, ``VLLM_SERVER_DEV_MODE=1``)
 and every run draws prompts of its own (its own ``--seed``), the same ones in every config. The
 plugin's counters come from ``/metrics`` before and after each run (``PROMETHEUS_MULTIPROC_DIR``
@@ -60,7 +62,12 @@ CONFIGS = {
     # The plugin in vLLM's default backend (FA3 kernels), against plain flash_attn.
     "cascade_flash_attn": Config("FLASH_ATTN", {"CASCADE_ATTENTION": "1"}),
 }
-BASELINE = "flashinfer"  # its burst sets every config's Poisson rates
+# Each backend's flat config: its burst sets the Poisson rates of every config on that backend.
+FLAT = {"FLASHINFER": "flashinfer", "FLASH_ATTN": "flash_attn"}
+
+
+def baseline(config: str) -> str:
+    return FLAT[CONFIGS[config].backend]
 
 
 def server_command(config: Config, model_dir: Path, port: int, max_len: int,
@@ -86,8 +93,8 @@ class Bench:
     """What every run of one invocation shares."""
 
     args: argparse.Namespace
-    rates: list[str]
-    known: dict[str, float]  # workload -> flat FlashInfer's sustainable req/s
+    rates: dict[str, list[str]]  # workload (or "*": any other) -> its rate items
+    known: dict[str, dict[str, float]]  # flat config -> workload -> its sustainable req/s
     work: Path
     run_id: str
     run: str  # the invocation and the checkout it ran: "<run_id>-<commit>"
@@ -104,7 +111,7 @@ class Bench:
         """The tree's JSONL for one run (shared by the configs); None for vLLM's datasets."""
         if w.kind != "tree":
             return None
-        path = self.work / "datasets" / f"{w.name}-{label.rstrip('%')}-{seed}.jsonl"
+        path = self.work / "datasets" / f"{w.name}-{sw.base_rate(label).rstrip('%')}-{seed}.jsonl"
         if write and not path.exists():
             assert isinstance(n, int)
             sw.write_tree_dataset(path, w, n, seed, self.vocab_size, self.special)
@@ -113,15 +120,16 @@ class Bench:
     def runs(self, w: sw.Workload, config: str, port: int,
              write: bool) -> Iterator[tuple[str, float | str | None, list[str], Path]]:
         """(rate item, rate, client command, result file) of each measured run; rate None (and
-        placeholders in the command) while the rate waits for flashinfer's burst."""
-        for item in self.rates:
-            rate = sw.resolve_rate(item, self.known.get(w.name))
+        placeholders in the command) while the rate waits for the flat backend's burst."""
+        flat = baseline(config)
+        for item in self.rates_for(w.name):
+            rate = sw.resolve_rate(item, self.known.get(flat, {}).get(w.name))
             seed = sw.run_seed(self.args.seed, w.name, item)
-            name = f"{config}-{w.name}-{item.rstrip('%')}.json"
+            name = f"{config}-{w.name}-{item.replace('%', '')}.json"
             if rate is None:
                 n: int | str = self.args.num_prompts or (
                     f"<max({sw.MIN_POISSON_PROMPTS}, rate x {self.args.duration:g} s)>")
-                shown: float | str = f"<{item} of {BASELINE} burst req/s on {w.name}>"
+                shown: float | str = f"<{sw.base_rate(item)} of {flat} burst req/s on {w.name}>"
             else:
                 n = sw.num_prompts(w, rate, self.args.num_prompts, self.args.duration)
                 shown = rate
@@ -129,6 +137,9 @@ class Bench:
             cmd = sw.client_command(w, self.model_dir, port, shown, n, seed, data,
                                     (self.work / "results", name))
             yield item, rate, cmd, self.work / "results" / name
+
+    def rates_for(self, workload: str) -> list[str]:
+        return self.rates.get(workload, self.rates.get("*", []))
 
     def warmup(self, w: sw.Workload, port: int, write: bool) -> list[str]:
         n = sw.round_prompts(w, self.args.warmup_prompts)
@@ -146,7 +157,7 @@ def measure(bench: Bench, server: Server, w: sw.Workload, config: str) -> Iterat
         print(f"  warm-up failed, see {logs}/{config}-{w.name}-warmup.log", file=sys.stderr)
     for item, rate, cmd, result_path in bench.runs(w, config, server.port, True):
         if rate is None:
-            print(f"  {w.name} {item}: skipped, no {BASELINE} burst to derive it from",
+            print(f"  {w.name} {item}: skipped, no {baseline(config)} burst to derive it from",
                   file=sys.stderr)
             continue
         if not server.reset_prefix_cache():
@@ -167,14 +178,15 @@ def measure(bench: Bench, server: Server, w: sw.Workload, config: str) -> Iterat
             print(f"  run failed ({code}); the end of {client_log}:\n{tail}", file=sys.stderr)
             continue
         result = json.loads(result_path.read_text())
-        if config == BASELINE and rate == sw.BURST and result.get("completed"):
-            bench.known[w.name] = sw.sustainable_rate(result)
+        if config == baseline(config) and rate == sw.BURST and result.get("completed"):
+            bench.known.setdefault(config, {})[w.name] = sw.sustainable_rate(result)
         yield sr.make_row(
             workload=w.name, config=config, request_rate=rate,
             tensor_parallel_size=bench.args.tensor_parallel_size, result=result,
             delta=sr.counter_deltas(before, after), plugin_on=CONFIGS[config].plugin_on,
             capture_warnings=warnings,
-            extra={"rate_spec": item, "sustainable_rate": bench.known.get(w.name),
+            extra={"rate_spec": item,
+                   "sustainable_rate": bench.known.get(baseline(config), {}).get(w.name),
                    "seed": int(cmd[cmd.index("--seed") + 1]), "run_id": bench.run_id,
                    "run": bench.run,
                    "max_model_len": bench.max_len, "prompt_len": w.input_len,
@@ -201,16 +213,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot_only:
         print(sr.plot(args.out, list(CONFIGS)))
         return 0
-    configs = sorted(args.configs, key=lambda c: c != BASELINE)
+    configs = sorted(args.configs, key=lambda c: CONFIGS[c].plugin_on)  # the flat ones first
     workloads = [sw.WORKLOADS[w] for w in args.workloads]
     rates = args.rates
+    if unknown := sorted(set(rates) - {"*", *args.workloads}):
+        sys.exit(f"--rates names {', '.join(unknown)}, not in --workloads")
     old = [] if args.fresh else sr.load_rows(args.out)
-    known = sr.baseline_rates(old, BASELINE, args.tensor_parallel_size)
-    missing = [w.name for w in workloads if w.name not in known]
-    if BASELINE not in configs and any(r.endswith("%") for r in rates) and missing:
-        print(f"no {BASELINE} burst row in {args.out} for {', '.join(missing)}: their "
-              f"relative rates are skipped (add {BASELINE} to --configs, or give req/s)",
-              file=sys.stderr)
+    known = {flat: sr.baseline_rates(old, flat, args.tensor_parallel_size)
+             for flat in FLAT.values()}
+    for flat in sorted({baseline(c) for c in configs} - set(configs)):
+        missing = [w.name for w in workloads if w.name not in known[flat] and any(
+            sw.base_rate(r).endswith("%") for r in rates.get(w.name, rates.get("*", [])))]
+        if missing:
+            print(f"no {flat} burst row in {args.out} for {', '.join(missing)}: their "
+                  f"relative rates are skipped (add {flat} to --configs, or give req/s)",
+                  file=sys.stderr)
     run_id = datetime.datetime.now().strftime("%Y%m%dT%H%M%S")
     while (Path(args.work_dir) / run_id).exists():  # two invocations in one second
         run_id += "x"
@@ -278,12 +295,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="examples/models/llama3-8b",
                    help="folder with the model's config.json (no weights: --load-format dummy)")
     p.add_argument("--configs", type=_names(CONFIGS), default=",".join(CONFIGS),
-                   help=f"any of {', '.join(CONFIGS)}; {BASELINE} always runs first")
+                   help=f"any of {', '.join(CONFIGS)}; the flat ones run first")
     p.add_argument("--workloads", type=_names(sw.WORKLOADS), default=",".join(sw.WORKLOADS),
                    help="comma-separated")
-    p.add_argument("--rates", type=sw.parse_rates, default="burst,50%,90%",
-                   help="'burst' (all requests at once), N%% (of flat FlashInfer's burst req/s "
-                        "on that workload) or req/s")
+    p.add_argument("--rates", type=sw.parse_rate_plan, default="burst,50%,90%",
+                   help="'burst' (all requests at once), N%% (of the same backend's flat burst "
+                        "req/s on that workload) or req/s; RATE*N repeats one; per workload: "
+                        "'WORKLOAD=RATES;*=RATES'")
     p.add_argument("--num-prompts", type=int, default=None,
                    help="requests per run; default: the workload's burst count for bursts, "
                         "rate x --duration for Poisson rates")

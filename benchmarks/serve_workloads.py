@@ -33,12 +33,13 @@ MAX_PROMPTS = 4096
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
-    """One request mix. ``kind``: ``prefix_repetition``, ``tree`` or ``random``.
+    """One request mix. ``kind``: ``prefix_repetition``, ``tree``, ``random`` or ``chat``.
 
-    ``prefix_len`` is the shared prefix (prefix_repetition) or system prompt (tree) in tokens;
+    ``prefix_len`` is the shared prefix (prefix_repetition), system prompt (tree, chat) in tokens;
     ``groups`` the number of prefixes (prefix_repetition) or documents (tree); ``doc_len`` the
-    document length (tree); ``suffix_len`` each request's own tokens. ``burst_prompts``: how many
-    requests the burst run sends (fewer for long prompts without sharing: their prefill is long).
+    document length (tree); ``suffix_len`` each request's own tokens, drawn from ``suffix_len``
+    times 1 +- ``range_ratio`` (chat). ``burst_prompts``: how many requests the burst run sends
+    (fewer for long prompts without sharing: their prefill is long).
     """
 
     name: str
@@ -49,10 +50,12 @@ class Workload:
     suffix_len: int = 64
     output_len: int = 256
     burst_prompts: int = 256
+    range_ratio: float = 0.0
 
     @property
     def input_len(self) -> int:
-        return self.prefix_len + self.doc_len + self.suffix_len
+        """The longest prompt."""
+        return self.prefix_len + self.doc_len + math.ceil(self.suffix_len * (1 + self.range_ratio))
 
     @property
     def total_len(self) -> int:
@@ -70,6 +73,10 @@ def _workloads() -> dict[str, Workload]:
     for length, burst in ((2048, 256), (8192, 128), (32768, 32)):
         name = f"random_{length // 1024}k"
         w[name] = Workload(name, "random", suffix_len=length + 64, burst_prompts=burst)
+    # A chat service: one 1.5K-token system prompt, 256-1,024 tokens of each user's own, short
+    # answers. The shared part is small: the case where the cascade must not cost anything.
+    w["chat_1k5_system"] = Workload("chat_1k5_system", "chat", prefix_len=1536, suffix_len=640,
+                                    range_ratio=0.6, output_len=128)
     return w
 
 
@@ -88,14 +95,38 @@ def round_prompts(workload: Workload, n: int) -> int:
 
 def parse_rates(spec: str) -> list[str]:
     """``"burst,50%,90%,3.5"`` -> the same items, validated; burst first, as the derived rates
-    need flashinfer's burst measured before them."""
-    items = [s.strip() for s in spec.split(",") if s.strip()]
-    for item in items:
+    need the flat burst measured before them. ``"90%*2"``: that rate twice, the second run
+    labelled ``"90%#2"`` (the same prompts: the spread of a repeated measurement)."""
+    items: list[str] = []
+    for raw in (s.strip() for s in spec.split(",") if s.strip()):
+        item, _, times = raw.partition("*")
         if item != BURST and not re.fullmatch(r"\d+(\.\d+)?%?", item):
             raise ValueError(f"rate {item!r}: 'burst', a fraction like '50%' or req/s like '4.5'")
         if item != BURST and float(item.rstrip("%")) <= 0:
             raise ValueError(f"rate {item!r} must be positive")
+        if times and (not times.isdigit() or int(times) < 1):
+            raise ValueError(f"rate {raw!r}: repeat a rate as RATE*N, N a positive integer")
+        items += [item] + [f"{item}#{i}" for i in range(2, int(times or 1) + 1)]
     return sorted(dict.fromkeys(items), key=lambda s: s != BURST)
+
+
+def parse_rate_plan(spec: str) -> dict[str, list[str]]:
+    """``--rates``: one list for every workload (:func:`parse_rates`), or lists per workload,
+    ``"prefix_8k_x4=burst,50%,90%*2;*=burst,90%"`` (``*``: the workloads not named)."""
+    if "=" not in spec:
+        return {"*": parse_rates(spec)}
+    plan: dict[str, list[str]] = {}
+    for part in (p.strip() for p in spec.split(";") if p.strip()):
+        name, sep, rates = part.partition("=")
+        if not sep or not name.strip():
+            raise ValueError(f"rates {part!r}: WORKLOAD=RATES or *=RATES, separated by ';'")
+        plan[name.strip()] = parse_rates(rates)
+    return plan
+
+
+def base_rate(item: str) -> str:
+    """A rate item without its repeat number: ``"90%#2"`` -> ``"90%"``."""
+    return item.partition("#")[0]
 
 
 def sustainable_rate(result: dict[str, Any]) -> float:
@@ -107,7 +138,8 @@ def sustainable_rate(result: dict[str, Any]) -> float:
 
 def resolve_rate(item: str, sustainable: float | None) -> float | str | None:
     """The request rate of one ``--rates`` item: ``"burst"``, req/s, or None when the item is a
-    fraction and flat FlashInfer's sustainable rate is unknown."""
+    fraction and the flat backend's sustainable rate is unknown."""
+    item = base_rate(item)
     if item == BURST:
         return BURST
     if not item.endswith("%"):
@@ -197,6 +229,11 @@ def dataset_args(workload: Workload, dataset_path: Path | None) -> list[str]:
         return ["--dataset-name", "random", "--random-input-len", str(workload.input_len),
                 "--random-output-len", str(workload.output_len), "--random-prefix-len", "0",
                 "--random-range-ratio", "0"]
+    if workload.kind == "chat":
+        return ["--dataset-name", "random", "--random-input-len", str(workload.suffix_len),
+                "--random-output-len", str(workload.output_len),
+                "--random-prefix-len", str(workload.prefix_len), "--random-range-ratio",
+                json.dumps({"input": workload.range_ratio, "output": 0.0})]
     if workload.kind == "tree":
         # Raw text, no chat template (the tokenizer has none); the file's order as written.
         return ["--dataset-name", "custom", "--dataset-path", str(dataset_path),
@@ -222,8 +259,9 @@ def client_command(workload: Workload, model_dir: Path, port: int, rate: float |
 
 
 def run_seed(base: int, workload: str, label: str) -> int:
-    """The same prompts for a (workload, rate) in every config and invocation; others differ."""
-    return base + zlib.crc32(f"{workload}/{label}".encode()) % 1_000_000
+    """The same prompts for a (workload, rate) in every config, invocation and repeat; others
+    differ."""
+    return base + zlib.crc32(f"{workload}/{base_rate(label)}".encode()) % 1_000_000
 
 
 def num_prompts(workload: Workload, rate: float | str, fixed: int | None, duration_s: float) -> int:

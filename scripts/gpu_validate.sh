@@ -37,7 +37,9 @@
 # of some parts (GV_SIDE_BY_SIDE, GV_ALONE: the lists to run) completes the committed table.
 # Logs and result JSON go to /tmp/gv/<part>/: benchmarks/results/h200/gpu_validate/<part>/.
 # Other parts, each alone: e2e, e2e_fa (offline end-to-end tables), serve (the serving
-# benchmark), tp (tensor parallelism: two GPUs).
+# benchmark, one workload), serve_grid (the serving grid: each backend's plugin against the same
+# backend flat, `vllm serve` driven by `vllm bench serve`; SERVE_DURATION seconds of Poisson
+# arrivals per run), tp (tensor parallelism: two GPUs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 res=${CASCADE_GV_DIR:-/tmp/gv}
@@ -158,6 +160,22 @@ part_serve() {  # a server start takes ~3.5 min on a fresh machine: run it detac
   stamp "serve rc=$?"; tail -20 "$res/serve/serve.log"
 }
 
+part_serve_grid() {  # about 25 minutes on a fresh machine: run it detached, alone
+  local d=${SERVE_DURATION:-20} m=examples/models/llama3-8b
+  mkdir -p "$res/serve_grid"
+  # vLLM's default backend: shared documents at two loads (90% twice: the spread) and a burst,
+  # one long document, many short ones, a chat service, no sharing.
+  timeout 1500 python3 benchmarks/serve_bench.py --model $m --configs flash_attn,cascade_flash_attn \
+    --workloads prefix_8k_x4,prefix_32k_x1,prefix_2k_x16,chat_1k5_system,random_2k \
+    --rates "prefix_8k_x4=burst,50%,90%*2;*=burst,90%" --duration "$d" \
+    --out "$res/serve_grid/serve.json" > "$res/serve_grid/flash_attn.log" 2>&1
+  stamp "serve_grid FLASH_ATTN rc=$?"
+  timeout 900 python3 benchmarks/serve_bench.py --model $m --configs flashinfer,cascade \
+    --workloads prefix_8k_x4,chat_1k5_system --rates "burst,90%" --duration "$d" \
+    --out "$res/serve_grid/serve.json" --plot > "$res/serve_grid/flashinfer.log" 2>&1
+  stamp "serve_grid FLASHINFER rc=$?"
+}
+
 part_all() {
   local p
   for p in $SIDE_BY_SIDE; do "part_$p" & sleep 2; done
@@ -201,7 +219,7 @@ wait_parts() {  # until the detached run is done or $1 seconds have passed; pack
   grep -h "gpu_validate\|\"part\"" "$res/parts.log" 2>/dev/null | tail -40
 }
 
-PARTS="all engine engine_flash_attn engine_flashinfer engine_graphs kernels serving serving_memory fp8 speculative sliding soak demo examples tp e2e e2e_fa serve"
+PARTS="all engine engine_flash_attn engine_flashinfer engine_graphs kernels serving serving_memory fp8 speculative sliding soak demo examples tp e2e e2e_fa serve serve_grid"
 case ${1:?"a part ($PARTS), start PARTS..., or wait [SECONDS]"} in
 start)
   shift

@@ -765,3 +765,78 @@ def test_dry_run_of_the_plugin_in_vllms_default_backend_beside_plain_flash_attn(
     assert all("--attention-backend FLASH_ATTN" in x for x in servers)
     assert "CASCADE_ATTENTION=0" in servers[0] and "CASCADE_ATTENTION=1" in servers[1]
     assert not out.exists() and not work.exists()
+
+
+def test_rates_per_workload_and_repeated_rates():
+    assert sw.parse_rates("burst,90%*2,50%") == ["burst", "90%", "90%#2", "50%"]
+    assert sw.parse_rate_plan("burst,90%") == {"*": ["burst", "90%"]}
+    assert sw.parse_rate_plan("prefix_8k_x4=burst,50%,90%*2; *=90%,burst") == {
+        "prefix_8k_x4": ["burst", "50%", "90%", "90%#2"], "*": ["burst", "90%"]}
+    assert sw.resolve_rate("90%#2", 10.0) == 9.0 and sw.base_rate("90%#2") == "90%"
+    # A repeat draws the same prompts as the rate it repeats; another rate does not.
+    assert sw.run_seed(0, "prefix_8k_x4", "90%#2") == sw.run_seed(0, "prefix_8k_x4", "90%")
+    assert sw.run_seed(0, "prefix_8k_x4", "90%") != sw.run_seed(0, "prefix_8k_x4", "50%")
+    for bad in ("90%*0", "90%*x", "=burst", "prefix_8k_x4=burst;nonsense", "x=often"):
+        with pytest.raises(ValueError):
+            sw.parse_rate_plan(bad)
+
+
+def test_the_chat_workload_shares_a_system_prompt_and_draws_each_users_length():
+    chat = sw.WORKLOADS["chat_1k5_system"]
+    args = sw.dataset_args(chat, None)
+    assert args[args.index("--dataset-name") + 1] == "random"
+    assert args[args.index("--random-prefix-len") + 1] == "1536"
+    assert json.loads(args[args.index("--random-range-ratio") + 1]) == {"input": 0.6,
+                                                                        "output": 0.0}
+    assert chat.input_len == 1536 + 1024  # the longest prompt sizes --max-model-len
+
+
+def test_dry_run_of_both_backends_derives_each_configs_rates_from_its_own_flat_burst(
+        tmp_path, capsys):
+    out, work = tmp_path / "serve.json", tmp_path / "work"
+    assert sb.main(["--dry-run", "--model", str(TINY), "--out", str(out), "--work-dir", str(work),
+                    "--configs", "cascade_flash_attn,cascade,flash_attn,flashinfer",
+                    "--workloads", "prefix_8k_x4,chat_1k5_system",
+                    "--rates", "prefix_8k_x4=burst,90%*2;*=burst,90%"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    servers = [x.split()[2] for x in lines if x.startswith("# server")]
+    assert servers[:2] == ["flash_attn:", "flashinfer:"]  # the flat ones first
+    runs = [x for x in lines if " bench serve " in x and "warm-up" not in x]
+    assert sum("prefix_8k_x4 90%#2:" in x for x in runs) == 4  # every config repeats it
+    assert sum("chat_1k5_system 90%#2:" in x for x in runs) == 0
+    # Ports in server order: flash_attn 8100, flashinfer 8101, cascade_flash_attn 8102, cascade.
+    fa = [x for x in runs if "--port 8100 " in x or "--port 8102 " in x]
+    assert fa and all("of flashinfer" not in x for x in fa)
+    assert any("<90% of flash_attn burst req/s on prefix_8k_x4>" in x for x in fa)
+    assert any("<90% of flashinfer burst req/s on chat_1k5_system>" in x for x in runs)
+    assert not out.exists() and not work.exists()
+
+
+def test_rates_for_a_workload_not_run_stop_the_bench(tmp_path):
+    with pytest.raises(SystemExit, match="prefix_32k_x1"):
+        sb.main(["--dry-run", "--model", str(TINY), "--out", str(tmp_path / "s.json"),
+                 "--workloads", "prefix_8k_x4", "--rates", "prefix_32k_x1=burst"])
+
+
+def test_the_serving_grid_of_gpu_validate_is_a_valid_bench(tmp_path, capsys):
+    """``scripts/gpu_validate.sh serve_grid``'s invocations, as a dry run: known configs,
+    workloads and rates, each plugin config beside the same backend flat."""
+    import re
+    import shlex
+
+    script = (ROOT / "scripts/gpu_validate.sh").read_text()
+    body = script[script.index("part_serve_grid() {"):]
+    body = body[:body.index("\n}\n")].replace("\\\n", " ")
+    calls = [shlex.split(line.split("serve_bench.py", 1)[1].split(">")[0])
+             for line in body.splitlines() if "serve_bench.py" in line]
+    assert len(calls) == 2
+    for argv in calls:
+        keep = []
+        for flag in ("--configs", "--workloads", "--rates"):
+            keep += [flag, argv[argv.index(flag) + 1]]
+        configs = keep[1].split(",")
+        assert len({sb.CONFIGS[c].backend for c in configs}) == 1 and len(configs) == 2
+        assert sb.main(["--dry-run", "--model", str(TINY), "--out", str(tmp_path / "s.json"),
+                        "--work-dir", str(tmp_path / "w"), *keep]) == 0
+    printed = capsys.readouterr().out
+    assert re.search(r"prefix_8k_x4 90%#2: ", printed) and "chat_1k5_system 90%: " in printed

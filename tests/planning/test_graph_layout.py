@@ -95,9 +95,9 @@ def test_a_row_joining_or_leaving_a_group_keeps_the_key():
     level is as wide as the most pages a row reads, so its part of the key stays (the shared
     level's groups do change)."""
     doc_a, doc_b = list(range(1, 41)), list(range(101, 141))
-    alone = make_batch([doc_a + [200], doc_a + [201], doc_b + [202], doc_a + [203]],
+    alone = make_batch([[*doc_a, 200], [*doc_a, 201], [*doc_b, 202], [*doc_a, 203]],
                        [650, 648, 645, 649], [1] * 4, page_size=16).plan()
-    shared = make_batch([doc_a + [200], doc_a + [201], doc_b + [202], doc_b + [204]],
+    shared = make_batch([[*doc_a, 200], [*doc_a, 201], [*doc_b, 202], [*doc_b, 204]],
                         [651, 649, 646, 641], [1] * 4, page_size=16).plan()
     assert alone.num_levels == shared.num_levels == 2
     assert alone.levels[0].num_groups == 1 and shared.levels[0].num_groups == 2

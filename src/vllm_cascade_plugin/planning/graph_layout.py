@@ -116,7 +116,7 @@ def graph_shape(plan: CascadePlan, padded_rows: int) -> tuple[tuple[int, ...], .
     :attr:`LevelLayout.key` for ``padded_rows`` rows (at least the plan's)."""
     rows = plan.stats.num_tokens
     padded = max(padded_rows, rows)
-    *shared, own = plan.levels
+    shared = plan.levels[:-1]
     return (*(_shared_sizes(level, i == 0, rows, padded, plan.page_size)
               for i, level in enumerate(shared)), _own_sizes(plan, padded))
 
@@ -170,7 +170,7 @@ def layout(plan: CascadePlan, padded_rows: int, *,
     plan's."""
     rows = plan.stats.num_tokens
     padded = max(padded_rows, rows)
-    *shared, own = plan.levels
+    shared = plan.levels[:-1]
     current: dict[int, tuple[CascadeLevel, int, int, LevelLayout]] = {}
     levels = []
     for i, level in enumerate(shared):
