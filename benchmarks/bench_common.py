@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -50,3 +51,17 @@ def tqdm_write(text: str) -> None:
         print(text, flush=True)
         return
     tqdm.write(text)
+
+
+def commit() -> str:
+    """The benchmarks' checkout: its commit (12 hex digits, ``+dirty`` with changes to tracked
+    files not committed), or ``unknown`` outside a git checkout."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(ROOT), *args],
+                              capture_output=True, text=True, timeout=30, check=True).stdout
+    try:
+        head = git("rev-parse", "--short=12", "HEAD").strip()
+        dirty = git("status", "--porcelain", "--untracked-files=no").strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")

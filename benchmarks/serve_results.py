@@ -260,20 +260,6 @@ def plot(out: Path, order: Sequence[str] = ()) -> Path:
 # --- The machine ------------------------------------------------------------------------
 
 
-def commit() -> str:
-    """The benchmarks' checkout: its commit (12 hex digits, ``+dirty`` with changes to tracked
-    files not committed), or ``unknown`` outside a git checkout."""
-    def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), *args],
-                              capture_output=True, text=True, timeout=30, check=True).stdout
-    try:
-        head = git("rev-parse", "--short=12", "HEAD").strip()
-        dirty = git("status", "--porcelain", "--untracked-files=no").strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return head + ("+dirty" if dirty else "")
-
-
 def provenance() -> dict[str, str]:
     found = {"python": platform.python_version(), "gpu": "unknown"}
     for name in ("vllm", "flashinfer-python", "torch", "vllm-cascade-plugin"):
