@@ -37,6 +37,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve_results as sr
 import serve_workloads as sw
+from bench_common import commit
 from serve_processes import Server, free_port, run_client
 
 HOST = sw.HOST  # loopback only
@@ -233,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         run_id += "x"
     config_json = json.loads((Path(args.model) / "config.json").read_text())
     bench = Bench(args, rates, known, Path(args.work_dir) / run_id, run_id,
-                  f"{run_id}-{sr.commit()}", sw.max_model_len(workloads),
+                  f"{run_id}-{commit()}", sw.max_model_len(workloads),
                   [config_json["bos_token_id"], config_json["eos_token_id"]],
                   config_json["vocab_size"])
     if args.dry_run:

@@ -732,7 +732,9 @@ def meta_run(out: Path) -> str:
 
 
 def test_a_run_names_the_commit_it_ran():
-    commit = sr.commit()
+    import bench_common
+
+    commit = bench_common.commit()
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
                           text=True)
     if head.returncode != 0:
