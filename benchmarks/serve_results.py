@@ -40,6 +40,7 @@ STEP_COUNTERS = ("steps_planned", "decode_steps_planned", "decode_steps_cascade"
 # Step counts by label, on tp_rank="0": {label value: count}.
 BY_LABEL = {  # key -> (Prometheus sample name, label)
     "decode_flat_steps": ("vllm_cascade_decode_flat_steps_total", "reason"),
+    "full_graph_capture_causes": ("vllm_cascade_full_graph_captures_total", "cause"),
     # The per-step planning histogram: its cumulative counts by upper bound in seconds.
     "planning_buckets": ("vllm_cascade_step_planning_seconds_bucket", "le"),
 }
@@ -112,10 +113,12 @@ def derived(delta: dict[str, Any], plugin_on: bool) -> dict[str, Any]:
     - ``host_us_per_step``: planning, the metadata builders' executor planning and CUDA-graph
       captures (:data:`HOST_TIMES`), over the planned steps;
     - ``flat_reasons``: {reason: decode steps that ran flat for it / decode steps planned};
-      with ``cascade_step_fraction`` they add up to 1.
+      with ``cascade_step_fraction`` they add up to 1;
+    - ``full_graph_capture_causes``: {cause: whole-step graphs captured for it}.
     """
     out: dict[str, Any] = dict.fromkeys(("planning_us_p50", "planning_us_p99",
-                                         "host_us_per_step", "flat_reasons"))
+                                         "host_us_per_step", "flat_reasons",
+                                         "full_graph_capture_causes"))
     if not plugin_on:
         return out
     out["planning_us_p50"], out["planning_us_p99"] = planning_percentiles(
@@ -127,6 +130,9 @@ def derived(delta: dict[str, Any], plugin_on: bool) -> dict[str, Any]:
     if decode:
         out["flat_reasons"] = {reason: n / decode for reason, n in sorted((flat or {}).items())
                                if n}
+    causes = delta.get("full_graph_capture_causes")
+    if causes is not None:
+        out["full_graph_capture_causes"] = {c: int(n) for c, n in sorted(causes.items()) if n}
     return out
 
 

@@ -373,6 +373,10 @@ vllm_cascade_builder_seconds_total{tp_rank="0"} 0.25
 vllm_cascade_decode_flat_steps_total{reason="cost model",tp_rank="0"} 40.0
 vllm_cascade_decode_flat_steps_total{reason="no shared level",tp_rank="0"} 10.0
 vllm_cascade_decode_flat_steps_total{reason="cost model",tp_rank="1"} 40.0
+# HELP vllm_cascade_full_graph_captures_total Whole-step graphs captured, by cause.
+# TYPE vllm_cascade_full_graph_captures_total counter
+vllm_cascade_full_graph_captures_total{cause="padded size",tp_rank="0"} 6.0
+vllm_cascade_full_graph_captures_total{cause="level layout",tp_rank="0"} 3.0
 # HELP vllm_cascade_step_planning_seconds Per-step planning.
 # TYPE vllm_cascade_step_planning_seconds histogram
 vllm_cascade_step_planning_seconds_bucket{le="0.0001",tp_rank="0"} 100.0
@@ -389,6 +393,7 @@ PARSED = {"steps_planned": 250.0, "decode_steps_planned": 200.0, "decode_steps_c
           "graph_capture_s": 0.75, "planning_s": 2.5, "builder_s": 0.25,
           "graph_pool_bytes": 1900.0,
           "decode_flat_steps": {"cost model": 40.0, "no shared level": 10.0},
+          "full_graph_capture_causes": {"padded size": 6.0, "level layout": 3.0},
           "planning_buckets": {1e-4: 100.0, 1e-3: 240.0, float("inf"): 250.0}}
 
 
@@ -415,6 +420,7 @@ def test_fractions_from_counter_deltas():
               "graph_capture_failures": 0.0, "graph_captures": 2.0, "graph_capture_s": 0.25,
               "planning_s": 0.5, "builder_s": 0.05, "graph_pool_bytes": 400.0,
               "decode_flat_steps": {"cost model": 30.0},
+              "full_graph_capture_causes": {"padded size": 4.0},
               "planning_buckets": {1e-4: 60.0, 1e-3: 90.0, float("inf"): 100.0}}
     after = sr.parse_counters(METRICS)
     delta = sr.counter_deltas(before, after)
@@ -424,6 +430,7 @@ def test_fractions_from_counter_deltas():
                      "graph_capture_s": 0.5, "planning_s": 2.0, "builder_s": 0.2,
                      "graph_pool_bytes": 1900.0,
                      "decode_flat_steps": {"cost model": 10.0, "no shared level": 10.0},
+                     "full_graph_capture_causes": {"padded size": 2.0, "level layout": 3.0},
                      "planning_buckets": {1e-4: 40.0, 1e-3: 150.0, float("inf"): 150.0}}
     assert sr.fractions(delta, True) == (1.0, 0.8)
     assert sr.fractions(delta, False) == (None, None)
@@ -450,9 +457,11 @@ def test_planning_percentiles_host_time_and_flat_reasons_of_a_run():
     assert got["planning_us_p99"] == pytest.approx(100 + 900 * (148.5 - 40) / 110)
     assert got["host_us_per_step"] == pytest.approx(1e6 * (2.0 + 0.2 + 0.5) / 150)
     assert got["flat_reasons"] == {"cost model": 0.2, "no shared level": 0.2}
+    assert got["full_graph_capture_causes"] == {"level layout": 3, "padded size": 6}
     assert sr.derived(delta, False) == dict.fromkeys(got)
     idle = sr.derived(sr.counter_deltas(PARSED, PARSED), True)
-    assert idle == {**dict.fromkeys(got), "host_us_per_step": None}
+    assert idle == {**dict.fromkeys(got), "host_us_per_step": None,
+                    "full_graph_capture_causes": {}}
 
 
 def test_derived_values_agree_with_the_plugins_own_metrics_and_counters():
@@ -483,6 +492,8 @@ def test_derived_values_agree_with_the_plugins_own_metrics_and_counters():
             else:
                 stats.record_fallback("plan does not match the batch", level=10)
             stats.record_builder(1e-5)
+            if i % 50 == 0:
+                stats.record_capture_cause("padded size" if i < 200 else "level layout")
         stats.end_step()
         counters = stats.snapshot()
         after = sr.parse_counters(generate_latest(registry).decode())
@@ -502,6 +513,9 @@ def test_derived_values_agree_with_the_plugins_own_metrics_and_counters():
     assert set(want) == {"cost model", "plan does not match the batch"}
     cascade = counters.decode_steps_cascade / decode
     assert sum(got["flat_reasons"].values()) + cascade == pytest.approx(1.0)
+    # i = 0, 50, 100, 150 and 200, 250, 300, 350
+    assert got["full_graph_capture_causes"] == {"level layout": 4, "padded size": 4}
+    assert dict(counters.full_graph_capture_causes) == got["full_graph_capture_causes"]
 
 
 def test_capture_warnings_counted_in_log_text():

@@ -106,8 +106,15 @@ def main() -> int:
                                                    "graph_captures_skipped",
                                                    "full_graph_captures_skipped",
                                                    "device_free_bytes")},
-                   "fallbacks": after["fallbacks"]}, f)
+                   "fallbacks": after["fallbacks"],
+                   # Where the run's decode steps went flat, and why its graphs were captured.
+                   **{k: _dict_delta(after.get(k, {}), before.get(k, {}))
+                      for k in ("decode_flat_reasons", "full_graph_capture_causes")}}, f)
     return 0
+
+
+def _dict_delta(after: dict, before: dict) -> dict:
+    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
 
 
 if __name__ == "__main__":

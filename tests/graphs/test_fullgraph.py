@@ -59,7 +59,7 @@ def step(monkeypatch):
     monkeypatch.setattr(session, "steady_cost_model", session.steady_cost_model)  # restored
     inputs = {"input_ids": torch.zeros(4, dtype=torch.long), "positions": torch.zeros(4)}
     return SimpleNamespace(ctx=ctx, md=md, executor=executor, inputs=inputs,
-                           model=Model(ctx, executor))
+                           model=Model(ctx, executor), first_input_ids=inputs["input_ids"])
 
 
 def run(graphs, s, sizes=(1, 1, 1)):
@@ -324,3 +324,29 @@ def test_v2_wrapper_hands_only_its_runners_cascade_steps_to_the_graphs(wrappers,
     else:
         assert out == "original" and w.recorder.calls == []
     assert w.original.calls == [((manager, "model", inputs), {})]
+
+
+def test_each_capture_is_counted_with_what_changed_in_its_key(step):
+    """A new padded size, a new layout of the levels at a size seen before, the same size and
+    layout at another address, and a graph evicted then needed again."""
+    graphs = fullgraph.StepGraphs(CUDAGraphMode.NONE, capture=capture_stand_in, capture_after=1,
+                                  max_graphs=3)
+    step.executor._step = SimpleNamespace(graph_key=("levels", 1), layout_key=("levels",))
+    run(graphs, step)  # the warm-up run
+    run(graphs, step)  # captured: the first graph of this padded size
+    run(graphs, step)  # replayed
+    step.inputs["input_ids"] = torch.zeros(4, dtype=torch.long)  # vLLM's buffer moved
+    run(graphs, step)
+    step.executor._step = SimpleNamespace(graph_key=("other levels", 1),
+                                          layout_key=("other levels",))
+    run(graphs, step)
+    step.ctx.batch_descriptor = ("desc", 8)
+    run(graphs, step)  # a fourth graph: the first one (least recently replayed) is evicted
+    step.ctx.batch_descriptor = ("desc", 4)
+    step.executor._step = SimpleNamespace(graph_key=("levels", 1), layout_key=("levels",))
+    step.inputs["input_ids"] = step.first_input_ids
+    run(graphs, step)
+    assert graphs.captures == 5 and graphs.replays == 1 and graphs.evictions >= 1
+    assert stats.snapshot().full_graph_capture_causes == {
+        fullgraph.NEW_SIZE: 2, fullgraph.NEW_ADDRESSES: 1, fullgraph.NEW_LAYOUT: 1,
+        fullgraph.EVICTED: 1}

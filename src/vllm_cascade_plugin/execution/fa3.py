@@ -50,6 +50,7 @@ class _FaStep:
     # tensors' addresses (bucketed level sizes, static buffers, scratch views, scale); None:
     # eager.
     graph_key: tuple[Any, ...] | None = None
+    layout_key: tuple[Any, ...] | None = None  # of graph_key: the bucketed level sizes alone
 
 
 class FlashAttnCascadeExecutor:
@@ -166,11 +167,13 @@ class FlashAttnCascadeExecutor:
         graphed = fused and graphs and self.graphs is not None and self.graphs.usable(device)
         rows = plan.stats.num_tokens
         static_key: tuple[Any, ...] = ()
+        layout_key: tuple[Any, ...] | None = None
         if graphed:
             rows = max(rows, padded_rows)
             layouts = graph_layout.layout(plan, rows, known=self._known_layouts)
             levels, addresses = write_static(layouts, self._scratch, device)
-            static_key = (*addresses, *(layout.key for layout in layouts))
+            layout_key = tuple(layout.key for layout in layouts)
+            static_key = (*addresses, *layout_key)
             self._levels = ()  # static views change with the next graphed step: keep none
         else:
             levels = self._upload_changed(plan, page_size, device)
@@ -211,7 +214,7 @@ class FlashAttnCascadeExecutor:
                    *((ptr(s.out), ptr(s.gather_q), ptr(s.gather_out)) for s in fa_shared))
         self._step = _FaStep(last=last, shared=fa_shared, spare=spare,
                              start_in_spare=identity_merges % 2 == 1, fused_decode=fused,
-                             rows=rows, q_fp8=q_fp8, graph_key=key)
+                             rows=rows, q_fp8=q_fp8, graph_key=key, layout_key=layout_key)
 
     def _upload_changed(self, plan: CascadePlan, page_size: int,
                         device: torch.device) -> tuple[FaLevel, ...]:

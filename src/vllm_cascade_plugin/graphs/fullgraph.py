@@ -30,6 +30,13 @@ attention included — the ``capture_after``-th time the same key comes, and rep
   capture, where it waits for the GPU); then replayed once (capturing runs nothing);
 - any failure: the step runs the normal path; a failed capture turns the feature off for the
   process (one warning).
+
+Each capture is counted with its cause (``stats`` ``full_graph_capture_causes``,
+``vllm_cascade_full_graph_captures_total{cause}``): the
+first graph of a padded size (vLLM's batch descriptor), a new layout of the executor's levels at
+a size seen before, the same size and layout at other addresses (a scratch buffer or vLLM input
+moved), or a graph captured before and evicted. A run whose graphs replay less than it should
+says by these which part of the key kept changing.
 """
 
 from __future__ import annotations
@@ -48,6 +55,10 @@ logger = logging.getLogger("vllm.cascade_plugin")
 CAPTURE_AFTER = 1  # the first time a key comes (after one eager cascade decode step)
 MAX_GRAPHS = 64  # per runner; beyond it the least recently replayed graph is destroyed
 MAX_SIGHTINGS = 1024
+MAX_REMEMBERED = 4096  # captured keys remembered for the causes (then forgotten all at once)
+# Why a whole-step graph was captured (stats.record_capture_cause).
+NEW_SIZE, NEW_LAYOUT, NEW_ADDRESSES, EVICTED = ("padded size", "level layout",
+                                                "buffer addresses", "evicted before")
 
 _ALL: weakref.WeakSet[StepGraphs] = weakref.WeakSet()
 
@@ -84,7 +95,17 @@ class StepGraphs(GraphCache):
         super().__init__(capture, capture_after, max_graphs, MAX_SIGHTINGS)
         self.eager_mode = eager_mode
         self.failed = False
+        self._captured: set[tuple[Any, ...]] = set()  # keys, (size, layout)s and sizes captured
         _ALL.add(self)
+
+    def _count_cause(self, key: tuple[Any, ...], size: Any, layout: Any) -> None:
+        if len(self._captured) > MAX_REMEMBERED:
+            self._captured.clear()
+        seen = self._captured
+        cause = (EVICTED if ("key", key) in seen else NEW_SIZE if ("size", size) not in seen
+                 else NEW_LAYOUT if ("layout", size, layout) not in seen else NEW_ADDRESSES)
+        stats.record_capture_cause(cause)
+        seen.update((("key", key), ("size", size), ("layout", size, layout)))
 
     def run(self, forward: Callable[[], Any], ctx: Any, inputs: dict[str, Any],
             parallel_sizes: tuple[int, ...], tag: Any) -> Any:
@@ -127,6 +148,7 @@ class StepGraphs(GraphCache):
                                   f"{ran} of {layers} layers ran cascade, {fell_back} fallbacks")
             return output  # this step's result is right: the graph ran once, as captured
         self._keep(key, replay)
+        self._count_cause(key, key_parts[0], getattr(executor._step, "layout_key", None))
         return output
 
     def _capture(self, forward: Callable[[], Any], ctx: Any) -> tuple[Callable[[], Any], Any]:

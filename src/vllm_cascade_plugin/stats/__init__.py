@@ -33,7 +33,7 @@ from .line import format_line
 
 __all__ = ["Counters", "end_step", "flat_decision", "format_line", "log_once", "logger",
            "page_bytes", "plain", "planning", "record_builder", "record_capture",
-           "record_capture_failure", "record_cascade", "record_fallback", "record_graphed_step",
+           "record_capture_cause", "record_capture_failure", "record_cascade", "record_fallback", "record_graphed_step",
            "record_planned", "record_planning", "reset", "set_graph_pool_bytes", "set_page_bytes",
            "snapshot"]
 
@@ -170,6 +170,15 @@ def record_capture(seconds: float) -> None:
     sink = _sink()
     if sink is not None:
         sink.captured(seconds)
+
+
+def record_capture_cause(cause: str) -> None:
+    """A whole-step CUDA graph was captured because ``cause`` was new in its key."""
+    with _lock:
+        _counters.full_graph_capture_causes[cause] += 1
+    sink = _sink()
+    if sink is not None:
+        sink.capture_cause(cause)
 
 
 def set_graph_pool_bytes(total: int) -> None:

@@ -47,6 +47,8 @@ class Counters:
     fallbacks: Counter[str] = field(default_factory=Counter)  # fallbacks to flat, by reason
     flat_reasons: Counter[str] = field(default_factory=Counter)  # flat steps, one reason each
     decode_flat_reasons: Counter[str] = field(default_factory=Counter)  # of those, decode
+    # Whole-step CUDA graphs captured, by what was new in their key (graphs.fullgraph).
+    full_graph_capture_causes: Counter[str] = field(default_factory=Counter)
     # Over the flat steps of each reason in COST_REASONS: the predicted cascade/flat time, summed
     # (divided by flat_reasons[reason], its mean; the cost model wants below 1 / (1 + margin)).
     flat_cost_ratio: dict[str, float] = field(default_factory=dict)
@@ -77,6 +79,7 @@ def copy(counters: Counters) -> Counters:
     return replace(counters, fallbacks=Counter(counters.fallbacks),
                    flat_reasons=Counter(counters.flat_reasons),
                    decode_flat_reasons=Counter(counters.decode_flat_reasons),
+                   full_graph_capture_causes=Counter(counters.full_graph_capture_causes),
                    flat_cost_ratio=dict(counters.flat_cost_ratio),
                    planning_buckets=list(counters.planning_buckets))
 
@@ -100,6 +103,8 @@ def difference(now: Counters, before: Counters) -> Counters:
         fallbacks=now.fallbacks - before.fallbacks,
         flat_reasons=now.flat_reasons - before.flat_reasons,
         decode_flat_reasons=now.decode_flat_reasons - before.decode_flat_reasons,
+        full_graph_capture_causes=(now.full_graph_capture_causes
+                                   - before.full_graph_capture_causes),
         flat_cost_ratio={reason: total - before.flat_cost_ratio.get(reason, 0.0)
                          for reason, total in now.flat_cost_ratio.items()
                          if total != before.flat_cost_ratio.get(reason, 0.0)},

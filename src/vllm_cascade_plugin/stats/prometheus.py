@@ -60,6 +60,10 @@ class PrometheusCounters:
             "graph_capture_failures", "CUDA-graph captures of cascade steps that failed.")
         self.graph_captures = counter(
             "graph_captures", "CUDA graphs of cascade steps captured (whole steps or layers).")
+        self._full_graph_captures = counter(
+            "full_graph_captures", "Whole-step CUDA graphs of cascade decode steps captured, by "
+            "what was new in their key (padded size, level layout, buffer addresses, evicted "
+            "before).", ("cause",))
         self.graph_capture_seconds = counter(
             "graph_capture_seconds", "Host seconds spent capturing those CUDA graphs.")
         self.planning_seconds = counter(
@@ -116,6 +120,9 @@ class PrometheusCounters:
     def captured(self, seconds: float) -> None:
         self.graph_captures.inc()
         self.graph_capture_seconds.inc(seconds)
+
+    def capture_cause(self, cause: str) -> None:
+        self._full_graph_captures.labels(self._rank, cause).inc()
 
     def pool_bytes(self, total: int) -> None:
         self.graph_pool_bytes.set(total)
