@@ -33,9 +33,9 @@ from .line import format_line
 
 __all__ = ["Counters", "end_step", "flat_decision", "format_line", "log_once", "logger",
            "page_bytes", "plain", "planning", "record_builder", "record_capture",
-           "record_capture_cause", "record_capture_failure", "record_cascade", "record_fallback", "record_graphed_step",
-           "record_planned", "record_planning", "reset", "set_graph_pool_bytes", "set_page_bytes",
-           "snapshot"]
+           "record_capture_cause", "record_capture_failure", "record_cascade", "record_fallback",
+           "record_graphed_step", "record_planned", "record_planning", "reset",
+           "set_graph_pool_bytes", "set_page_bytes", "snapshot"]
 
 logger = logging.getLogger("vllm.cascade_plugin")
 
