@@ -84,8 +84,8 @@ part_kernels() {
   pytest_part kernels 600 -n 4 tests/gpu/test_graphs.py tests/gpu/test_kernels.py \
     -k "graphs or fa3 or fp32_reference or graphed or corrupted"
 }
-part_serving() { pytest_part serving 900 tests/gpu/test_serving.py -k changing_batch; }
-part_serving_memory() { pytest_part serving_memory 600 tests/gpu/test_serving.py -k 0_92; }
+part_serving() { pytest_part serving 720 tests/gpu/test_serving.py -k changing_batch; }
+part_serving_memory() { pytest_part serving_memory 420 tests/gpu/test_serving.py -k 0_92; }
 # FP8 KV cache (CASCADE_FP8_KV=1): kernels against the fp32 reference on the dequantised cache
 # (flat FP8 FA3 the yardstick), engines with --kv-cache-dtype fp8 on both backends.
 part_fp8() {

@@ -40,6 +40,7 @@ import itertools
 import json
 import os
 import sys
+import threading
 
 import numpy as np
 
@@ -256,8 +257,23 @@ def _free_bytes() -> int:
         return 0
 
 
+COUNTERS_TIMEOUT_S = 300.0  # reading the counters takes well under a second
+
+
 def _counters(llm) -> dict:
-    per_worker = llm.collective_rpc(_worker_counters)
+    """The plugin's counters in the engine's worker. An answer that never comes (an engine
+    client that died: its output handler stops, and vLLM's call waits for ever) ends this
+    process with exit status 3 after COUNTERS_TIMEOUT_S, rather than a GPU run's time."""
+    answer: list = []
+    reader = threading.Thread(target=lambda: answer.append(llm.collective_rpc(_worker_counters)),
+                              daemon=True)
+    reader.start()
+    reader.join(COUNTERS_TIMEOUT_S)
+    if not answer:
+        print(f"engine_driver: the plugin's counters did not come within {COUNTERS_TIMEOUT_S:g}"
+              " s (the engine's log says why); giving up", file=sys.stderr, flush=True)
+        os._exit(3)
+    per_worker = answer[0]
     # Every tensor-parallel rank plans the same steps: rank 0 speaks for all, the others agree.
     assert all(c == per_worker[0] for c in per_worker), per_worker
     return per_worker[0]
