@@ -1,0 +1,54 @@
+"""The GPU engine tests' driver (``tests/gpu/engine_driver.py``) on a CPU: reading the plugin's
+counters gives up, with exit status 3, when the engine never answers, instead of holding a GPU
+run until its time limit."""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+from pathlib import Path
+
+import pytest
+
+GPU_TESTS = Path(__file__).resolve().parent / "gpu"
+
+
+@pytest.fixture
+def driver(monkeypatch):
+    monkeypatch.syspath_prepend(str(GPU_TESTS))
+    spec = importlib.util.spec_from_file_location("engine_driver_cpu",
+                                                  GPU_TESTS / "engine_driver.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class Exited(Exception):
+    pass
+
+
+def test_counters_that_never_come_end_the_driver(driver, monkeypatch):
+    never = threading.Event()
+
+    class DeadClient:
+        def collective_rpc(self, method):
+            never.wait()  # an engine client whose output handler died
+
+    def exit_(code):
+        raise Exited(code)
+
+    monkeypatch.setattr(driver, "COUNTERS_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(driver.os, "_exit", exit_)
+    with pytest.raises(Exited) as exited:
+        driver._counters(DeadClient())
+    assert exited.value.args == (3,)
+    never.set()
+
+
+def test_counters_that_come_are_rank_zeros(driver):
+    class Client:
+        def collective_rpc(self, method):
+            assert method is driver._worker_counters
+            return [{"steps_planned": 4}, {"steps_planned": 4}]
+
+    assert driver._counters(Client()) == {"steps_planned": 4}
