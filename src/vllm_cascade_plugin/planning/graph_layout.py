@@ -111,14 +111,25 @@ def _own_sizes(plan: CascadePlan, padded: int) -> tuple[int, ...]:
     return (padded, padded, 1, _width(int(total.max(initial=0))), 1, -1)
 
 
+# The last plan's key: a step's key is asked for twice, by the step session (to charge the
+# step) and by the executor laying the step out (plans are read-only, so ``is`` identifies one).
+_last_shape: tuple[CascadePlan, int, tuple[tuple[int, ...], ...]] | None = None
+
+
 def graph_shape(plan: CascadePlan, padded_rows: int) -> tuple[tuple[int, ...], ...]:
     """The key of a decode step's graphs (one query per row): every level's
     :attr:`LevelLayout.key` for ``padded_rows`` rows (at least the plan's)."""
+    global _last_shape
     rows = plan.stats.num_tokens
     padded = max(padded_rows, rows)
+    last = _last_shape
+    if last is not None and last[0] is plan and last[1] == padded:
+        return last[2]
     shared = plan.levels[:-1]
-    return (*(_shared_sizes(level, i == 0, rows, padded, plan.page_size)
-              for i, level in enumerate(shared)), _own_sizes(plan, padded))
+    key = (*(_shared_sizes(level, i == 0, rows, padded, plan.page_size)
+             for i, level in enumerate(shared)), _own_sizes(plan, padded))
+    _last_shape = (plan, padded, key)
+    return key
 
 
 def _padded_table(level: CascadeLevel, groups: int, width: int) -> np.ndarray:
@@ -128,10 +139,10 @@ def _padded_table(level: CascadeLevel, groups: int, width: int) -> np.ndarray:
     return out
 
 
-def _shared_layout(level: CascadeLevel, first: bool, rows: int, padded: int,
-                   page_size: int) -> LevelLayout:
-    n_q, groups, max_q, width, identity, max_k = _shared_sizes(level, first, rows, padded,
-                                                               page_size)
+def _shared_layout(level: CascadeLevel, first: bool, rows: int, padded: int, page_size: int,
+                   sizes: tuple[int, ...]) -> LevelLayout:
+    """A shared level laid out in ``sizes`` (its part of :func:`graph_shape`)."""
+    n_q, groups, max_q, width, identity, max_k = sizes
     extra = padded - rows
     members = int(level.qo_indptr[-1])
     cu_q = np.full(groups + 1, n_q, np.int32)
@@ -150,10 +161,9 @@ def _shared_layout(level: CascadeLevel, first: bool, rows: int, padded: int,
                        index=index, max_q=max_q, max_k=max_k)
 
 
-def _own_layout(plan: CascadePlan, rows: int, padded: int) -> LevelLayout:
+def _own_layout(plan: CascadePlan, rows: int, padded: int, width: int) -> LevelLayout:
     """The per-request level: one row per request, padded rows read nothing."""
     level, page_size = plan.levels[-1], plan.page_size
-    _, _, _, width, _, _ = _own_sizes(plan, padded)
     kv_lens = np.zeros(padded, np.int32)
     kv_lens[:rows] = level.kv_lens(page_size)
     return LevelLayout(cu_q=np.arange(padded + 1, dtype=np.int32), kv_lens=kv_lens,
@@ -171,6 +181,7 @@ def layout(plan: CascadePlan, padded_rows: int, *,
     rows = plan.stats.num_tokens
     padded = max(padded_rows, rows)
     shared = plan.levels[:-1]
+    sizes = graph_shape(plan, padded)
     current: dict[int, tuple[CascadeLevel, int, int, LevelLayout]] = {}
     levels = []
     for i, level in enumerate(shared):
@@ -178,10 +189,10 @@ def layout(plan: CascadePlan, padded_rows: int, *,
         if hit is not None and hit[0] is level and hit[1:3] == (rows, padded):
             made = hit[3]
         else:
-            made = _shared_layout(level, i == 0, rows, padded, plan.page_size)
+            made = _shared_layout(level, i == 0, rows, padded, plan.page_size, sizes[i])
         current[id(level)] = (level, rows, padded, made)
         levels.append(made)
     if known is not None:
         known.clear()
         known.update(current)
-    return (*levels, _own_layout(plan, rows, padded))
+    return (*levels, _own_layout(plan, rows, padded, sizes[-1][3]))
