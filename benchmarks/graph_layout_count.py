@@ -51,6 +51,13 @@ RUNS = (
 )
 
 
+def grown(numel: int) -> int:
+    """A scratch buffer's allocation for ``numel`` elements (execution.common._grown)."""
+    if numel <= 1 << 22:
+        return 1 << max(numel - 1, 0).bit_length()
+    return -(-numel >> 20) << 20
+
+
 def count(run: Run, seed: int = 0) -> dict[str, float]:
     rng = np.random.default_rng(seed)
     arrivals: list[tuple[int, int, int]] = []
@@ -94,8 +101,8 @@ def count(run: Run, seed: int = 0) -> dict[str, float]:
                         "static64": sum(0 if level.index is None else level.index.size
                                         for level in levels)}
                 for name, numel in want.items():
-                    if numel > sizes.get(name, 0):  # Scratch.take: grown to the size asked
-                        sizes[name] = numel
+                    if numel > sizes.get(name, 0):
+                        sizes[name] = grown(numel)
                 shape = graph_layout.graph_shape(plan, padded)
                 shapes.add(shape)
                 keys.add((shape, tuple(sorted(sizes.items()))))

@@ -87,3 +87,37 @@ def test_a_row_outside_every_group_gets_a_group_that_reads_nothing():
     # Rows 0 and 1 share pages 1-2 with the padded row 3 in their group; row 2 reads nothing.
     assert index == [0, 1, 3, 2]
     assert first.cu_q.tolist()[:3] == [0, 3, 4] and first.kv_lens.tolist()[:2] == [32, 0]
+
+
+def test_a_row_joining_or_leaving_a_group_keeps_the_key():
+    """Row 2 first reads its 40-page document alone (all of it in the per-request level), then a
+    new row shares that document with it (40 pages move to a shared level): the per-request
+    level is as wide as the most pages a row reads, so its part of the key stays (the shared
+    level's groups do change)."""
+    doc_a, doc_b = list(range(1, 41)), list(range(101, 141))
+    alone = make_batch([[*doc_a, 200], [*doc_a, 201], [*doc_b, 202], [*doc_a, 203]],
+                       [650, 648, 645, 649], [1] * 4, page_size=16).plan()
+    shared = make_batch([[*doc_a, 200], [*doc_a, 201], [*doc_b, 202], [*doc_b, 204]],
+                        [651, 649, 646, 641], [1] * 4, page_size=16).plan()
+    assert alone.num_levels == shared.num_levels == 2
+    assert alone.levels[0].num_groups == 1 and shared.levels[0].num_groups == 2
+    assert graph_shape(alone, 4)[-1] == graph_shape(shared, 4)[-1]
+
+
+def test_rows_in_order_and_out_of_order_share_one_key():
+    in_order = make_batch([[1, 2, 9], [1, 2, 10], [3, 4, 11], [3, 4, 12]], [40, 41, 38, 45],
+                          [1] * 4, page_size=16).plan()
+    shuffled = make_batch([[1, 2, 9], [3, 4, 11], [1, 2, 10], [3, 4, 12]], [40, 38, 41, 45],
+                          [1] * 4, page_size=16).plan()
+    assert in_order.levels[0].q_is_identity and not shuffled.levels[0].q_is_identity
+    assert graph_shape(in_order, 4) == graph_shape(shuffled, 4)
+
+
+@given(pages=st.integers(0, 100_000))
+def test_table_widths_cover_the_pages_with_at_most_a_quarter_more(pages):
+    from vllm_cascade_plugin.planning.graph_layout import _width
+
+    width = _width(pages)
+    assert width >= max(pages, 1) and width % GRAPH_PAGE_BUCKET == 0
+    assert width <= max(1.25 * pages, 64)
+    assert _width(width) == width  # a bucket is its own bucket: widths only grow in steps

@@ -13,8 +13,13 @@ sizes that only change in steps ("buckets"), the way vLLM's own FULL decode grap
   (the kernel writes output 0 and LSE -inf there: exactly "nothing yet");
 - later shared levels: their rows plus the padded rows (in their last group);
 - groups padded to a power of two (empty groups read nothing), the longest query run to a power
-  of two, block-table widths to a multiple of :data:`GRAPH_PAGE_BUCKET` pages, and the KV
-  length a kernel is told to expect to the padded width.
+  of two (FlashAttention-3 chooses its KV splits and tiles by both: they are not padded more),
+  block-table widths to a multiple of :data:`GRAPH_PAGE_BUCKET` pages up to 64 pages and to a
+  quarter octave above (at most 25% more), and the KV length a kernel is told to expect to the
+  padded width;
+- the shared levels always gather their rows (an index, even where it is the identity), and the
+  per-request level's table is as wide as the most pages a row reads over every level: a row
+  that joins or leaves a group moves pages between levels, not that width.
 
 :func:`graph_shape` computes a step's key from its plan without building anything (the step
 session charges a step the graphed cost when its key has been seen); :func:`layout` builds the
@@ -39,7 +44,15 @@ def _pow2(n: int) -> int:
 
 
 def _width(pages: int) -> int:
-    return max(-(-pages // GRAPH_PAGE_BUCKET), 1) * GRAPH_PAGE_BUCKET
+    """``pages`` rounded up: to a multiple of :data:`GRAPH_PAGE_BUCKET` up to 64 pages, above
+    to a quarter of its power of two (itself a multiple of it)."""
+    pages = max(pages, 1)
+    step = GRAPH_PAGE_BUCKET if pages <= 64 else 1 << (pages.bit_length() - 3)
+    return -(-pages // step) * step
+
+
+def _level_width(level: CascadeLevel) -> int:
+    return _width(int(np.diff(level.kv_page_indptr).max(initial=0)))
 
 
 @dataclass(frozen=True, eq=False)
@@ -84,14 +97,18 @@ def _shared_sizes(level: CascadeLevel, first: bool, rows: int, padded: int,
     groups = level.num_groups + 1 if first else level.num_groups
     if first:
         largest = max(largest, rows - members)
-    width = _width(int(np.diff(level.kv_page_indptr).max(initial=0)))
-    return (n_q, _pow2(groups), min(_pow2(largest), n_q), width, int(level.q_is_identity),
+    width = _level_width(level)
+    return (n_q, _pow2(groups), min(_pow2(largest), n_q), width, 0,
             width * page_size)
 
 
-def _own_sizes(level: CascadeLevel, padded: int) -> tuple[int, ...]:
-    width = _width(int(np.diff(level.kv_page_indptr).max(initial=0)))
-    return (padded, padded, 1, width, 1, -1)
+def _own_sizes(plan: CascadePlan, padded: int) -> tuple[int, ...]:
+    """The per-request level's key: as wide as the most pages a row reads over every level."""
+    total = np.zeros(plan.stats.num_tokens, np.int64)  # pages per query, over the levels
+    for level in plan.levels:
+        total[level.q_index] += np.repeat(np.diff(level.kv_page_indptr),
+                                          np.diff(level.qo_indptr))
+    return (padded, padded, 1, _width(int(total.max(initial=0))), 1, -1)
 
 
 # The last plan's key: a step's key is asked for twice, by the step session (to charge the
@@ -108,9 +125,9 @@ def graph_shape(plan: CascadePlan, padded_rows: int) -> tuple[tuple[int, ...], .
     last = _last_shape
     if last is not None and last[0] is plan and last[1] == padded:
         return last[2]
-    *shared, own = plan.levels
+    shared = plan.levels[:-1]
     key = (*(_shared_sizes(level, i == 0, rows, padded, plan.page_size)
-             for i, level in enumerate(shared)), _own_sizes(own, padded))
+             for i, level in enumerate(shared)), _own_sizes(plan, padded))
     _last_shape = (plan, padded, key)
     return key
 
@@ -131,23 +148,22 @@ def _shared_layout(level: CascadeLevel, first: bool, rows: int, padded: int, pag
     cu_q = np.full(groups + 1, n_q, np.int32)
     cu_q[: level.num_groups] = level.qo_indptr[:-1]
     cu_q[level.num_groups] = members + extra  # the padded rows join the last group
-    index = None
-    if not identity:
-        parts = [np.asarray(level.q_index, np.int64), np.arange(rows, padded, dtype=np.int64)]
-        if first:  # the rows it does not cover: one group that reads no KV
-            covered = np.zeros(rows, bool)
-            covered[level.q_index] = True
-            parts.append(np.flatnonzero(~covered))
-        index = np.concatenate(parts)
+    del identity  # 0: the rows are gathered, whatever their order (one key for both)
+    parts = [np.asarray(level.q_index, np.int64), np.arange(rows, padded, dtype=np.int64)]
+    if first:  # the rows it does not cover: one group that reads no KV
+        covered = np.zeros(rows, bool)
+        covered[level.q_index] = True
+        parts.append(np.flatnonzero(~covered))
+    index = np.concatenate(parts)
     kv_lens = np.zeros(groups, np.int32)
     kv_lens[: level.num_groups] = level.kv_lens(page_size)
     return LevelLayout(cu_q=cu_q, kv_lens=kv_lens, table=_padded_table(level, groups, width),
                        index=index, max_q=max_q, max_k=max_k)
 
 
-def _own_layout(level: CascadeLevel, rows: int, padded: int, page_size: int,
-                width: int) -> LevelLayout:
+def _own_layout(plan: CascadePlan, rows: int, padded: int, width: int) -> LevelLayout:
     """The per-request level: one row per request, padded rows read nothing."""
+    level, page_size = plan.levels[-1], plan.page_size
     kv_lens = np.zeros(padded, np.int32)
     kv_lens[:rows] = level.kv_lens(page_size)
     return LevelLayout(cu_q=np.arange(padded + 1, dtype=np.int32), kv_lens=kv_lens,
@@ -164,7 +180,7 @@ def layout(plan: CascadePlan, padded_rows: int, *,
     plan's."""
     rows = plan.stats.num_tokens
     padded = max(padded_rows, rows)
-    *shared, own = plan.levels
+    shared = plan.levels[:-1]
     sizes = graph_shape(plan, padded)
     current: dict[int, tuple[CascadeLevel, int, int, LevelLayout]] = {}
     levels = []
@@ -179,4 +195,4 @@ def layout(plan: CascadePlan, padded_rows: int, *,
     if known is not None:
         known.clear()
         known.update(current)
-    return (*levels, _own_layout(own, rows, padded, plan.page_size, sizes[-1][3]))
+    return (*levels, _own_layout(plan, rows, padded, sizes[-1][3]))
