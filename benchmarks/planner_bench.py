@@ -11,6 +11,9 @@ the case's prefixes, or a prefix of its own where no two requests share one) and
 prompt tokens, while the others decode. The new request takes the freed slot on even steps; on odd
 steps the batch condenses as vLLM's V1 input batch does (the last row moves into the freed slot)
 and the new request is appended. Freed blocks go back to a pool, so their ids reappear.
+Steady and churn are timed twice: the planner comparing the block table with the last step's
+(``row_keys`` not given), and told by row keys which rows changed, as the runner hooks tell it
+under ``CASCADE_PLAN_FROM_CHANGES`` (a new or moved row gets a new key).
 
     PYTHONPATH=src python benchmarks/planner_bench.py [--quick] [--out benchmarks/results/cpu]
 """
@@ -70,6 +73,8 @@ class DecodeBatch:
         prefixes = ids[case.requests * width :].reshape(case.groups, case.shared_pages)
         self.block_table[:, : case.shared_pages] = prefixes[np.arange(case.requests) % case.groups]
         self._next_id = int(ids.max()) + 1
+        self.keys = np.arange(case.requests, dtype=np.int64)  # a new key: a changed row
+        self._next_key = case.requests
 
     def step(self) -> None:
         """One decode step: a row whose last page is full gets a fresh block for its new token."""
@@ -94,10 +99,16 @@ class DecodeBatch:
         skip = nothing_shared(self.block_table[:, 0], self.seq_lens, self.query_lens, PAGE_SIZE)
         return skip, time.perf_counter_ns() - start
 
-    def plan(self, planner: CascadePlanner) -> int:
-        """Plan this step with ``planner``; returns the nanoseconds it took."""
+    def new_key(self) -> int:
+        self._next_key += 1
+        return self._next_key
+
+    def plan(self, planner: CascadePlanner, keyed: bool = False) -> int:
+        """Plan this step with ``planner`` (told the row keys when ``keyed``); returns the
+        nanoseconds it took."""
         start = time.perf_counter_ns()
-        planner.plan(self.block_table, self.seq_lens, self.query_lens, PAGE_SIZE)
+        planner.plan(self.block_table, self.seq_lens, self.query_lens, PAGE_SIZE,
+                     row_keys=self.keys if keyed else None)
         return time.perf_counter_ns() - start
 
 
@@ -130,6 +141,7 @@ class ChurnBatch(DecodeBatch):
                 self.block_table[done, :pages] = self.block_table[last, :pages]
                 self.seq_lens[done] = self.seq_lens[last]
                 self.query_lens[done] = self.query_lens[last]
+                self.keys[done] = self.keys[last]  # a key row `done` never had
         self._steps += 1
         others = np.ones(rows, bool)
         others[slot] = False
@@ -141,6 +153,7 @@ class ChurnBatch(DecodeBatch):
             prefix = super()._take(case.shared_pages)
         ids = np.concatenate((prefix, self._take(-(-own // PAGE_SIZE))))
         self.block_table[slot, : ids.size] = ids  # the rest of the row keeps stale ids
+        self.keys[slot] = self.new_key()
         self.seq_lens[slot] = case.shared_pages * PAGE_SIZE + own
         self.query_lens[slot] = own  # its prefix is cached: it prefills its own tokens
 
@@ -151,30 +164,49 @@ def measure(case: Case, cold_runs: int, steady_steps: int) -> dict[str, object]:
     # Progress on stderr, and only on a terminal (disable=None): logs and CI stay clean.
     for _ in tqdm(range(cold_runs), desc=f"{case.name}: cold", leave=False, disable=None):
         cold.append(DecodeBatch(case, rng).plan(CascadePlanner()))
-    batch = DecodeBatch(case, rng)
-    planner = CascadePlanner()
-    batch.plan(planner)
-    steady, precheck, skipped = [], [], set()
-    for _ in tqdm(range(steady_steps), desc=f"{case.name}: steady", leave=False, disable=None):
-        batch.step()
-        skip, ns = batch.precheck()
-        precheck.append(ns)
-        skipped.add(skip)
-        steady.append(batch.plan(planner))
-    churning = ChurnBatch(case, rng)
-    planner = CascadePlanner()
-    churning.plan(planner)
-    churn = []
-    for _ in tqdm(range(steady_steps), desc=f"{case.name}: churn", leave=False, disable=None):
-        churning.step()
-        churn.append(churning.plan(planner))
+    times: dict[str, list[int]] = {}
+    precheck, skipped = [], set()
+    pages = 0
+    for keyed in (False, True):
+        # The same steps both ways: the same seed.
+        batch = DecodeBatch(case, np.random.default_rng(1))
+        planner = CascadePlanner()
+        batch.plan(planner, keyed)
+        steady = times.setdefault("steady_keyed" if keyed else "steady", [])
+        for _ in tqdm(range(steady_steps), desc=f"{case.name}: steady", leave=False,
+                      disable=None):
+            batch.step()
+            if not keyed:
+                skip, ns = batch.precheck()
+                precheck.append(ns)
+                skipped.add(skip)
+            steady.append(batch.plan(planner, keyed))
+        pages = int(-(-batch.seq_lens.max() // PAGE_SIZE))  # the longest row's
+        churning = ChurnBatch(case, np.random.default_rng(2))
+        planner = CascadePlanner()
+        churning.plan(planner, keyed)
+        churn = times.setdefault("churn_keyed" if keyed else "churn", [])
+        for _ in tqdm(range(steady_steps), desc=f"{case.name}: churn", leave=False,
+                      disable=None):
+            churning.step()
+            churn.append(churning.plan(planner, keyed))
+
+    def median(name: str) -> float:
+        return round(statistics.median(times[name]) / 1e3, 1)
+
+    def p99(name: str) -> float:
+        return round(float(np.percentile(times[name], 99)) / 1e3, 1)
+
     return {
         "case": case.name,
         "requests": case.requests,
-        "pages": int(-(-batch.seq_lens.max() // PAGE_SIZE)),  # the longest row's
-        "steady_median_us": round(statistics.median(steady) / 1e3, 1),
+        "pages": pages,
+        "steady_median_us": median("steady"),
+        "steady_keyed_median_us": median("steady_keyed"),
         "cold_median_us": round(statistics.median(cold) / 1e3, 1),
-        "churn_median_us": round(statistics.median(churn) / 1e3, 1),
+        "churn_median_us": median("churn"),
+        "churn_keyed_median_us": median("churn_keyed"),
+        "churn_keyed_p99_us": p99("churn_keyed"),
         "precheck_median_us": round(statistics.median(precheck) / 1e3, 1),
         # What the hooks skip the planner on: the pre-check must say so on every step, or never.
         "planner_skipped": skipped.pop() if len(skipped) == 1 else None,
@@ -188,14 +220,16 @@ def main() -> None:
     args = parser.parse_args()
     cold_runs, steady_steps = (2, 5) if args.quick else (30, 400)
     rows = [measure(case, cold_runs, steady_steps) for case in CASES]
-    print(f"{'case':<14} {'requests':>8} {'pages':>6} {'steady µs':>10} {'churn µs':>9} "
-          f"{'cold µs':>9} {'pre-check µs':>12} {'skips planner':>13}")
+    print(f"{'case':<14} {'requests':>8} {'pages':>6} {'steady µs':>10} {'keyed':>6} "
+          f"{'churn µs':>9} {'keyed':>6} {'keyed p99':>9} {'cold µs':>9} {'pre-check µs':>12} "
+          f"{'skips planner':>13}")
     for row in rows:
         print(
             f"{row['case']:<14} {row['requests']:>8} {row['pages']:>6} "
-            f"{row['steady_median_us']:>10} {row['churn_median_us']:>9} "
-            f"{row['cold_median_us']:>9} {row['precheck_median_us']:>12} "
-            f"{row['planner_skipped']!s:>13}"
+            f"{row['steady_median_us']:>10} {row['steady_keyed_median_us']:>6} "
+            f"{row['churn_median_us']:>9} {row['churn_keyed_median_us']:>6} "
+            f"{row['churn_keyed_p99_us']:>9} {row['cold_median_us']:>9} "
+            f"{row['precheck_median_us']:>12} {row['planner_skipped']!s:>13}"
         )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "planner.json").write_text(json.dumps(rows, indent=2) + "\n")

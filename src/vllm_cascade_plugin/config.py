@@ -92,6 +92,11 @@ KNOBS: tuple[Knob, ...] = (
          "in a CUDA graph of the plugin's once its shape repeats and replay it (on), or run "
          "vLLM's piecewise path with per-layer graphs (off). Needs CASCADE_CUDA_GRAPHS; not used "
          "with tensor/pipeline/data parallel size above 1, LoRA or weight offloading."),
+    Knob("CASCADE_PLAN_FROM_CHANGES", "plan_from_changes", True, _bool,
+         "1/true/on or 0/false/off",
+         "Plan each step from the rows vLLM changed (requests new, resumed or moved), as the "
+         "runner learns them from the scheduler (on), or by comparing every row's block ids "
+         "with the last step's (off)."),
     Knob("CASCADE_MAX_LEVELS", "max_levels", 3, _int_at_least(2), "an integer >= 2",
          "Most attention levels per step, the per-request level included (2 = one shared level)."),
     Knob("CASCADE_MIN_SHARED_PAGES", "min_shared_pages", 1, _int_at_least(1), "an integer >= 1",
@@ -103,8 +108,9 @@ KNOBS: tuple[Knob, ...] = (
          "Check every plan's invariants before a kernel reads memory (slower)."),
     Knob("CASCADE_FP8_KV", "fp8_kv", False, _bool, "1/true/on or 0/false/off",
          "Cascade with an FP8 KV cache (--kv-cache-dtype fp8 / fp8_e4m3, per-layer scales). "
-         "Its kernels are verified on an H200 against fp32 attention; its engine-level "
-         "comparison has not yet passed on a GPU. Off: such a cache runs flat."),
+         "Correct on an H200 (kernels against fp32 attention on the dequantised cache, engines "
+         "against two FP8 kernels); its speed is not measured yet. Off: such a cache runs "
+         "flat."),
     Knob("CASCADE_UNVERIFIED", "unverified", False, _bool, "1/true/on or 0/false/off",
          "Cascade where this release is not verified on a GPU: tensor parallelism above 1 and "
          "suffix speculative decoding. Off: those engines run flat, saying why at startup."),
@@ -119,6 +125,7 @@ class CascadeConfig:
     fused_decode: bool = True
     cuda_graphs: bool = True
     full_graphs: bool = True
+    plan_from_changes: bool = True
     max_levels: int = 3
     min_shared_pages: int = 1
     log_interval_s: float = 60.0

@@ -210,12 +210,15 @@ class StepSession:
         stats.record_fallback(reason)
 
     def plan_step(self, block_table: np.ndarray | Callable[[], np.ndarray],
-                  seq_lens: np.ndarray, query_lens: np.ndarray) -> StepPlan | None:
+                  seq_lens: np.ndarray, query_lens: np.ndarray,
+                  row_keys: np.ndarray | None = None) -> StepPlan | None:
         """Plan a real engine step (rows in the builder's order); None: run it flat.
 
         ``block_table``: the rows' block ids, or a function that reads them (its time counts
-        as planning). A failure here never escapes into vLLM: the step runs flat and the reason
-        is counted. Why a step runs flat goes to the step's counters (``stats.flat_decision``).
+        as planning). ``row_keys``: which rows changed since the last step planned with them
+        (:meth:`~.planning.planner.CascadePlanner.plan`), or None to compare the block ids.
+        A failure here never escapes into vLLM: the step runs flat and the reason is counted.
+        Why a step runs flat goes to the step's counters (``stats.flat_decision``).
         """
         self.current = None
         if not self.active:
@@ -226,7 +229,8 @@ class StepSession:
             stats.record_planned(decode)
             try:
                 table = block_table() if callable(block_table) else block_table
-                plan = self._planner.plan(table, seq_lens, query_lens, self.page_size)
+                plan = self._planner.plan(table, seq_lens, query_lens, self.page_size,
+                                          row_keys)
                 if self.config.debug:
                     broken = plan_violations(plan, table, seq_lens, query_lens)
                     if (plan.num_levels > 1 and table.shape[1] > 0

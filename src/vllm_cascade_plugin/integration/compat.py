@@ -273,6 +273,14 @@ def v2_batch_order(runner: Any, scheduler_output: Any) -> list[str]:
     return sort(so.num_scheduled_tokens, runner.decode_query_len)
 
 
+def rewritten_req_ids(scheduler_output: Any) -> list[str]:
+    """The requests whose block ids the V1 runner writes anew this step: those scheduled new,
+    and those resumed from preemption (``resumed_req_ids``, a set in 0.26-0.33); every other
+    scheduled request's ids are only appended to."""
+    resumed = scheduler_output.scheduled_cached_reqs.resumed_req_ids
+    return [*(req.req_id for req in scheduler_output.scheduled_new_reqs), *resumed]
+
+
 # Arguments of Model Runner V2's ``CudaGraphManager.dispatch`` through which a batch matches a
 # FULL decode graph: ``uniform_token_count`` (0.26+) and ``max_query_len`` (0.28+, varlen decode
 # graphs). A cascade step passes None for each one the installed release has.

@@ -21,15 +21,17 @@ import numpy as np
 
 from .. import stats
 from ..step import session
-from . import compat, hooks_step
+from . import compat, hooks_step, row_keys
 from .hooks_step import PendingStep, failed, run_flat
 
 
 def plan_rows(first_pages: np.ndarray, block_table: Callable[[], np.ndarray],
-              num_blocks: np.ndarray, seq_lens: np.ndarray, query_lens: np.ndarray) -> bool:
+              num_blocks: np.ndarray, seq_lens: np.ndarray, query_lens: np.ndarray,
+              keys: Callable[[], np.ndarray | None]) -> bool:
     """Plan a step from CPU rows; True when it will run cascade.
 
-    ``block_table`` is read only when the rows' first block ids leave sharing possible.
+    ``block_table`` and ``keys`` (the rows' keys: :mod:`.row_keys`) are read only when the
+    rows' first block ids leave sharing possible.
     """
     needed = -(-seq_lens // max(session.page_size, 1))
     if np.any(num_blocks < needed):
@@ -37,7 +39,9 @@ def plan_rows(first_pages: np.ndarray, block_table: Callable[[], np.ndarray],
         return False
     if session.skip_unshared(first_pages, seq_lens, query_lens):
         return False
-    step = session.plan_step(block_table, seq_lens, query_lens)
+    config = session.config
+    row_keys = keys() if config is not None and config.plan_from_changes else None
+    step = session.plan_step(block_table, seq_lens, query_lens, row_keys)
     return step is not None and step.decision.use_cascade
 
 
@@ -99,7 +103,7 @@ def v1_plan(step: PendingStep) -> bool:
     seq_lens = np.asarray(batch.num_computed_tokens_cpu[:n], dtype=np.int32) + query_lens
     rows = batch.block_table[0].block_table.np[:n]
     return plan_rows(rows[:, 0], lambda: rows, batch.block_table[0].num_blocks_per_row[:n],
-                     seq_lens, query_lens)
+                     seq_lens, query_lens, lambda: row_keys.v1_rows(runner, batch.req_ids, n))
 
 
 def v1_determine_batch_execution(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -179,6 +183,7 @@ def v2_append_block_ids(original: Callable[..., Any]) -> Callable[..., Any]:
                 self.__dict__[MIRROR] = mirror
             ids = compat.v2_block_ids_written(self, 0, new_block_ids[0])
             mirror[req_index, start:start + len(ids)] = ids
+            row_keys.v2_written(self, req_index, overwrite, len(mirror))
         except Exception as exc:
             _mirror_failed(self, exc)
         return result
@@ -205,7 +210,8 @@ def v2_plan(step: PendingStep) -> bool:
     width = int(-(-int(seq_lens.max()) // max(session.page_size, 1)))
     # The row copy (~70 us for 256 rows x 2K pages) only when sharing is possible.
     return plan_rows(mirror[index, 0], lambda: mirror[index, :width],
-                     tables.num_blocks.np[0, index], seq_lens, query_lens)
+                     tables.num_blocks.np[0, index], seq_lens, query_lens,
+                     lambda: row_keys.v2_rows(tables, index))
 
 
 def v2_dispatch(original: Callable[..., Any]) -> Callable[..., Any]:

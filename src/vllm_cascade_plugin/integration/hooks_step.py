@@ -19,6 +19,7 @@ from typing import Any
 
 from .. import stats
 from ..step import session
+from . import row_keys
 
 
 class PendingStep:
@@ -69,8 +70,11 @@ def execute_model(original: Callable[..., Any]) -> Callable[..., Any]:
             # V2 runs its profile and CUDA-graph capture steps through here too, as dummy runs.
             real = session.active and not call.arguments.get("dummy_run", False)
             pending = PendingStep(self, call.arguments["scheduler_output"]) if real else None
+            if pending is not None:  # every real step: the rows vLLM writes anew
+                row_keys.note_step(self, pending.scheduler_output)
         except Exception as exc:  # no step pending: nothing plans, every step runs flat
             pending = None
+            row_keys.forget(self)
             failed("execute_model", exc)
         try:
             return original(self, *args, **kwargs)

@@ -8,6 +8,14 @@ trie (:meth:`~.trie.PrefixTrie.place`). If the rows then form the same trie
 (:meth:`~.trie.PrefixTrie.holds`), only the layout is redone, and not even
 that while every row keeps its node; otherwise the caller plans from scratch. Either way the
 structure is exactly the one a fresh plan finds for the step.
+
+Which rows still hold their ids is found one of two ways. Without row keys, by comparing the
+block table with the snapshot, id by id: ``O(rows x pages)``, the largest cost of a steady step.
+With row keys (the caller's promise, one integer per row: a row whose key is the one it had at
+the same place in the last step planned with keys holds, in every column that step read, the
+same ids, vLLM having at most appended to it), by comparing the keys: ``O(rows)``, and only rows
+with a new key are read again. No snapshot is kept then; a step planned without keys after one
+planned with them is planned from scratch.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ MOST_PLACED_FRACTION = 4  # ... or past a quarter of the rows, if that is more
 class PlanMemory:
     """The structure of the step last planned, and a copy of the block-table columns it read."""
 
-    def __init__(self, step: Step, structure: Structure) -> None:
+    def __init__(self, step: Step, structure: Structure, keys: np.ndarray | None = None) -> None:
         self.page_size = step.page_size
         self.structure = structure
         self._active = step.active
@@ -37,7 +45,11 @@ class PlanMemory:
         self._num_rows = len(step.seq_lens)
         self._snapshot: np.ndarray = np.empty((0, 0), np.int32)
         self._differs: np.ndarray = np.empty((0, 0), bool)
-        self._copy(step.block_table, structure.shareable)
+        # The rows' keys of the step last planned, while it was planned with keys: then there is
+        # no snapshot.
+        self._keys = None if keys is None else keys.copy()
+        if keys is None:
+            self._copy(step.block_table, structure.shareable)
 
     def _copy(self, table: np.ndarray, shareable: np.ndarray) -> None:
         """Snapshot ``table`` anew, as wide as the longest shareable prefix needs, and then some.
@@ -51,13 +63,16 @@ class PlanMemory:
         self._snapshot = table[:, :width].copy()
         self._differs = np.empty(self._snapshot.shape, bool)
 
-    def follow(self, step: Step) -> Structure | None:
+    def follow(self, step: Step, keys: np.ndarray | None = None) -> Structure | None:
         """The structure of ``step``, carried over from the last one; ``None`` if it may not be.
 
+        ``keys``: int64 ``[R]``, the rows' keys (the module docstring says what they promise).
         On ``None`` the memory may be half updated: the caller builds a new one.
         """
         table = step.block_table
-        if step.page_size != self.page_size or table.shape[1] < self._snapshot.shape[1]:
+        if step.page_size != self.page_size or (keys is None) != (self._keys is None):
+            return None
+        if keys is None and table.shape[1] < self._snapshot.shape[1]:
             return None
         old = self.structure
         trie = old.trie
@@ -68,7 +83,7 @@ class PlanMemory:
         else:
             was, node, continuation = (
                 _fit(a, num_rows) for a in (old.shareable, old.node, old.continuation))
-        broken = self._refresh(table, was)
+        broken = self._refresh(table, was) if keys is None else self._rekey(keys)
         start = was
         if broken.size:  # their leading ids changed: read them from the first page on
             start = was.copy()
@@ -119,12 +134,21 @@ class PlanMemory:
                                   old.order_is_batch, old.levels)
         else:
             structure = layout(trie, node, continuation, shareable, step)
-        if widest > self._snapshot.shape[1]:
+        if keys is None and widest > self._snapshot.shape[1]:
             self._copy(table, shareable)
         self.structure = structure
         self._active, self._all_active = step.active, step.all_active
         self._num_rows = num_rows
         return structure
+
+    def _rekey(self, keys: np.ndarray) -> np.ndarray:
+        """The rows whose key is not the one the last step had at their place (rows past the
+        last step's are new: they have nothing planned, and need no listing). Keeps ``keys``."""
+        assert self._keys is not None
+        known = min(len(keys), len(self._keys))
+        broken = (keys[:known] != self._keys[:known]).nonzero()[0]
+        self._keys = keys.copy()
+        return broken
 
     def _refresh(self, table: np.ndarray, planned: np.ndarray) -> np.ndarray:
         """The rows ``r`` whose ``table[r, :planned[r]]`` is not what the snapshot has.

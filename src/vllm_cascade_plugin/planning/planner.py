@@ -125,15 +125,30 @@ class CascadePlanner:
         seq_lens: np.ndarray,
         query_lens: np.ndarray,
         page_size: int,
+        row_keys: np.ndarray | None = None,
     ) -> CascadePlan:
-        """Plan one step; arguments as in :func:`plan_cascade`."""
+        """Plan one step; arguments as in :func:`plan_cascade`.
+
+        ``row_keys``: optional int ``[R]``, one key per row, which spares comparing the block
+        table with the last step's. A row whose key is the one it had at the same place when
+        the planner last planned with keys must hold the same ids in every column that step
+        read (vLLM only appended to the row); a row whose ids may have changed otherwise (a new
+        request, one moved, one whose ids were rewritten) must bring a key it never had at that
+        place. A broken promise gives a plan of stale ids: :func:`~.invariants.plan_violations`
+        (``CASCADE_DEBUG``) finds it.
+        """
         step = read_step(block_table, seq_lens, query_lens, page_size)
+        keys = None
+        if row_keys is not None:
+            keys = np.asarray(row_keys, dtype=np.int64)
+            if keys.shape != step.seq_lens.shape:
+                raise ValueError(f"need row_keys [R] = {step.seq_lens.shape}, got {keys.shape}")
         # Held out while it is updated: a step that fails half way leaves no memory behind.
         memory, self._memory = self._memory, None
-        structure = None if memory is None else memory.follow(step)
+        structure = None if memory is None else memory.follow(step, keys)
         if structure is None:
             structure = _build(step, shareable_pages(step), self.max_levels, self.min_shared_pages)
-            memory = PlanMemory(step, structure)
+            memory = PlanMemory(step, structure, keys)
         self._memory = memory
         # A structure carried over unchanged keeps its order array: the shared levels emitted
         # for it still hold while the query lengths do.

@@ -1,0 +1,133 @@
+"""The planner told which rows changed (row keys) instead of comparing the block table.
+
+Every keyed plan must be the fresh plan of the same step (``plan_cascade``, which knows nothing
+of keys), and a key that breaks its promise must show in ``plan_violations``.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from test_planner import (
+    Batch,
+    assert_same_plan,
+    churn_steps,
+    count_builds,
+    interleaved_decode_batch,
+    limits,
+    row_pages,
+)
+from vllm_cascade_plugin.planning import memory as memory_module
+from vllm_cascade_plugin.planning.invariants import plan_violations
+from vllm_cascade_plugin.planning.planner import CascadePlanner
+
+
+def keys_of(steps: list[Batch], draw_new: list[bool]) -> list[np.ndarray]:
+    """Row keys that keep their promise: a row keeps its key where the row at its place in the
+    step before held the same ids in every page it had then (so in every column a plan of that
+    step read); any other row gets a key never used. ``draw_new[i]``: give step i's rows new
+    keys even where they could keep theirs (a caller may always say more rows changed)."""
+    serial = itertools.count(1)
+    keys = [np.fromiter(itertools.islice(serial, len(steps[0].seq_lens)), np.int64)]
+    for before, step, fresh in zip(steps, steps[1:], draw_new[1:], strict=False):
+        row_keys = np.empty(len(step.seq_lens), np.int64)
+        for r in range(len(step.seq_lens)):
+            held = r < len(before.seq_lens) and not fresh
+            if held:
+                pages = row_pages(before, r)
+                held = step.block_table.shape[1] >= len(pages) and (
+                    step.block_table[r, : len(pages)].tolist() == pages)
+            row_keys[r] = keys[-1][r] if held else next(serial)
+        keys.append(row_keys)
+    return keys
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=churn_steps(), limits=limits, data=st.data())
+def test_keyed_planner_under_churn_always_equals_a_fresh_plan(steps, limits, data):
+    fresh = data.draw(st.lists(st.booleans(), min_size=len(steps), max_size=len(steps)))
+    planner = CascadePlanner(**limits)
+    for batch, keys in zip(steps, keys_of(steps, fresh), strict=True):
+        plan = planner.plan(batch.block_table, batch.seq_lens, batch.query_lens,
+                            batch.page_size, row_keys=keys)
+        assert_same_plan(plan, batch.plan(**limits))
+        assert plan_violations(plan, batch.block_table, batch.seq_lens, batch.query_lens) == []
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=churn_steps(), limits=limits, data=st.data())
+def test_planner_switching_between_keys_and_none_equals_a_fresh_plan(steps, limits, data):
+    keyed = data.draw(st.lists(st.booleans(), min_size=len(steps), max_size=len(steps)))
+    planner = CascadePlanner(**limits)
+    keys = keys_of(steps, [False] * len(steps))
+    for batch, row_keys, use in zip(steps, keys, keyed, strict=True):
+        plan = planner.plan(batch.block_table, batch.seq_lens, batch.query_lens,
+                            batch.page_size, row_keys=row_keys if use else None)
+        assert_same_plan(plan, batch.plan(**limits))
+
+
+def test_steady_keyed_decode_reads_no_column_it_planned(monkeypatch):
+    """With every key kept, a decode step never compares the table: only rows that grew a page
+    are read (their new columns), and the structure is carried over."""
+    builds = count_builds(monkeypatch)
+    batch = interleaved_decode_batch(groups=3, per_group=4, shared=6)
+    keys = np.arange(len(batch.seq_lens), dtype=np.int64)
+    planner = CascadePlanner()
+    planner.plan(batch.block_table, batch.seq_lens, batch.query_lens, batch.page_size,
+                 row_keys=keys)
+    compared = []
+    monkeypatch.setattr(memory_module.PlanMemory, "_refresh",
+                        lambda self, *a: compared.append(a) or np.empty(0, np.int64))
+    seq = batch.seq_lens.copy()
+    table = batch.block_table.copy()
+    fresh = itertools.count(int(table.max()) + 1)
+    for _ in range(9):
+        for r in range(len(seq)):
+            if seq[r] % batch.page_size == 0:
+                table[r, seq[r] // batch.page_size] = next(fresh)
+        seq += 1
+        step = Batch(table.copy(), seq.copy(), batch.query_lens, batch.page_size)
+        plan = planner.plan(step.block_table, step.seq_lens, step.query_lens, step.page_size,
+                            row_keys=keys)
+        builds.counting = False
+        assert_same_plan(plan, step.plan())
+        builds.counting = True
+    assert compared == []
+    assert builds.count == 1
+
+
+def test_a_key_that_hides_a_changed_row_gives_a_plan_the_debug_check_rejects():
+    """The promise is the caller's: a row given a new prefix under its old key is planned with
+    the ids it had, and ``plan_violations`` (``CASCADE_DEBUG``) names the pages."""
+    batch = interleaved_decode_batch(groups=2, per_group=3, shared=5)
+    keys = np.arange(len(batch.seq_lens), dtype=np.int64)
+    planner = CascadePlanner()
+    planner.plan(batch.block_table, batch.seq_lens, batch.query_lens, batch.page_size,
+                 row_keys=keys)
+    table = batch.block_table.copy()
+    table[0, :5] = table[1, :5]  # row 0 now holds the other group's prefix; its key stays
+    plan = planner.plan(table, batch.seq_lens, batch.query_lens, batch.page_size,
+                        row_keys=keys)
+    assert plan_violations(plan, table, batch.seq_lens, batch.query_lens) != []
+    fixed = keys.copy()
+    fixed[0] = 100  # told that row 0 changed, the planner reads it again
+    plan = planner.plan(table, batch.seq_lens, batch.query_lens, batch.page_size,
+                        row_keys=fixed)
+    assert plan_violations(plan, table, batch.seq_lens, batch.query_lens) == []
+    assert_same_plan(plan, Batch(table, batch.seq_lens, batch.query_lens,
+                                 batch.page_size).plan())
+
+
+def test_row_keys_of_another_shape_are_refused():
+    batch = interleaved_decode_batch(groups=2, per_group=2, shared=3)
+    try:
+        CascadePlanner().plan(batch.block_table, batch.seq_lens, batch.query_lens,
+                              batch.page_size, row_keys=np.zeros(1, np.int64))
+    except ValueError as exc:
+        assert "row_keys" in str(exc)
+    else:
+        raise AssertionError("row_keys of the wrong shape were accepted")
