@@ -84,7 +84,9 @@ def plot_planner(folder: Path, plt: Any) -> Path:
     x = range(len(rows))
     fig, ax = plt.subplots(figsize=(10, 4.5))
     series = [("steady_median_us", "steady decode step"),
+              ("steady_keyed_median_us", "steady, told the rows that changed"),
               ("churn_median_us", "one request replaced per step"),
+              ("churn_keyed_median_us", "replaced, told the rows that changed"),
               ("cold_median_us", "cold (new block table)")]
     series = [(key, label) for key, label in series if all(key in r for r in rows)]
     width = 0.8 / len(series)

@@ -71,6 +71,9 @@ def _cell(parts: tuple[str, ...], results: dict[str, dict]) -> str:
         elif last is None:
             cells.append(f"`{part}`: not yet ({row['failed']} failed {row['date']}, "
                          f"{row['commit']})")
+        elif row["failed"]:  # passed before, failed in its latest run
+            cells.append(f"`{part}` {last['date']}, {last['commit']} ({row['failed']} failed "
+                         f"{row['date']}, {row['commit']})")
         else:
             cells.append(f"`{part}` {last['date']}, {last['commit']}")
     return "; ".join(cells)

@@ -163,14 +163,19 @@ def block_kernel() -> list[str]:
 def block_planner() -> list[str]:
     path = CPU / "planner.json"
     rows, meta = _load(path), _meta(path)
-    body = [[r["case"], _int(r["requests"]), _int(r["pages"]), f"{r['steady_median_us']:.0f}",
-             f"{r['churn_median_us']:.0f}" if "churn_median_us" in r else DASH,
-             f"{r['cold_median_us']:.0f}",
+    def us(row: dict[str, Any], key: str) -> str:
+        return f"{row[key]:.0f}" if key in row else DASH
+
+    body = [[r["case"], _int(r["requests"]), _int(r["pages"]),
+             f"{us(r, 'steady_median_us')} → {us(r, 'steady_keyed_median_us')}",
+             f"{us(r, 'churn_median_us')} → {us(r, 'churn_keyed_median_us')}",
+             us(r, "cold_median_us"),
              "skipped (no two rows share a first block)" if r.get("planner_skipped") else "runs"]
             for r in rows]
     machine = meta.get("machine", "not recorded").replace("/", ", ") + " cores"
     return [f"µs per decode step (median), CPU {machine}, numpy {meta.get('numpy', '?')} "
-            f"({_source(path)}):", "",
+            f"({_source(path)}); comparing block ids → told the rows that changed "
+            "(`CASCADE_PLAN_FROM_CHANGES`):", "",
             *_table(["case", "requests", "pages per row", "steady decode",
                      "one request replaced per step", "new batch (cold)", "planner"], body)]
 
