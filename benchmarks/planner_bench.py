@@ -11,9 +11,11 @@ the case's prefixes, or a prefix of its own where no two requests share one) and
 prompt tokens, while the others decode. The new request takes the freed slot on even steps; on odd
 steps the batch condenses as vLLM's V1 input batch does (the last row moves into the freed slot)
 and the new request is appended. Freed blocks go back to a pool, so their ids reappear.
-Steady and churn are timed twice: the planner comparing the block table with the last step's
-(``row_keys`` not given), and told by row keys which rows changed, as the runner hooks tell it
-under ``CASCADE_PLAN_FROM_CHANGES`` (a new or moved row gets a new key).
+Steady and churn are timed for two planners in lockstep over the same steps: one comparing the
+block table with the last step's (``row_keys`` not given), one told by row keys which rows
+changed, as the runner hooks tell it under ``CASCADE_PLAN_FROM_CHANGES`` (a new or moved row
+gets a new key). Three rounds; each figure is the rounds' median of the round medians, and the
+speedup (comparing over told) is given as the rounds' min, median and max.
 
     PYTHONPATH=src python benchmarks/planner_bench.py [--quick] [--out benchmarks/results/cpu]
 """
@@ -158,44 +160,56 @@ class ChurnBatch(DecodeBatch):
         self.query_lens[slot] = own  # its prefix is cached: it prefills its own tokens
 
 
-def measure(case: Case, cold_runs: int, steady_steps: int) -> dict[str, object]:
+def lockstep(case: Case, batch: DecodeBatch, steps: int, precheck: list[int] | None = None,
+             skipped: set[bool] | None = None) -> tuple[list[int], list[int]]:
+    """Nanoseconds per step of two planners on the same ``steps`` steps of ``batch``: one
+    comparing block ids, one told the row keys; each step they take turns going first, so that
+    what the machine does meanwhile weighs on both alike. The hooks' pre-check is timed too when
+    ``precheck`` is given."""
+    plain, keyed = CascadePlanner(), CascadePlanner()
+    batch.plan(plain)
+    batch.plan(keyed, keyed=True)
+    times: tuple[list[int], list[int]] = ([], [])
+    for step in tqdm(range(steps), desc=case.name, leave=False, disable=None):
+        batch.step()
+        if precheck is not None and skipped is not None:
+            skip, ns = batch.precheck()
+            precheck.append(ns)
+            skipped.add(skip)
+        for told in ((False, True) if step % 2 else (True, False)):
+            times[told].append(batch.plan(keyed if told else plain, keyed=told))
+    return times
+
+
+def measure(case: Case, cold_runs: int, steady_steps: int, rounds: int) -> dict[str, object]:
     rng = np.random.default_rng(0)
     cold = []
     # Progress on stderr, and only on a terminal (disable=None): logs and CI stay clean.
     for _ in tqdm(range(cold_runs), desc=f"{case.name}: cold", leave=False, disable=None):
         cold.append(DecodeBatch(case, rng).plan(CascadePlanner()))
-    times: dict[str, list[int]] = {}
-    precheck, skipped = [], set()
+    medians: dict[str, list[float]] = {}
+    precheck: list[int] = []
+    skipped: set[bool] = set()
     pages = 0
-    for keyed in (False, True):
-        # The same steps both ways: the same seed.
-        batch = DecodeBatch(case, np.random.default_rng(1))
-        planner = CascadePlanner()
-        batch.plan(planner, keyed)
-        steady = times.setdefault("steady_keyed" if keyed else "steady", [])
-        for _ in tqdm(range(steady_steps), desc=f"{case.name}: steady", leave=False,
-                      disable=None):
-            batch.step()
-            if not keyed:
-                skip, ns = batch.precheck()
-                precheck.append(ns)
-                skipped.add(skip)
-            steady.append(batch.plan(planner, keyed))
-        pages = int(-(-batch.seq_lens.max() // PAGE_SIZE))  # the longest row's
-        churning = ChurnBatch(case, np.random.default_rng(2))
-        planner = CascadePlanner()
-        churning.plan(planner, keyed)
-        churn = times.setdefault("churn_keyed" if keyed else "churn", [])
-        for _ in tqdm(range(steady_steps), desc=f"{case.name}: churn", leave=False,
-                      disable=None):
-            churning.step()
-            churn.append(churning.plan(planner, keyed))
+    for _ in range(rounds):  # each round the same steps (the same seeds)
+        steady = DecodeBatch(case, np.random.default_rng(1))
+        runs = {"steady": lockstep(case, steady, steady_steps, precheck, skipped),
+                "churn": lockstep(case, ChurnBatch(case, np.random.default_rng(2)),
+                                  steady_steps)}
+        pages = int(-(-steady.seq_lens.max() // PAGE_SIZE))  # the longest row's
+        for name, (plain, keyed) in runs.items():
+            for key, spent in ((name, plain), (f"{name}_keyed", keyed)):
+                medians.setdefault(key, []).append(statistics.median(spent) / 1e3)
+            medians.setdefault(f"{name}_keyed_p99", []).append(np.percentile(keyed, 99) / 1e3)
 
-    def median(name: str) -> float:
-        return round(statistics.median(times[name]) / 1e3, 1)
+    def median(key: str) -> float:
+        return round(statistics.median(medians[key]), 1)
 
-    def p99(name: str) -> float:
-        return round(float(np.percentile(times[name], 99)) / 1e3, 1)
+    def speedup(name: str) -> list[float]:
+        """Each round's median comparing over its median told the rows: min, median, max."""
+        ratios = sorted(a / b for a, b in zip(medians[name], medians[f"{name}_keyed"],
+                                              strict=True))
+        return [round(ratios[0], 2), round(statistics.median(ratios), 2), round(ratios[-1], 2)]
 
     return {
         "case": case.name,
@@ -203,10 +217,12 @@ def measure(case: Case, cold_runs: int, steady_steps: int) -> dict[str, object]:
         "pages": pages,
         "steady_median_us": median("steady"),
         "steady_keyed_median_us": median("steady_keyed"),
+        "steady_keyed_speedup": speedup("steady"),
         "cold_median_us": round(statistics.median(cold) / 1e3, 1),
         "churn_median_us": median("churn"),
         "churn_keyed_median_us": median("churn_keyed"),
-        "churn_keyed_p99_us": p99("churn_keyed"),
+        "churn_keyed_p99_us": median("churn_keyed_p99"),
+        "churn_keyed_speedup": speedup("churn"),
         "precheck_median_us": round(statistics.median(precheck) / 1e3, 1),
         # What the hooks skip the planner on: the pre-check must say so on every step, or never.
         "planner_skipped": skipped.pop() if len(skipped) == 1 else None,
@@ -218,18 +234,19 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a few runs only (smoke test)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "cpu")
     args = parser.parse_args()
-    cold_runs, steady_steps = (2, 5) if args.quick else (30, 400)
-    rows = [measure(case, cold_runs, steady_steps) for case in CASES]
+    cold_runs, steady_steps, rounds = (2, 5, 1) if args.quick else (30, 400, 3)
+    rows = [measure(case, cold_runs, steady_steps, rounds) for case in CASES]
     print(f"{'case':<14} {'requests':>8} {'pages':>6} {'steady µs':>10} {'keyed':>6} "
           f"{'churn µs':>9} {'keyed':>6} {'keyed p99':>9} {'cold µs':>9} {'pre-check µs':>12} "
-          f"{'skips planner':>13}")
+          f"{'skips planner':>13}  speedup steady, churn (rounds: min median max)")
     for row in rows:
         print(
             f"{row['case']:<14} {row['requests']:>8} {row['pages']:>6} "
             f"{row['steady_median_us']:>10} {row['steady_keyed_median_us']:>6} "
             f"{row['churn_median_us']:>9} {row['churn_keyed_median_us']:>6} "
             f"{row['churn_keyed_p99_us']:>9} {row['cold_median_us']:>9} "
-            f"{row['precheck_median_us']:>12} {row['planner_skipped']!s:>13}"
+            f"{row['precheck_median_us']:>12} {row['planner_skipped']!s:>13}  "
+            f"{row['steady_keyed_speedup']} {row['churn_keyed_speedup']}"
         )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "planner.json").write_text(json.dumps(rows, indent=2) + "\n")
@@ -240,7 +257,8 @@ def main() -> None:
         "python": platform.python_version(),
         "command": " ".join(["python", *sys.argv]),
         "cold_runs": cold_runs,
-        "steady_steps": steady_steps,  # and as many churn steps
+        "steady_steps": steady_steps,  # and as many churn steps, in each round
+        "rounds": rounds,  # medians: the rounds' median of each round's median
         "page_size": PAGE_SIZE,
     }
     (args.out / "planner.meta.json").write_text(json.dumps(meta, indent=2) + "\n")

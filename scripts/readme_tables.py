@@ -166,16 +166,23 @@ def block_planner() -> list[str]:
     def us(row: dict[str, Any], key: str) -> str:
         return f"{row[key]:.0f}" if key in row else DASH
 
-    body = [[r["case"], _int(r["requests"]), _int(r["pages"]),
-             f"{us(r, 'steady_median_us')} → {us(r, 'steady_keyed_median_us')}",
-             f"{us(r, 'churn_median_us')} → {us(r, 'churn_keyed_median_us')}",
+    def told(row: dict[str, Any], name: str) -> str:
+        """Comparing → told the rows, and the speedup: the rounds' median (min to max)."""
+        cell = f"{us(row, f'{name}_median_us')} → {us(row, f'{name}_keyed_median_us')}"
+        if speedup := row.get(f"{name}_keyed_speedup"):
+            cell += f" ({speedup[1]:.2f}{TIMES}, {speedup[0]:.2f}{DASH}{speedup[2]:.2f})"
+        return cell
+
+    body = [[r["case"], _int(r["requests"]), _int(r["pages"]), told(r, "steady"),
+             told(r, "churn"),
              us(r, "cold_median_us"),
              "skipped (no two rows share a first block)" if r.get("planner_skipped") else "runs"]
             for r in rows]
     machine = meta.get("machine", "not recorded").replace("/", ", ") + " cores"
     return [f"µs per decode step (median), CPU {machine}, numpy {meta.get('numpy', '?')} "
             f"({_source(path)}); comparing block ids → told the rows that changed "
-            "(`CASCADE_PLAN_FROM_CHANGES`):", "",
+            "(`CASCADE_PLAN_FROM_CHANGES`), both on the same steps, and the speedup "
+            f"(median, min{DASH}max of {meta.get('rounds', 1)} rounds):", "",
             *_table(["case", "requests", "pages per row", "steady decode",
                      "one request replaced per step", "new batch (cold)", "planner"], body)]
 

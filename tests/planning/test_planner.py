@@ -968,7 +968,8 @@ def test_planner_bench_quick_writes_rows(tmp_path):
     rows = json.loads((tmp_path / "planner.json").read_text())
     assert rows and all(
         set(row) == {"case", "requests", "pages", "steady_median_us", "steady_keyed_median_us",
-                     "churn_median_us", "churn_keyed_median_us", "churn_keyed_p99_us",
+                     "steady_keyed_speedup", "churn_median_us", "churn_keyed_median_us",
+                     "churn_keyed_p99_us", "churn_keyed_speedup",
                      "cold_median_us", "precheck_median_us", "planner_skipped"}
         for row in rows
     )
