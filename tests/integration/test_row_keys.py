@@ -140,14 +140,16 @@ def planner_calls(active_session, monkeypatch):  # noqa: F811
     return calls
 
 
-def test_v1_keys_follow_new_resumed_moved_and_finished_requests(planner_calls):
+def test_v1_keys_follow_new_resumed_moved_and_finished_requests(planner_calls, caplog):
     prefix = [5, 6, 7]
     batch = V1Batch()
     batch.req_ids = ["a", "b", "c"]
     batch.rows = [[*prefix, 10], [*prefix, 11], [*prefix, 12]]
     batch.seq = [60, 61, 62]
-    first = run_step(batch, planner_calls, new=["a", "b", "c"])
+    with caplog.at_level(logging.INFO, logger="vllm.cascade_plugin"):
+        first = run_step(batch, planner_calls, new=["a", "b", "c"])
     assert first is not None and len(set(first.tolist())) == 3
+    assert "planned from the rows vLLM changed" in caplog.text
     batch.seq = [s + 1 for s in batch.seq]  # decode: the same requests, the same keys
     assert run_step(batch, planner_calls).tolist() == first.tolist()
     # "b" is preempted and resumed with other block ids at the same row: a new key there.

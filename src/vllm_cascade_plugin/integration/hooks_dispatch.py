@@ -41,6 +41,9 @@ def plan_rows(first_pages: np.ndarray, block_table: Callable[[], np.ndarray],
         return False
     config = session.config
     row_keys = keys() if config is not None and config.plan_from_changes else None
+    if row_keys is not None:
+        stats.log_once("planned from changes", "vllm-cascade-plugin: steps are planned from "
+                       "the rows vLLM changed (CASCADE_PLAN_FROM_CHANGES).")
     step = session.plan_step(block_table, seq_lens, query_lens, row_keys)
     return step is not None and step.decision.use_cascade
 
