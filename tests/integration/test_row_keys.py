@@ -20,6 +20,7 @@ from test_hooks import (  # noqa: F401  (active_session is a fixture)
     in_order,
     source,
 )
+from vllm_cascade_plugin import stats
 from vllm_cascade_plugin.integration import hooks_dispatch, hooks_step, row_keys
 from vllm_cascade_plugin.planning.invariants import plan_violations
 from vllm_cascade_plugin.planning.planner import plan_cascade
@@ -146,6 +147,7 @@ def test_v1_keys_follow_new_resumed_moved_and_finished_requests(planner_calls, c
     batch.req_ids = ["a", "b", "c"]
     batch.rows = [[*prefix, 10], [*prefix, 11], [*prefix, 12]]
     batch.seq = [60, 61, 62]
+    stats.reset()  # the INFO line is logged once per process
     with caplog.at_level(logging.INFO, logger="vllm.cascade_plugin"):
         first = run_step(batch, planner_calls, new=["a", "b", "c"])
     assert first is not None and len(set(first.tolist())) == 3
