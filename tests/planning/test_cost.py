@@ -9,8 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
 
-from test_planner import run_python
+from test_planner import batches, limits, run_python
 from vllm_cascade_plugin.face.demo import Workload, prefix_cached_step
 from vllm_cascade_plugin.planning.cost import (
     COST_MODELS,
@@ -318,3 +319,18 @@ def test_fa3_per_step_cost_follows_the_graph_mode():
     picks = [decide(plan, H200_LAYER, model).use_cascade for model in (full, layer, eager)]
     assert picks == [True, True, False]
     assert cost_model_for("flashinfer", True, False) == COST_MODELS["flashinfer"]
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batch=batches(), limits=limits)
+def test_each_levels_query_pages_are_its_groups_queries_times_pages(batch, limits):
+    """The work the cost model charges a level (``CascadeLevel.query_pages``, cached per level)
+    is, group by group, its query tokens times its pages, for decode and prefill rows alike."""
+    plan = plan_cascade(batch.block_table, batch.seq_lens, batch.query_lens, batch.page_size,
+                        **limits)
+    for level in plan.levels:
+        want = sum((int(level.qo_indptr[g + 1]) - int(level.qo_indptr[g]))
+                   * (int(level.kv_page_indptr[g + 1]) - int(level.kv_page_indptr[g]))
+                   for g in range(level.num_groups))
+        assert level.query_pages == want
+        assert level.query_pages == want  # the cached value

@@ -186,9 +186,7 @@ def decide(plan: CascadePlan, shape: AttentionShape, model: CostModel = CostMode
 
     def pairs(level: CascadeLevel) -> float:
         """Query-key token pairs of a level (full pages: the model's resolution)."""
-        queries = np.diff(level.qo_indptr).astype(np.float64)  # float: int32 products overflow
-        keys = np.diff(level.kv_page_indptr).astype(np.float64) * plan.page_size
-        return float(queries @ keys)
+        return level.query_pages * plan.page_size
 
     def stream_us(pages: int, flop: float, bandwidth: float) -> float:
         return 1e6 * max(pages * plan.page_size * token_bytes / bandwidth, flop / model.flops)

@@ -7,6 +7,7 @@ numpy only. What a plan must satisfy is written down in :mod:`.planner` and chec
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -44,6 +45,18 @@ class CascadeLevel:
     @property
     def num_groups(self) -> int:
         return len(self.qo_indptr) - 1
+
+    @cached_property
+    def query_pages(self) -> float:
+        """Query tokens times KV pages, summed over the groups (float: int32 products overflow):
+        the cost model's work of the level. Computed once per level object, and the planner
+        hands consecutive steps the same shared levels. With one query per group (a decode
+        step's per-request level) it is the level's page count."""
+        queries = int(self.qo_indptr[-1] - self.qo_indptr[0])
+        if queries == self.num_groups:  # every group holds at least one query
+            return float(self.kv_page_indptr[-1] - self.kv_page_indptr[0])
+        return float(np.diff(self.qo_indptr).astype(np.float64)
+                     @ np.diff(self.kv_page_indptr).astype(np.float64))
 
     def kv_lens(self, page_size: int) -> np.ndarray:
         """int32 ``[G]``: KV tokens each group reads (its pages, the last one partly)."""
