@@ -39,7 +39,8 @@
 # Other parts, each alone: e2e, e2e_fa (offline end-to-end tables), serve (the serving
 # benchmark, one workload), serve_grid (the serving grid: each backend's plugin against the same
 # backend flat, `vllm serve` driven by `vllm bench serve`; SERVE_DURATION seconds of Poisson
-# arrivals per run), tp (tensor parallelism: two GPUs).
+# arrivals per run; SERVE_GRID="flash_attn" runs vLLM's default backend's pair alone), tp (tensor
+# parallelism: two GPUs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 res=${CASCADE_GV_DIR:-/tmp/gv}
@@ -161,19 +162,24 @@ part_serve() {  # a server start takes ~3.5 min on a fresh machine: run it detac
 }
 
 part_serve_grid() {  # about 25 minutes on a fresh machine: run it detached, alone
-  local d=${SERVE_DURATION:-20} m=examples/models/llama3-8b
+  # SERVE_GRID: the backends whose pairs run (FLASH_ATTN's alone takes about 15 minutes).
+  local d=${SERVE_DURATION:-20} m=examples/models/llama3-8b grid=" ${SERVE_GRID:-flash_attn flashinfer} "
   mkdir -p "$res/serve_grid"
   # vLLM's default backend: shared documents at two loads (90% twice: the spread) and a burst,
   # one long document, many short ones, a chat service, no sharing.
-  timeout 1500 python3 benchmarks/serve_bench.py --model $m --configs flash_attn,cascade_flash_attn \
-    --workloads prefix_8k_x4,prefix_32k_x1,prefix_2k_x16,chat_1k5_system,random_2k \
-    --rates "prefix_8k_x4=burst,50%,90%*2;*=burst,90%" --duration "$d" \
-    --out "$res/serve_grid/serve.json" > "$res/serve_grid/flash_attn.log" 2>&1
-  stamp "serve_grid FLASH_ATTN rc=$?"
-  timeout 900 python3 benchmarks/serve_bench.py --model $m --configs flashinfer,cascade \
-    --workloads prefix_8k_x4,chat_1k5_system --rates "burst,90%" --duration "$d" \
-    --out "$res/serve_grid/serve.json" --plot > "$res/serve_grid/flashinfer.log" 2>&1
-  stamp "serve_grid FLASHINFER rc=$?"
+  if [[ $grid == *" flash_attn "* ]]; then
+    timeout 1500 python3 benchmarks/serve_bench.py --model $m --configs flash_attn,cascade_flash_attn \
+      --workloads prefix_8k_x4,prefix_32k_x1,prefix_2k_x16,chat_1k5_system,random_2k \
+      --rates "prefix_8k_x4=burst,50%,90%*2;*=burst,90%" --duration "$d" \
+      --out "$res/serve_grid/serve.json" > "$res/serve_grid/flash_attn.log" 2>&1
+    stamp "serve_grid FLASH_ATTN rc=$?"
+  fi
+  if [[ $grid == *" flashinfer "* ]]; then
+    timeout 900 python3 benchmarks/serve_bench.py --model $m --configs flashinfer,cascade \
+      --workloads prefix_8k_x4,chat_1k5_system --rates "burst,90%" --duration "$d" \
+      --out "$res/serve_grid/serve.json" --plot > "$res/serve_grid/flashinfer.log" 2>&1
+    stamp "serve_grid FLASHINFER rc=$?"
+  fi
 }
 
 part_all() {
