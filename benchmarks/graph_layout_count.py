@@ -6,7 +6,8 @@ Requests arrive a Poisson number per step, each with one of a few shared documen
 tokens, prefill in the step they arrive and then decode until their output length; a step
 without arrivals is a pure decode step, planned (``CascadePlanner``) and keyed as the executor
 keys it (``graph_layout.graph_shape`` at vLLM's padded size, plus the addresses of the scratch
-buffers, which move when they grow: the sizing of ``execution.common.Scratch.take``).
+buffers, which move when they grow: ``graph_layout.buffer_elements``, as ``Scratch.take``
+allocates them).
 
     PYTHONPATH=src python benchmarks/graph_layout_count.py [--out benchmarks/results/cpu]
 """
@@ -49,13 +50,6 @@ RUNS = (
     Run("4 x 8K documents", 1000, 4, 512, 64, (64, 256)),
     Run("1 x 32K document", 400, 1, 2048, 64, (64, 256), arrivals_per_step=1.0),
 )
-
-
-def grown(numel: int) -> int:
-    """A scratch buffer's allocation for ``numel`` elements (execution.common._grown)."""
-    if numel <= 1 << 22:
-        return 1 << max(numel - 1, 0).bit_length()
-    return -(-numel >> 20) << 20
 
 
 def count(run: Run, seed: int = 0) -> dict[str, float]:
@@ -102,7 +96,7 @@ def count(run: Run, seed: int = 0) -> dict[str, float]:
                                         for level in levels)}
                 for name, numel in want.items():
                     if numel > sizes.get(name, 0):
-                        sizes[name] = grown(numel)
+                        sizes[name] = graph_layout.buffer_elements(numel)
                 shape = graph_layout.graph_shape(plan, padded)
                 shapes.add(shape)
                 keys.add((shape, tuple(sorted(sizes.items()))))

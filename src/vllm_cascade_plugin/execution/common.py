@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..planning.graph_layout import buffer_elements
 from ..planning.plan import CascadePlan
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -131,16 +132,6 @@ def same_device(have: torch.device, want: torch.device) -> bool:
     return want.index is None or have.index == want.index
 
 
-def _grown(numel: int) -> int:
-    """What a buffer of ``numel`` elements is allocated with: the next power of two up to 4M
-    elements (a decode step's buffers), a multiple of 1M above (prefill-sized ones). A buffer's
-    address is part of the keys of the CUDA graphs that read it: a batch that grows row by row
-    would otherwise move it, and orphan every graph captured before, on every step it grows."""
-    if numel <= 1 << 22:
-        return 1 << max(numel - 1, 0).bit_length()
-    return -(-numel >> 20) << 20
-
-
 class Scratch:
     """Device buffers reused by every layer and step; grown (never shrunk) on demand."""
 
@@ -157,7 +148,7 @@ class Scratch:
         buf = self._buffers.get(name)
         if (buf is None or buf.numel() < numel or buf.dtype != dtype
                 or not same_device(buf.device, device)):
-            buf = torch.empty(_grown(numel), dtype=dtype, device=device)
+            buf = torch.empty(buffer_elements(numel), dtype=dtype, device=device)
             self._buffers[name] = buf
         return buf[:numel].view(shape)
 

@@ -43,6 +43,17 @@ def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def buffer_elements(numel: int) -> int:
+    """What a device buffer of ``numel`` elements is allocated with (the executors' scratch):
+    the next power of two up to 4M elements (a decode step's buffers), a multiple of 1M above
+    (prefill-sized ones). A buffer's address is part of the keys of the CUDA graphs that read
+    it: a batch that grows row by row would otherwise move it, and orphan every graph captured
+    before, on every step it grows."""
+    if numel <= 1 << 22:
+        return 1 << max(numel - 1, 0).bit_length()
+    return -(-numel >> 20) << 20
+
+
 def _width(pages: int) -> int:
     """``pages`` rounded up: to a multiple of :data:`GRAPH_PAGE_BUCKET` up to 64 pages, above
     to a quarter of its power of two (itself a multiple of it)."""
