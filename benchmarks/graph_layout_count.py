@@ -7,7 +7,7 @@ tokens, prefill in the step they arrive and then decode until their output lengt
 without arrivals is a pure decode step, planned (``CascadePlanner``) and keyed as the executor
 keys it (``graph_layout.graph_shape`` at vLLM's padded size, plus the addresses of the scratch
 buffers, which move when they grow: ``graph_layout.buffer_elements``, as ``Scratch.take``
-allocates them).
+allocates them: each at once for vLLM's largest capture size, as the FA3 executor does).
 
     PYTHONPATH=src python benchmarks/graph_layout_count.py [--out benchmarks/results/cpu]
 """
@@ -31,6 +31,7 @@ from vllm_cascade_plugin.planning.planner import CascadePlanner
 PAGE = 16
 # vLLM 0.26's CUDA-graph capture sizes for max_num_seqs 512: 1, 2, 4, then every 8.
 CAPTURE_SIZES = [1, 2, 4, *range(8, 1025, 8)]
+MAX_LEVELS = 3  # CASCADE_MAX_LEVELS's default
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,9 @@ def count(run: Run, seed: int = 0) -> dict[str, float]:
     planner, next_page = CascadePlanner(), 1 + run.documents * run.document_pages
     live: list[list] = []  # [pages, sequence length, tokens still to decode]
     sizes: dict[str, int] = {}  # scratch buffer -> elements allocated
+    largest = CAPTURE_SIZES[-1]  # FA3 executor: buffers sized for it at once (graph_rows)
+    reserve = {"rows": largest, "static32": graph_layout.STATIC32_RESERVE,
+               "static64": largest * MAX_LEVELS}
     shapes: set = set()
     keys: set = set()
     padded_sizes: set = set()
@@ -96,7 +100,7 @@ def count(run: Run, seed: int = 0) -> dict[str, float]:
                                         for level in levels)}
                 for name, numel in want.items():
                     if numel > sizes.get(name, 0):
-                        sizes[name] = graph_layout.buffer_elements(numel)
+                        sizes[name] = max(graph_layout.buffer_elements(numel), reserve[name])
                 shape = graph_layout.graph_shape(plan, padded)
                 shapes.add(shape)
                 keys.add((shape, tuple(sorted(sizes.items()))))

@@ -288,6 +288,11 @@ class StepSession:
         at = bisect.bisect_left(self._capture_sizes, num_tokens)
         return self._capture_sizes[at] if at < len(self._capture_sizes) else num_tokens
 
+    def largest_graph_rows(self) -> int:
+        """The most rows a step run from CUDA graphs can have: vLLM's largest capture size
+        (0 where it is not known)."""
+        return self._capture_sizes[-1] if self._capture_sizes else 0
+
     def graphable(self, num_tokens: int) -> bool:
         """Whether a step of ``num_tokens`` may run from the plugin's CUDA graphs (per layer or
         whole step): vLLM pads it to one of its capture sizes. Above the largest, vLLM neither

@@ -549,3 +549,32 @@ def test_a_graphed_step_refuses_query_rows_it_was_not_planned_for():
     with pytest.raises(ValueError, match="planned for 2 query rows"):
         executor.run(torch.zeros(3, 4, 64), torch.zeros(16, 16, 2, 64),
                      torch.zeros(16, 16, 2, 64), torch.zeros(3, 4, 64))
+
+
+@pytest.mark.skipif(not TRITON_ON_CPU, reason="needs Triton (its CPU interpreter)")
+@pytest.mark.parametrize("graph_rows", [0, 32])
+def test_a_batch_growing_to_the_largest_capture_size_keeps_the_graph_keys_of_smaller_ones(
+        graph_rows):
+    """A graphed step's buffers are allocated for vLLM's largest capture size at once: after a
+    step padded to 32 rows, a step padded to 8 with the same layout has the key it had before
+    (its graphs replay). Not told the largest size, the buffers grow and the key changes."""
+    heads, kv_heads, d = 4, 2, 64
+    executor = FlashAttnCascadeExecutor("NHD", max_levels=4, cuda_graphs=True)
+    executor.graph_rows = graph_rows
+    executor.graphs.capture = replaying_capture
+    planner = CascadePlanner()
+
+    def key(rows: int, padded: int):
+        table = [[1, 2, 3, 10 + 2 * r, 11 + 2 * r] for r in range(rows)]
+        batch = make_batch(table, [16 * 4 + 1] * rows, [1] * rows, page_size=16)
+        plan = planner.plan(batch.block_table, batch.seq_lens, batch.query_lens, 16)
+        executor.plan(plan, num_qo_heads=heads, num_kv_heads=kv_heads, head_dim=d,
+                      page_size=16, sm_scale=d**-0.5, logits_soft_cap=None,
+                      q_dtype=torch.float32, kv_dtype=torch.float32,
+                      device=torch.device("cpu"), padded_rows=padded)
+        assert executor._step.graph_key is not None
+        return executor._step.graph_key
+
+    small = key(6, 8)
+    key(30, 32)
+    assert (key(6, 8) == small) is (graph_rows == 32)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -448,3 +449,13 @@ def test_an_fp8_layer_or_cache_spec_is_refused_whatever_the_engine_says(fa_engin
         "fp8_e5m2")
     fp8_spec = dataclasses.replace(spec, dtype=torch.float8_e4m3fn)
     assert flash_attn_reason(config, fp8_spec, impls).startswith("quantised KV cache")
+
+
+def test_the_builders_fa3_executor_sizes_graphed_buffers_for_vllms_largest_capture_size(
+        fa_engine, monkeypatch):
+    _config, builder, _ = fa_engine
+    monkeypatch.setattr(session, "_capture_sizes", (8, 16, 32))
+    builder._cascade_executor = None
+    monkeypatch.setattr(builder, "_new_cascade_executor",
+                        lambda config: SimpleNamespace(graph_rows=0))
+    assert builder._executor().graph_rows == 32

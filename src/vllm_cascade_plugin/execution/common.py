@@ -139,16 +139,19 @@ class Scratch:
         self._buffers: dict[str, torch.Tensor] = {}
 
     def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
-             device: torch.device) -> torch.Tensor:
+             device: torch.device, reserve: int = 0) -> torch.Tensor:
         """A contiguous view of ``shape`` at the start of buffer ``name``.
 
         Views of one name share memory: give one name only to users that run one after another.
+        ``reserve``: elements to allocate at least, when the buffer is allocated (a graphed
+        step's buffers are sized at once for the largest step its graphs can run, so that they
+        never move and orphan the graphs captured before).
         """
         numel = math.prod(shape)
         buf = self._buffers.get(name)
         if (buf is None or buf.numel() < numel or buf.dtype != dtype
                 or not same_device(buf.device, device)):
-            buf = torch.empty(buffer_elements(numel), dtype=dtype, device=device)
+            buf = torch.empty(max(buffer_elements(numel), reserve), dtype=dtype, device=device)
             self._buffers[name] = buf
         return buf[:numel].view(shape)
 

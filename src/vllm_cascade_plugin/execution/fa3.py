@@ -115,6 +115,9 @@ class FlashAttnCascadeExecutor:
         self._lse: torch.Tensor | None = None
         self._graphed_counted = False
         self.runs = 0  # run() calls: a whole-step graph checks every layer ran here
+        # The most rows a graphed step can have (0: unknown): its buffers are allocated for it
+        # at once, so that a growing batch moves none (their addresses key the graphs).
+        self.graph_rows = 0
         EXECUTORS.add(self)
 
     def device_bytes(self) -> int:
@@ -171,7 +174,11 @@ class FlashAttnCascadeExecutor:
         if graphed:
             rows = max(rows, padded_rows)
             layouts = graph_layout.layout(plan, rows, known=self._known_layouts)
-            levels, addresses = write_static(layouts, self._scratch, device)
+            reserve_rows = max(self.graph_rows, rows)
+            levels, addresses = write_static(
+                layouts, self._scratch, device,
+                (graph_layout.STATIC32_RESERVE if self.graph_rows else 0,
+                 reserve_rows * self._max_levels))
             layout_key = tuple(layout.key for layout in layouts)
             static_key = (*addresses, *layout_key)
             self._levels = ()  # static views change with the next graphed step: keep none
@@ -183,8 +190,10 @@ class FlashAttnCascadeExecutor:
         # same buffers and run() looks nothing up.
         take = self._scratch.take
 
+        reserve = max(self.graph_rows, rows) * num_qo_heads * head_dim if graphed else 0
+
         def view(name: str, n: int, dtype: torch.dtype = q_dtype) -> torch.Tensor:
-            return take(name, (n, num_qo_heads, head_dim), dtype, device)
+            return take(name, (n, num_qo_heads, head_dim), dtype, device, reserve)
 
         query_dtype = FP8_KV_DTYPE if fp8 else q_dtype  # what FA3 reads
 

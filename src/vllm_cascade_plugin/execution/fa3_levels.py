@@ -83,11 +83,12 @@ def upload_levels(levels: list[tuple[int, CascadeLevel]], page_size: int,
     return result
 
 
-def write_static(layouts: tuple[LevelLayout, ...], scratch: Scratch,
-                 device: torch.device) -> tuple[tuple[FaLevel, ...], tuple[int, int]]:
+def write_static(layouts: tuple[LevelLayout, ...], scratch: Scratch, device: torch.device,
+                 reserve: tuple[int, int] = (0, 0),
+                 ) -> tuple[tuple[FaLevel, ...], tuple[int, int]]:
     """A graphed step's levels written into the static buffers ``static32``/``static64`` of
-    ``scratch``; returns their views and the buffers' addresses (they move only when a buffer
-    grows, which the graphs' keys then show).
+    ``scratch`` (allocated with at least ``reserve`` elements); returns their views and the
+    buffers' addresses (they move only when a buffer grows, which the graphs' keys then show).
 
     The copies are ordered on the stream after the previous step's replays, which read the old
     values, and before this step's, which read the new ones."""
@@ -98,8 +99,8 @@ def write_static(layouts: tuple[LevelLayout, ...], scratch: Scratch,
             ints += _aligned(part)
     host32 = np.concatenate(ints)
     host64 = np.concatenate(longs) if longs else np.zeros(0, np.int64)
-    dev32 = scratch.take("static32", (max(host32.size, 1),), torch.int32, device)
-    dev64 = scratch.take("static64", (max(host64.size, 1),), torch.int64, device)
+    dev32 = scratch.take("static32", (max(host32.size, 1),), torch.int32, device, reserve[0])
+    dev64 = scratch.take("static64", (max(host64.size, 1),), torch.int64, device, reserve[1])
     for dev, host, dtype in ((dev32, host32, np.int32), (dev64, host64, np.int64)):
         if host.size:
             source = (torch.from_numpy(np.array(host, dtype)) if device.type == "cpu"

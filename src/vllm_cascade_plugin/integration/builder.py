@@ -321,7 +321,10 @@ class CascadeBuilder:
 
     def _executor(self) -> Any:
         if self._cascade_executor is None:
-            self._cascade_executor = self._new_cascade_executor(self._settings.config)
+            executor = self._new_cascade_executor(self._settings.config)
+            if hasattr(executor, "graph_rows"):  # graphed steps' buffers sized for the largest
+                executor.graph_rows = session.largest_graph_rows()
+            self._cascade_executor = executor
         return self._cascade_executor
 
 

@@ -35,6 +35,10 @@ import numpy as np
 from .plan import CascadeLevel, CascadePlan
 
 GRAPH_PAGE_BUCKET = 16  # block-table widths are padded to a multiple of this many pages
+# int32 elements a graphed step's static metadata buffer (the levels' block tables, their
+# lengths and query offsets) is allocated with at least, 4 MiB: 512 rows reading 2,048 pages
+# each. Allocated once, it does not move while a batch grows (its address keys the graphs).
+STATIC32_RESERVE = 1 << 20
 
 __all__ = ["GRAPH_PAGE_BUCKET", "LevelLayout", "graph_shape", "layout"]
 
