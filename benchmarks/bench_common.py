@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import os
 import subprocess
 import sys
 import traceback
@@ -54,8 +55,12 @@ def tqdm_write(text: str) -> None:
 
 
 def commit() -> str:
-    """The benchmarks' checkout: its commit (12 hex digits, ``+dirty`` with changes to tracked
-    files not committed), or ``unknown`` outside a git checkout."""
+    """The benchmarks' checkout: ``CASCADE_COMMIT`` where set (a copy of the checkout, such as
+    the GPU machine's, whose git metadata need not match its files), else its commit (12 hex
+    digits, ``+dirty`` with changes to tracked files not committed), or ``unknown`` outside a
+    git checkout."""
+    if named := os.environ.get("CASCADE_COMMIT"):
+        return named
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", str(ROOT), *args],
                               capture_output=True, text=True, timeout=30, check=True).stdout

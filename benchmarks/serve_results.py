@@ -226,7 +226,9 @@ def plot(out: Path, order: Sequence[str] = ()) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in load_rows(out) if r.get("tpot_ms_p50") is not None]
+    # A run whose every request failed measured nothing.
+    rows = [r for r in load_rows(out)
+            if r.get("tpot_ms_p50") is not None and r.get("completed", 1)]
     workloads = sorted({r["workload"] for r in rows})
     cols = max(min(len(workloads), 3), 1)
     grid = max(-(-len(workloads) // cols), 1)

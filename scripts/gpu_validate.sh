@@ -39,8 +39,8 @@
 # Other parts, each alone: e2e, e2e_fa (offline end-to-end tables), serve (the serving
 # benchmark, one workload), serve_grid (the serving grid: each backend's plugin against the same
 # backend flat, `vllm serve` driven by `vllm bench serve`; SERVE_DURATION seconds of Poisson
-# arrivals per run; SERVE_GRID="flash_attn" runs vLLM's default backend's pair alone), tp (tensor
-# parallelism: two GPUs).
+# arrivals per run; SERVE_GRID names the slices to run, each one session's device time at most),
+# tp (tensor parallelism: two GPUs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 res=${CASCADE_GV_DIR:-/tmp/gv}
@@ -161,25 +161,38 @@ part_serve() {  # a server start takes ~3.5 min on a fresh machine: run it detac
   stamp "serve rc=$?"; tail -20 "$res/serve/serve.log"
 }
 
-part_serve_grid() {  # about 25 minutes on a fresh machine: run it detached, alone
-  # SERVE_GRID: the backends whose pairs run (FLASH_ATTN's alone takes about 15 minutes).
-  local d=${SERVE_DURATION:-20} m=examples/models/llama3-8b grid=" ${SERVE_GRID:-flash_attn flashinfer} "
+# The serving grid in slices that each fit one session's 30 minutes of device time (a server
+# start is ~1.5 min once compiled, ~4 min on a fresh machine; a run ~1 min): SERVE_GRID picks.
+#   flash_attn_shared  vLLM's default backend: shared documents at two loads (90% twice: the
+#                      spread) and a burst; a chat service. About 20 min (measured: 8K x 4 took
+#                      10 min per server, chat 7 min for both).
+#   flash_attn_long    vLLM's default backend: one long document, many short ones, no sharing.
+#   flashinfer         the FlashInfer pair: shared documents and chat.
+serve_slice() {  # name, timeout (s), serve_bench.py arguments...
+  local name=$1 limit=$2 start=$SECONDS
+  shift 2
+  timeout "$limit" python3 benchmarks/serve_bench.py --model examples/models/llama3-8b \
+    --duration "${SERVE_DURATION:-20}" --out "$res/serve_grid/serve.json" "$@" \
+    > "$res/serve_grid/$name.log" 2>&1
+  stamp "serve_grid $name rc=$? in $((SECONDS - start)) s"
+  # The client logs say why a request failed (the server logs only that one did).
+  for d in /tmp/vllm-cascade-serve-bench/*/client-logs; do
+    [ -d "$d" ] && cp -r "$d" "$res/serve_grid/client-logs-$(basename "$(dirname "$d")")"
+  done
+}
+
+part_serve_grid() {  # run it detached, alone
+  local grid=" ${SERVE_GRID:-flash_attn_shared} "
   mkdir -p "$res/serve_grid"
-  # vLLM's default backend: shared documents at two loads (90% twice: the spread) and a burst,
-  # one long document, many short ones, a chat service, no sharing.
-  if [[ $grid == *" flash_attn "* ]]; then
-    timeout 1500 python3 benchmarks/serve_bench.py --model $m --configs flash_attn,cascade_flash_attn \
-      --workloads prefix_8k_x4,prefix_32k_x1,prefix_2k_x16,chat_1k5_system,random_2k \
-      --rates "prefix_8k_x4=burst,50%,90%*2;*=burst,90%" --duration "$d" \
-      --out "$res/serve_grid/serve.json" > "$res/serve_grid/flash_attn.log" 2>&1
-    stamp "serve_grid FLASH_ATTN rc=$?"
-  fi
-  if [[ $grid == *" flashinfer "* ]]; then
-    timeout 900 python3 benchmarks/serve_bench.py --model $m --configs flashinfer,cascade \
-      --workloads prefix_8k_x4,chat_1k5_system --rates "burst,90%" --duration "$d" \
-      --out "$res/serve_grid/serve.json" --plot > "$res/serve_grid/flashinfer.log" 2>&1
-    stamp "serve_grid FLASHINFER rc=$?"
-  fi
+  [[ $grid == *" flash_attn_shared "* ]] && serve_slice flash_attn_shared 1500 \
+    --configs flash_attn,cascade_flash_attn --workloads prefix_8k_x4,chat_1k5_system \
+    --rates "prefix_8k_x4=burst,50%,90%*2;*=burst,90%"
+  [[ $grid == *" flash_attn_long "* ]] && serve_slice flash_attn_long 1500 \
+    --configs flash_attn,cascade_flash_attn --workloads prefix_32k_x1,prefix_2k_x16,random_2k \
+    --rates "burst,90%"
+  [[ $grid == *" flashinfer "* ]] && serve_slice flashinfer 1200 --configs flashinfer,cascade \
+    --workloads prefix_8k_x4,chat_1k5_system --rates "burst,90%" --plot
+  return 0
 }
 
 part_all() {

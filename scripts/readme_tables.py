@@ -193,6 +193,22 @@ def _rate_key(row: dict[str, Any]) -> tuple[int, float, str]:
     return (0, 0.0, spec) if rate == "burst" else (1, float(rate), spec)
 
 
+# (flat config, plugin config, the backend both run) of serve_bench.py's CONFIGS
+SERVE_PAIRS = (("flash_attn", "cascade_flash_attn", "FLASH_ATTN"),
+               ("flashinfer", "cascade", "FLASHINFER"))
+APART = "\u00b9"  # marks a pair measured by separate invocations
+
+
+def _flat_reasons(row: dict[str, Any]) -> str:
+    """The plugin's flat decode steps by reason, largest first: ``cost model 22%, ...``."""
+    reasons = row.get("flat_reasons")
+    if not reasons:
+        return DASH
+    shown = [f"{reason} {100 * share:.0f}%" for reason, share in
+             sorted(reasons.items(), key=lambda item: -item[1]) if share >= 0.005]
+    return ", ".join(shown) or DASH
+
+
 def block_serve() -> list[str]:
     path = H200 / "serve.json"
     if not path.is_file():
@@ -207,32 +223,56 @@ def block_serve() -> list[str]:
         ratio = f" ({_ratio(b / a)})" if a else ""
         return f"{a:,.{digits}f} → {b:,.{digits}f}{ratio}"
 
-    body = []
+    def planning(on: dict[str, Any]) -> str:
+        p50, p99, host = (on.get(k) for k in ("planning_us_p50", "planning_us_p99",
+                                              "host_us_per_step"))
+        if p50 is None:
+            return DASH
+        shown = f"{p50:,.0f} / {p99:,.0f}"
+        return f"{shown} ({host:,.0f})" if host is not None else shown
+
+    body, apart = [], False
     keys = dict.fromkeys((r["workload"], r.get("tensor_parallel_size", 1)) for r in rows)
-    for workload, tp in keys:
-        def of(config: str, workload: str = workload, tp: int = tp) -> dict[str, Any]:
-            return {str(r.get("rate_spec", r["request_rate"])): r for r in rows
-                    if r["workload"] == workload and r["config"] == config
-                    and r.get("tensor_parallel_size", 1) == tp}
-        flat, on = of("flashinfer"), of("cascade")
-        for spec in sorted(set(flat) & set(on), key=lambda s: _rate_key(flat[s])):
-            f, c = flat[spec], on[spec]
-            rate = spec if f["request_rate"] == "burst" else f"{spec} ({f['request_rate']} req/s)"
-            fraction = c.get("cascade_step_fraction")
-            body.append([workload + (f", TP {tp}" if tp != 1 else ""), rate,
-                         pair(f, c, "request_throughput", 2), pair(f, c, "output_tok_per_s"),
-                         pair(f, c, "ttft_ms_p50"), pair(f, c, "ttft_ms_p99"),
-                         pair(f, c, "tpot_ms_p50", 1), pair(f, c, "tpot_ms_p99", 1),
-                         pair(f, c, "itl_ms_p99", 1),
-                         f"{100 * fraction:.0f}%" if fraction is not None else DASH])
+    for flat_config, plugin_config, backend in SERVE_PAIRS:
+        for workload, tp in keys:
+            def of(config: str, workload: str = workload, tp: int = tp) -> dict[str, Any]:
+                return {str(r.get("rate_spec", r["request_rate"])): r for r in rows
+                        if r["workload"] == workload and r["config"] == config
+                        and r.get("tensor_parallel_size", 1) == tp and r.get("completed", 1)}
+            flat, on = of(flat_config), of(plugin_config)
+            for spec in sorted(set(flat) & set(on), key=lambda s: _rate_key(flat[s])):
+                f, c = flat[spec], on[spec]
+                rate = (spec if f["request_rate"] == "burst"
+                        else f"{spec} ({f['request_rate']} req/s)")
+                if f.get("run_id") != c.get("run_id"):
+                    rate, apart = rate + APART, True
+                fraction = c.get("cascade_step_fraction")
+                body.append([backend, workload + (f", TP {tp}" if tp != 1 else ""), rate,
+                             pair(f, c, "output_tok_per_s"), pair(f, c, "ttft_ms_p99"),
+                             pair(f, c, "tpot_ms_p50", 1), pair(f, c, "tpot_ms_p99", 1),
+                             f"{100 * fraction:.0f}%" if fraction is not None else DASH,
+                             _flat_reasons(c), planning(c)])
     lines = []
     if (H200 / "serve.png").is_file():
         lines += ["![Online serving on an H200](benchmarks/results/h200/serve.png)", ""]
-    lines += [f"Flat FlashInfer → plugin (plugin ÷ flat), {_setup(meta)} ({_source(path)}); "
-              "latencies in ms, lower is better:", ""]
-    return lines + _table(["workload", "request rate", "requests/s", "output tokens/s",
-                           "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "ITL p99",
-                           "decode steps as cascade"], body)
+    shown = {r.get("run_id") for r in rows}
+    dates = sorted({run["date"] for run in meta.get("runs", [meta])
+                    if run.get("run_id") in shown and "date" in run})
+    setup = _setup({k: v for k, v in meta.items() if k != "date"})
+    lines += [f"Flat → plugin on the same backend (plugin ÷ flat), {setup}, "
+              f"{', '.join(dates)} "
+              f"({_source(path)}); latencies in ms, lower is better; the plugin's flat decode "
+              "steps as a share of its decode steps, by reason; its planning time per step "
+              "in µs (p50 / p99) and its whole host time per step (planning, metadata, graph "
+              "captures):", ""]
+    lines += _table(["backend", "workload", "request rate", "output tokens/s", "TTFT p99",
+                     "TPOT p50", "TPOT p99", "decode steps as cascade",
+                     "flat decode steps, why", "planning µs p50 / p99 (host µs per step)"], body)
+    if apart:
+        lines += ["", f"{APART} flat and plugin measured by separate `serve_bench.py` "
+                  "invocations on the same machine minutes apart (`serve.meta.json` names each "
+                  "run and its command)."]
+    return lines
 
 
 def block_correctness() -> list[str]:

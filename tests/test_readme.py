@@ -113,12 +113,15 @@ def test_the_kernel_tables_plugin_column_is_the_shipped_cost_models_choice(tmp_p
     assert "changed: none" in out
 
 
-def _serve_row(config: str, rate: str | float, spec: str, scale: float) -> dict:
+def _serve_row(config: str, rate: str | float, spec: str, scale: float, run: str = "r1",
+               **extra) -> dict:
+    plugin = config.startswith("cascade")
     return {"workload": "prefix_8k_x4", "config": config, "request_rate": rate,
             "rate_spec": spec, "tensor_parallel_size": 1, "output_tok_per_s": 1000 * scale,
             "ttft_ms_p50": 100 / scale, "ttft_ms_p99": 400 / scale, "tpot_ms_p50": 20 / scale,
             "tpot_ms_p99": 30 / scale, "itl_ms_p99": 40 / scale, "request_throughput": 4 * scale,
-            "cascade_step_fraction": 0.95 if config == "cascade" else None}
+            "cascade_step_fraction": 0.95 if plugin else None, "run_id": run, "completed": 10,
+            **extra}
 
 
 def test_serve_block_says_not_measured_without_results(tmp_path, monkeypatch):
@@ -126,19 +129,34 @@ def test_serve_block_says_not_measured_without_results(tmp_path, monkeypatch):
     assert "Not measured yet" in "\n".join(tables.block_serve())
 
 
-def test_serve_block_shows_the_plugin_against_flat_per_workload_and_rate(tmp_path, monkeypatch):
+def test_serve_block_shows_the_plugin_against_flat_per_backend_workload_and_rate(
+        tmp_path, monkeypatch):
+    reasons = {"cost model": 0.22, "no shared level": 0.02, "mixed prefill+decode step": 0.001}
     rows = [_serve_row("flashinfer", "burst", "burst", 1.0), _serve_row("cascade", "burst",
                                                                          "burst", 2.0),
             _serve_row("flashinfer", 2.0, "50%", 1.0), _serve_row("cascade", 2.0, "50%", 1.25),
-            _serve_row("flash_attn", 2.0, "50%", 0.9)]
+            _serve_row("flash_attn", 2.0, "50%", 0.9),
+            _serve_row("cascade_flash_attn", 2.0, "50%", 1.8, run="r2", flat_reasons=reasons,
+                       planning_us_p50=650.0, planning_us_p99=1900.0, host_us_per_step=1300.0),
+            # every request failed: nothing measured, no row
+            _serve_row("flash_attn", "burst", "burst", 1.0, completed=0),
+            _serve_row("cascade_flash_attn", "burst", "burst", 2.0)]
     (tmp_path / "serve.json").write_text(json.dumps(rows))
     monkeypatch.setattr(tables, "H200", tmp_path)
     monkeypatch.setattr(tables, "ROOT", tmp_path.parent)
     lines = tables.block_serve()
-    table = [line for line in lines if line.startswith("| prefix_8k_x4")]
-    assert len(table) == 2
-    burst, half = table
+    table = [line for line in lines if "| prefix_8k_x4 |" in line]
+    assert len(table) == 3
+    flash_attn, burst, half = table
     x = tables.TIMES
-    assert "| burst |" in burst and f"1,000 → 2,000 (2.00{x})" in burst
-    assert f"100 → 50 (0.50{x})" in burst and "95%" in burst
+    assert burst.startswith("| FLASHINFER |") and "| burst |" in burst
+    assert f"1,000 → 2,000 (2.00{x})" in burst and f"400 → 200 (0.50{x})" in burst
+    assert "95%" in burst
     assert "| 50% (2.0 req/s) |" in half and f"20.0 → 16.0 (0.80{x})" in half
+    # vLLM's default backend against its own flat run, the plugin's counters shown
+    assert flash_attn.startswith("| FLASH_ATTN |") and f"(2.00{x})" in flash_attn
+    assert "cost model 22%, no shared level 2% |" in flash_attn  # under 0.5% left out
+    assert "650 / 1,900 (1,300)" in flash_attn
+    # measured by two invocations: marked, and the mark explained
+    assert f"50% (2.0 req/s){tables.APART} |" in flash_attn
+    assert any(line.startswith(tables.APART) for line in lines)

@@ -745,9 +745,10 @@ def meta_run(out: Path) -> str:
     return json.loads(out.with_suffix(".meta.json").read_text())["run"]
 
 
-def test_a_run_names_the_commit_it_ran():
+def test_a_run_names_the_commit_it_ran(monkeypatch):
     import bench_common
 
+    monkeypatch.delenv("CASCADE_COMMIT", raising=False)
     commit = bench_common.commit()
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
                           text=True)
@@ -755,6 +756,14 @@ def test_a_run_names_the_commit_it_ran():
         assert commit == "unknown"
         return
     assert head.stdout.startswith(commit.removesuffix("+dirty")) and len(commit) >= 12
+
+
+def test_a_copy_of_the_checkout_names_the_commit_it_was_told(monkeypatch):
+    """The GPU machine's copy has files newer than its git metadata: CASCADE_COMMIT wins."""
+    import bench_common
+
+    monkeypatch.setenv("CASCADE_COMMIT", "2a23dfd")
+    assert bench_common.commit() == "2a23dfd"
 
 
 def test_dry_run_prints_the_commands_and_writes_nothing(tmp_path, capsys):
@@ -835,18 +844,20 @@ def test_rates_for_a_workload_not_run_stop_the_bench(tmp_path):
 
 
 def test_the_serving_grid_of_gpu_validate_is_a_valid_bench(tmp_path, capsys):
-    """``scripts/gpu_validate.sh serve_grid``'s invocations, as a dry run: known configs,
-    workloads and rates, each plugin config beside the same backend flat."""
+    """``scripts/gpu_validate.sh serve_grid``'s slices, as dry runs: known configs, workloads
+    and rates, each plugin config beside the same backend flat, every slice nameable."""
     import re
     import shlex
 
     script = (ROOT / "scripts/gpu_validate.sh").read_text()
     body = script[script.index("part_serve_grid() {"):]
     body = body[:body.index("\n}\n")].replace("\\\n", " ")
-    calls = [shlex.split(line.split("serve_bench.py", 1)[1].split(">")[0])
-             for line in body.splitlines() if "serve_bench.py" in line]
-    assert len(calls) == 2
-    for argv in calls:
+    slices = re.findall(r'\*" (\w+) "\* \]\] && serve_slice (\w+) \d+ (.*)', body)
+    assert {name for name, _, _ in slices} == {"flash_attn_shared", "flash_attn_long",
+                                               "flashinfer"}
+    assert all(name == log for name, log, _ in slices)
+    for _, _, args in slices:
+        argv = shlex.split(args)
         keep = []
         for flag in ("--configs", "--workloads", "--rates"):
             keep += [flag, argv[argv.index(flag) + 1]]
@@ -856,3 +867,4 @@ def test_the_serving_grid_of_gpu_validate_is_a_valid_bench(tmp_path, capsys):
                         "--work-dir", str(tmp_path / "w"), *keep]) == 0
     printed = capsys.readouterr().out
     assert re.search(r"prefix_8k_x4 90%#2: ", printed) and "chat_1k5_system 90%: " in printed
+    assert "random_2k 90%: " in printed and "prefix_32k_x1 burst: " in printed
