@@ -94,8 +94,11 @@ def test_each_flat_step_is_counted_with_the_reason_the_session_decided(monkeypat
     assert alike.plan.num_levels == 1  # first pages alike, but 2 shared pages are too few
     expected.append((c.NO_SHARED, None))
     planned = [step(small, seq_small, q) for q in ([1] * 4, [1, 1, 3, 1], [3] * 4)]
-    for p, reason in zip(planned, (c.COST_MODEL, c.MIXED, c.MULTI_TOKEN), strict=True):
-        d = decide(p.plan, H200_LAYER, EAGER)  # none of them graphed: the eager cost
+    # The decode step is flat even at the graphed cost, the least it can cost; the others
+    # never run from graphs: the eager cost.
+    for p, reason, model in zip(planned, (c.COST_MODEL, c.MIXED, c.MULTI_TOKEN),
+                                (GRAPHED, EAGER, EAGER), strict=True):
+        d = decide(p.plan, H200_LAYER, model)
         assert not d.use_cascade and p.decision == d
         expected.append((reason, d.cascade_us / d.flat_us))
     first = step(big, seq_big, [1] * 64, runs=True)  # a new layout: the eager cost, flat ...
@@ -117,3 +120,27 @@ def test_each_flat_step_is_counted_with_the_reason_the_session_decided(monkeypat
         {r: sum(x for y, x in flat if y == r and x is not None) for r, x in flat
          if x is not None})
     assert counted.steps_planned == len(expected) and counted.steps_cascade == 1
+
+
+def test_a_decode_step_flat_even_at_the_graphed_cost_never_works_out_its_graph_layout(
+        monkeypatch):
+    """Most flat steps of a serving run lose at any cost: their graph layout (host time of
+    every such step) is not needed. A step that wins with graphs looks its layout up."""
+    import vllm_cascade_plugin.step as step_module
+
+    looked_up = []
+    real = step_module.graph_shape
+    monkeypatch.setattr(step_module, "graph_shape",
+                        lambda plan, rows: looked_up.append(rows) or real(plan, rows))
+    session = fa3_session()
+    small, _ = prefix_rows(4, prefix_pages=2, own_pages=2)
+    seq_small = np.full(4, 2 * 16 + 20, np.int32)
+    q = np.ones(4, np.int32)
+    assert not decide(session.plan_step(small, seq_small, q).plan, H200_LAYER,
+                      GRAPHED).use_cascade
+    assert not session.current.decision.use_cascade and looked_up == []
+    big, seq_big = prefix_rows(64)
+    assert session.plan_step(big, seq_big, np.ones(64, np.int32)) is not None
+    assert looked_up == [64]
+    session.end_step()
+    assert stats.snapshot().decode_flat_reasons == {c.COST_MODEL: 1, c.NOT_CAPTURED: 1}

@@ -87,7 +87,7 @@ def flat_attention(backend: str) -> str:
 
 MAX_LAYOUTS = 4096  # graph layouts remembered (then forgotten all at once)
 # How a step's attention would run as cascade (StepSession._graph_state).
-STEADY, FIRST, EAGER = "graphed", "first of its layout", "eager"
+STEADY, FIRST = "graphed", "first of its layout"
 
 
 class StepSession:
@@ -259,25 +259,44 @@ class StepSession:
 
     def _decide(self, plan: CascadePlan, query_lens: np.ndarray, decode: bool) -> Decision:
         """Cascade or flat for ``plan``; a flat step's reason (and the cascade/flat time the
-        cost model predicted) goes to the step's counters."""
+        cost model predicted) goes to the step's counters.
+
+        A decode step that could run from graphs is first charged the graphed cost, the least
+        it can cost: flat even then, it is flat without its graph layout being worked out (most
+        flat steps of a serving run). Only a step that wins with graphs looks its layout up,
+        and pays the eager cost if the layout is new (:meth:`_graph_state`)."""
         assert self.config is not None and self.shape is not None
         if plan.num_levels < 2:
             stats.flat_decision(NO_SHARED)
             return Decision(False, 0.0, 0.0, "no shared pages")
         if self.config.policy == "always":
             return Decision(True, 0.0, 0.0, "CASCADE_POLICY=always")
-        graphs = self._graph_state(plan, decode)
         steady = self.steady_cost_model
-        decision = decide(plan, self.shape, steady if graphs == STEADY and steady
-                          else self.cost_model)
-        if decision.use_cascade:
-            return decision
-        if not decode:  # such steps never replay the plugin's graphs: always the eager cost
-            reason = MIXED if bool(np.any(np.asarray(query_lens) == 1)) else MULTI_TOKEN
-        elif graphs == FIRST and steady and decide(plan, self.shape, steady).use_cascade:
-            reason = NOT_CAPTURED  # the next step of this layout gets the graphed cost
+        graphable = (decode and steady is not None
+                     and self.graphable(plan.stats.num_tokens))
+        if graphable:
+            assert steady is not None
+            decision = decide(plan, self.shape, steady)
+            if decision.use_cascade and self._graph_state(plan) == STEADY:
+                return decision
+            if decision.use_cascade:  # a new layout: captured when it runs
+                decision = decide(plan, self.shape, self.cost_model)
+                if decision.use_cascade:
+                    return decision
+                reason = NOT_CAPTURED  # the next step of this layout gets the graphed cost
+            else:
+                reason = COST_MODEL
         else:
-            reason = COST_MODEL
+            decision = decide(plan, self.shape, self.cost_model)
+            if decision.use_cascade:
+                return decision
+            # such steps never replay the plugin's graphs: always the eager cost
+            if decode:
+                reason = COST_MODEL
+            elif bool(np.any(np.asarray(query_lens) == 1)):
+                reason = MIXED
+            else:
+                reason = MULTI_TOKEN
         ratio = decision.cascade_us / decision.flat_us if decision.flat_us > 0 else None
         stats.flat_decision(reason, ratio)
         return decision
@@ -302,15 +321,11 @@ class StepSession:
         none either; tests) every size is."""
         return not self._capture_sizes or num_tokens <= self._capture_sizes[-1]
 
-    def _graph_state(self, plan: CascadePlan, decode: bool) -> str:
-        """How a step's attention runs as cascade: :data:`STEADY`, a decode step whose graph
-        layout an earlier planned step (flat or cascade) had, whose graphs replay (or are
-        captured now); :data:`FIRST`, a decode step of a new layout (recorded now); else
-        :data:`EAGER` (no shared level, not a decode step, graphs off, or not
-        :meth:`graphable`)."""
-        if (not decode or plan.num_levels < 2 or self.steady_cost_model is None
-                or not self.graphable(plan.stats.num_tokens)):
-            return EAGER
+    def _graph_state(self, plan: CascadePlan) -> str:
+        """How a graphable decode step with a shared level runs as cascade: :data:`STEADY`, a
+        layout an earlier step that won with graphs had, whose graphs replay (or are captured
+        now); :data:`FIRST`, a new layout (recorded now), whose graphs are captured the first
+        time it runs."""
         key = graph_shape(plan, self.padded(plan.stats.num_tokens))
         if key in self._layouts_seen:
             return STEADY

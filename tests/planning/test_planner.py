@@ -238,6 +238,18 @@ def test_every_plan_keeps_the_invariants_and_finds_every_kept_trie_node(batch, l
     assert planned_groups(plan) == expected_groups(batch, **limits)
 
 
+@given(batch=batches(), limits=limits)
+def test_a_plans_most_pages_per_row_is_what_its_levels_give_its_busiest_query(batch, limits):
+    """``PlanStats.max_row_pages`` (a graphed step's last level is sized by it) against the
+    pages each query reads, summed over the levels; rows without queries read nothing."""
+    plan = batch.plan(**limits)
+    total = np.zeros(plan.stats.num_tokens, np.int64)
+    for level in plan.levels:
+        total[level.q_index] += np.repeat(np.diff(level.kv_page_indptr),
+                                          np.diff(level.qo_indptr))
+    assert plan.stats.max_row_pages == int(total.max(initial=0))
+
+
 # ---- steady state ---------------------------------------------------------------------------
 
 

@@ -119,11 +119,7 @@ def _shared_sizes(level: CascadeLevel, first: bool, rows: int, padded: int,
 
 def _own_sizes(plan: CascadePlan, padded: int) -> tuple[int, ...]:
     """The per-request level's key: as wide as the most pages a row reads over every level."""
-    total = np.zeros(plan.stats.num_tokens, np.int64)  # pages per query, over the levels
-    for level in plan.levels:
-        total[level.q_index] += np.repeat(np.diff(level.kv_page_indptr),
-                                          np.diff(level.qo_indptr))
-    return (padded, padded, 1, _width(int(total.max(initial=0))), 1, -1)
+    return (padded, padded, 1, _width(plan.stats.max_row_pages), 1, -1)
 
 
 # The last plan's key: a step's key is asked for twice, by the step session (to charge the

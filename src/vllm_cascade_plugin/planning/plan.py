@@ -89,6 +89,9 @@ class PlanStats:
     num_tokens: int
     num_requests: int
     max_page: int = -1  # largest block id any level reads (-1: none); checked against the cache
+    # Most pages one row reads over every level: its own count, as every row's pages are each
+    # read once (the plan's contract). What a graphed step's last level is sized for.
+    max_row_pages: int = 0
 
 
 @dataclass(frozen=True, eq=False)

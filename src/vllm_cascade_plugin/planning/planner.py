@@ -267,6 +267,7 @@ def _assemble(shared: _SharedPart, structure: Structure, step: Step) -> CascadeP
             num_tokens=step.num_tokens,
             num_requests=len(step.rows),
             max_page=max_page,
+            max_row_pages=int(np.maximum.reduce(step.num_pages)) if step.rows.size else 0,
         ),
     )
 

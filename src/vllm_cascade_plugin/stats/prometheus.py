@@ -47,6 +47,9 @@ class PrometheusCounters:
             return made if labels else made.labels(rank)
 
         self._rank = rank
+        # Labelled series by (metric, label): prometheus_client's labels() takes a lock and
+        # builds a key on every call, and a step counts several.
+        self._children: dict[tuple[int, str], Any] = {}
         self.steps_planned = counter("steps_planned", "Engine steps the cascade planner saw.")
         self.steps_cascade = counter("steps_cascade", "Engine steps that ran cascade attention.")
         self.decode_steps_planned = counter(
@@ -121,8 +124,14 @@ class PrometheusCounters:
         self.graph_captures.inc()
         self.graph_capture_seconds.inc(seconds)
 
+    def _child(self, metric: Any, label: str) -> Any:
+        child = self._children.get((id(metric), label))
+        if child is None:
+            child = self._children[(id(metric), label)] = metric.labels(self._rank, label)
+        return child
+
     def capture_cause(self, cause: str) -> None:
-        self._full_graph_captures.labels(self._rank, cause).inc()
+        self._child(self._full_graph_captures, cause).inc()
 
     def pool_bytes(self, total: int) -> None:
         self.graph_pool_bytes.set(total)
@@ -139,14 +148,14 @@ class PrometheusCounters:
         self.step_planning_seconds.observe(planning_s)
         if flat_reason is None:
             return
-        self._flat_steps.labels(self._rank, flat_reason).inc()
+        self._child(self._flat_steps, flat_reason).inc()
         if decode:
-            self._decode_flat_steps.labels(self._rank, flat_reason).inc()
+            self._child(self._decode_flat_steps, flat_reason).inc()
         if ratio is not None:
-            self._flat_cost_ratio.labels(self._rank, flat_reason).inc(ratio)
+            self._child(self._flat_cost_ratio, flat_reason).inc(ratio)
 
     def capture_failure(self) -> None:
         self.graph_capture_failures.inc()
 
     def fallback(self, reason: str) -> None:
-        self._fallbacks.labels(self._rank, reason).inc()
+        self._child(self._fallbacks, reason).inc()

@@ -1,0 +1,53 @@
+"""benchmarks/step_host_bench.py: the runner hooks' host work per step, timed on the batches the
+planner bench uses; every plan it times must be the plan a fresh planner makes."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+shb = importlib.import_module("step_host_bench")
+pb = importlib.import_module("planner_bench")
+
+
+@pytest.fixture(autouse=True)
+def own_session():
+    """The bench sets up the process's step session: put it back as it was."""
+    from vllm_cascade_plugin import stats
+    from vllm_cascade_plugin.step import session
+
+    saved = dict(vars(session))
+    yield
+    vars(session).clear()
+    vars(session).update(saved)
+    stats.reset()
+
+
+def test_the_timed_steps_are_planned_as_a_fresh_planner_plans_them():
+    """``run(check=True)`` compares every timed step's plan with ``plan_cascade`` of the same
+    rows (it raises on a difference); steady decode of 32 rows on 4 documents runs cascade,
+    and every churn step (a request arrives and prefills) is a mixed step, kept flat."""
+    case = shb.CASES[1]
+    assert case.requests == 32
+    times, cascade = shb.run(case, pb.DecodeBatch, 12, check=True)
+    assert len(times) == 12 and all(t > 0 for t in times) and cascade == 12
+    times, cascade = shb.run(case, pb.ChurnBatch, 12, check=True)
+    assert cascade == 0
+
+
+def test_the_case_with_few_rows_per_document_is_flat_as_the_cost_model_says():
+    from vllm_cascade_plugin.planning.cost import decide
+    from vllm_cascade_plugin.planning.planner import plan_cascade
+    from vllm_cascade_plugin.step import session
+
+    case = shb.CASES[0]
+    batch = pb.DecodeBatch(case, np.random.default_rng(1))
+    _, cascade = shb.run(case, pb.DecodeBatch, 4, check=True)
+    plan = plan_cascade(batch.block_table, batch.seq_lens, batch.query_lens, pb.PAGE_SIZE)
+    assert session.steady_cost_model is not None and session.shape is not None
+    assert cascade == 0 and not decide(plan, session.shape, session.steady_cost_model).use_cascade
