@@ -29,6 +29,7 @@ COUNTERS = {  # row key -> Prometheus sample name
     "graph_captures": "vllm_cascade_graph_captures_total",
     "graph_capture_s": "vllm_cascade_graph_capture_seconds_total",
     "planning_s": "vllm_cascade_planning_seconds_total",
+    "planning_cpu_s": "vllm_cascade_planning_cpu_seconds_total",
     "builder_s": "vllm_cascade_builder_seconds_total",
     "graph_pool_bytes": "vllm_cascade_graph_pool_bytes",  # a level (gauge): its value after
 }
@@ -36,7 +37,7 @@ LEVELS = ("graph_pool_bytes",)
 # Counted on tp_rank="0" only: every tensor-parallel rank plans (and captures) the same steps.
 STEP_COUNTERS = ("steps_planned", "decode_steps_planned", "decode_steps_cascade",
                  "decode_steps_graphed", "graph_captures", "graph_capture_s", "planning_s",
-                 "builder_s")
+                 "planning_cpu_s", "builder_s")
 # Step counts by label, on tp_rank="0": {label value: count}.
 BY_LABEL = {  # key -> (Prometheus sample name, label)
     "decode_flat_steps": ("vllm_cascade_decode_flat_steps_total", "reason"),
@@ -112,13 +113,15 @@ def derived(delta: dict[str, Any], plugin_on: bool) -> dict[str, Any]:
     - ``planning_us_p50``, ``planning_us_p99``: percentiles of the per-step planning time;
     - ``host_us_per_step``: planning, the metadata builders' executor planning and CUDA-graph
       captures (:data:`HOST_TIMES`), over the planned steps;
+    - ``planning_cpu_share``: of the planning time, the share the planning thread ran on a CPU
+      (well under 1: it waited for the GIL or the CPU);
     - ``flat_reasons``: {reason: decode steps that ran flat for it / decode steps planned};
       with ``cascade_step_fraction`` they add up to 1;
     - ``full_graph_capture_causes``: {cause: whole-step graphs captured for it}.
     """
     out: dict[str, Any] = dict.fromkeys(("planning_us_p50", "planning_us_p99",
-                                         "host_us_per_step", "flat_reasons",
-                                         "full_graph_capture_causes"))
+                                         "host_us_per_step", "planning_cpu_share",
+                                         "flat_reasons", "full_graph_capture_causes"))
     if not plugin_on:
         return out
     out["planning_us_p50"], out["planning_us_p99"] = planning_percentiles(
@@ -126,6 +129,9 @@ def derived(delta: dict[str, Any], plugin_on: bool) -> dict[str, Any]:
     steps, host = delta.get("steps_planned"), [delta.get(k) for k in HOST_TIMES]
     if steps and None not in host:
         out["host_us_per_step"] = 1e6 * sum(host) / steps
+    planning, cpu = delta.get("planning_s"), delta.get("planning_cpu_s")
+    if planning and cpu is not None:
+        out["planning_cpu_share"] = cpu / planning
     decode, flat = delta.get("decode_steps_planned"), delta.get("decode_flat_steps")
     if decode:
         out["flat_reasons"] = {reason: n / decode for reason, n in sorted((flat or {}).items())

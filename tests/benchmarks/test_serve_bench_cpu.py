@@ -354,6 +354,9 @@ vllm_cascade_graph_capture_seconds_total{tp_rank="1"} 0.5
 # HELP vllm_cascade_planning_seconds_total Seconds planning.
 # TYPE vllm_cascade_planning_seconds_total counter
 vllm_cascade_planning_seconds_total{tp_rank="0"} 2.5
+# HELP vllm_cascade_planning_cpu_seconds_total Of that, on a CPU.
+# TYPE vllm_cascade_planning_cpu_seconds_total counter
+vllm_cascade_planning_cpu_seconds_total{tp_rank="0"} 1.0
 # HELP vllm_cascade_graph_pool_bytes Pool bytes.
 # TYPE vllm_cascade_graph_pool_bytes gauge
 vllm_cascade_graph_pool_bytes{tp_rank="0"} 1000.0
@@ -390,7 +393,7 @@ vllm_cascade_step_planning_seconds_sum{tp_rank="0"} 0.1
 """
 PARSED = {"steps_planned": 250.0, "decode_steps_planned": 200.0, "decode_steps_cascade": 150.0,
           "decode_steps_graphed": 120.0, "graph_capture_failures": 3.0, "graph_captures": 12.0,
-          "graph_capture_s": 0.75, "planning_s": 2.5, "builder_s": 0.25,
+          "graph_capture_s": 0.75, "planning_s": 2.5, "planning_cpu_s": 1.0, "builder_s": 0.25,
           "graph_pool_bytes": 1900.0,
           "decode_flat_steps": {"cost model": 40.0, "no shared level": 10.0},
           "full_graph_capture_causes": {"padded size": 6.0, "level layout": 3.0},
@@ -418,7 +421,8 @@ def test_fractions_from_counter_deltas():
     before = {"steps_planned": 100.0, "decode_steps_planned": 100.0,
               "decode_steps_cascade": 50.0, "decode_steps_graphed": 40.0,
               "graph_capture_failures": 0.0, "graph_captures": 2.0, "graph_capture_s": 0.25,
-              "planning_s": 0.5, "builder_s": 0.05, "graph_pool_bytes": 400.0,
+              "planning_s": 0.5, "planning_cpu_s": 0.2, "builder_s": 0.05,
+              "graph_pool_bytes": 400.0,
               "decode_flat_steps": {"cost model": 30.0},
               "full_graph_capture_causes": {"padded size": 4.0},
               "planning_buckets": {1e-4: 60.0, 1e-3: 90.0, float("inf"): 100.0}}
@@ -427,7 +431,8 @@ def test_fractions_from_counter_deltas():
     assert delta == {"steps_planned": 150.0, "decode_steps_planned": 100.0,
                      "decode_steps_cascade": 100.0, "decode_steps_graphed": 80.0,
                      "graph_capture_failures": 3.0, "graph_captures": 10.0,
-                     "graph_capture_s": 0.5, "planning_s": 2.0, "builder_s": 0.2,
+                     "graph_capture_s": 0.5, "planning_s": 2.0, "planning_cpu_s": 0.8,
+                     "builder_s": 0.2,
                      "graph_pool_bytes": 1900.0,
                      "decode_flat_steps": {"cost model": 10.0, "no shared level": 10.0},
                      "full_graph_capture_causes": {"padded size": 2.0, "level layout": 3.0},
@@ -446,7 +451,8 @@ def test_planning_percentiles_host_time_and_flat_reasons_of_a_run():
     35th of those 110 from 100 us), host time over planned steps, flat decode steps per decode
     step."""
     delta = sr.counter_deltas({**dict.fromkeys(PARSED), "steps_planned": 100.0,
-                               "planning_s": 0.5, "builder_s": 0.05, "graph_capture_s": 0.25,
+                               "planning_s": 0.5, "planning_cpu_s": 0.5, "builder_s": 0.05,
+                               "graph_capture_s": 0.25,
                                "decode_steps_planned": 150.0,
                                "decode_flat_steps": {"cost model": 30.0},
                                "planning_buckets": {1e-4: 60.0, 1e-3: 90.0,
@@ -456,12 +462,13 @@ def test_planning_percentiles_host_time_and_flat_reasons_of_a_run():
     assert got["planning_us_p50"] == pytest.approx(100 + 900 * 35 / 110)
     assert got["planning_us_p99"] == pytest.approx(100 + 900 * (148.5 - 40) / 110)
     assert got["host_us_per_step"] == pytest.approx(1e6 * (2.0 + 0.2 + 0.5) / 150)
+    assert got["planning_cpu_share"] == pytest.approx(0.5 / 2.0)  # waited for 3/4 of it
     assert got["flat_reasons"] == {"cost model": 0.2, "no shared level": 0.2}
     assert got["full_graph_capture_causes"] == {"level layout": 3, "padded size": 6}
     assert sr.derived(delta, False) == dict.fromkeys(got)
     idle = sr.derived(sr.counter_deltas(PARSED, PARSED), True)
     assert idle == {**dict.fromkeys(got), "host_us_per_step": None,
-                    "full_graph_capture_causes": {}}
+                    "planning_cpu_share": None, "full_graph_capture_causes": {}}
 
 
 def test_derived_values_agree_with_the_plugins_own_metrics_and_counters():

@@ -57,7 +57,7 @@ def test_no_line_before_the_interval_then_one_line_with_the_interval_numbers(clo
     stats.record_fallback("kernel error", level=logging.DEBUG)
     stats.record_capture(0.5)
     stats.record_capture(0.25)
-    stats.record_planning(0.0011)  # this step's planning: the 1 ms - 1.5 ms bucket
+    stats.record_planning(0.0011, 0.00044)  # this step's: the 1 ms - 1.5 ms bucket, 40% on a CPU
     stats.record_builder(0.0005)
     assert lines(caplog) == []
     clock.now += 31  # 61 s after the first planned step
@@ -67,8 +67,8 @@ def test_no_line_before_the_interval_then_one_line_with_the_interval_numbers(clo
     # (0-5 us, interpolated at 2/3 of it), p99 in the 1-1.5 ms one (96% of the way up).
     # Host time: planning, builders and captures, over the 4 steps.
     assert ("last 61 s: 4 steps, 75.0% ran cascade (decode steps: 100.0%, 66.7% of them from "
-            "CUDA graphs; 2 graphs captured in 0.75 s; planning 0.00 s, per step p50 3 us, "
-            "p99 1480 us; host time 187900 us per step)") in line
+            "CUDA graphs; 2 graphs captured in 0.75 s; planning 0.00 s (40.0% of it on a CPU), "
+            "per step p50 3 us, p99 1480 us; host time 187900 us per step)") in line
     assert "flat steps: kernel error 1; fallbacks: kernel error 1" in line
     assert "300 instead of 3,000 flat" in line
     saved = 2700 * PAGE_BYTES / 1e9
@@ -143,7 +143,7 @@ def test_prometheus_counters_mirror_the_records():
     counters.capture_failure()
     counters.captured(0.25)
     counters.captured(0.5)
-    counters.planning(0.125)
+    counters.planning(0.125, 0.0625)
     counters.pool_bytes(4096)
     counters.pool_bytes(8192)
 
@@ -157,7 +157,7 @@ def test_prometheus_counters_mirror_the_records():
     assert value("fallbacks", reason="kernel error") == 1
     assert value("decode_steps_graphed") == 1 and value("graph_capture_failures") == 1
     assert value("graph_captures") == 2 and value("graph_capture_seconds") == 0.75
-    assert value("planning_seconds") == 0.125
+    assert value("planning_seconds") == 0.125 and value("planning_cpu_seconds") == 0.0625
     assert registry.get_sample_value("vllm_cascade_graph_pool_bytes", {"tp_rank": "0"}) == 8192
 
 
@@ -194,3 +194,20 @@ def test_worker_counters_reach_vllms_metrics_registry_in_multiprocess_mode(tmp_p
     assert 'vllm_cascade_flat_steps_total{reason="cost model",tp_rank="0"} 2.0' in served
     assert 'vllm_cascade_flat_cost_ratio_total{reason="cost model",tp_rank="0"} 3.0' in served
     assert 'vllm_cascade_step_planning_seconds_count{tp_rank="0"} 4.0' in served
+
+
+def test_planning_time_counts_what_the_thread_ran_on_a_cpu_apart_from_waiting():
+    """A planning block that sleeps (as one waiting for the GIL does) is all wall time; one that
+    computes is mostly CPU time."""
+    import time
+
+    with stats.planning():
+        time.sleep(0.02)
+    slept = stats.snapshot()
+    assert slept.planning_s >= 0.02 and slept.planning_cpu_s < 0.5 * slept.planning_s
+    with stats.planning():
+        end = time.perf_counter() + 0.02
+        while time.perf_counter() < end:
+            pass
+    busy = stats.snapshot()
+    assert busy.planning_cpu_s - slept.planning_cpu_s > 0.5 * (busy.planning_s - slept.planning_s)

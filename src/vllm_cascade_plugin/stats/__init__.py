@@ -190,15 +190,17 @@ def set_graph_pool_bytes(total: int) -> None:
         sink.pool_bytes(total)
 
 
-def record_planning(seconds: float) -> None:
-    """Host time spent planning the open step (or a step that never opened)."""
+def record_planning(seconds: float, cpu_seconds: float = 0.0) -> None:
+    """Host time spent planning the open step (or a step that never opened), and of it the
+    time the thread ran on a CPU."""
     with _lock:
         _counters.planning_s += seconds
+        _counters.planning_cpu_s += cpu_seconds
         if _open is not None:
             _open.planning_s += seconds
     sink = _sink()
     if sink is not None:
-        sink.planning(seconds)
+        sink.planning(seconds, cpu_seconds)
 
 
 @contextlib.contextmanager
@@ -207,13 +209,13 @@ def planning() -> Iterator[None]:
     another is part of the outer one's time. For the worker's step thread only."""
     global _planning_depth
     _planning_depth += 1
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.thread_time()
     try:
         yield
     finally:
         _planning_depth -= 1
         if _planning_depth == 0:
-            record_planning(time.perf_counter() - start)
+            record_planning(time.perf_counter() - start, time.thread_time() - cpu)
 
 
 def record_builder(seconds: float) -> None:

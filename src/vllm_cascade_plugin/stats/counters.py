@@ -40,6 +40,9 @@ class Counters:
     graph_captures: int = 0  # CUDA graphs the plugin captured (whole steps or single layers)
     graph_capture_s: float = 0.0  # host time those captures took: the steps they delayed
     planning_s: float = 0.0  # host time planning the planned steps took (see step.py)
+    # Of that, the time the planning thread ran on a CPU: the rest it waited (for the GIL,
+    # which vLLM's other threads in the process hold meanwhile, or for the CPU itself).
+    planning_cpu_s: float = 0.0
     builder_s: float = 0.0  # host time the metadata builders took planning cascade executors
     graph_pool_bytes: int = 0  # GPU memory the plugin's CUDA-graph pools hold now (a level)
     pages_flat: int = 0  # KV pages flat attention would have read, over cascade steps
@@ -96,6 +99,7 @@ def difference(now: Counters, before: Counters) -> Counters:
         graph_captures=now.graph_captures - before.graph_captures,
         graph_capture_s=now.graph_capture_s - before.graph_capture_s,
         planning_s=now.planning_s - before.planning_s,
+        planning_cpu_s=now.planning_cpu_s - before.planning_cpu_s,
         builder_s=now.builder_s - before.builder_s,
         graph_pool_bytes=now.graph_pool_bytes,  # a level, not a count
         pages_flat=now.pages_flat - before.pages_flat,

@@ -43,13 +43,15 @@ def format_line(since: Counters, total: Counters, elapsed_s: float,
     else:
         kv = "bytes unknown (page size not set)"
     return ("vllm-cascade-plugin: last %.0f s: %d steps, %s ran cascade (decode steps: %s, "
-            "%s of them from CUDA graphs; %d graphs captured in %.2f s; planning %.2f s, per "
-            "step p50 %s, p99 %s; host time %s per step); flat steps: %s; fallbacks: %s; "
+            "%s of them from CUDA graphs; %d graphs captured in %.2f s; planning %.2f s (%s "
+            "of it on a CPU), per step p50 %s, p99 %s; host time %s per step); flat steps: %s; "
+            "fallbacks: %s; "
             "KV pages read on cascade steps: %s instead of %s flat, %s.",
             elapsed_s, since.steps_planned, _percent(since.steps_cascade, since.steps_planned),
             _percent(since.decode_steps_cascade, since.decode_steps_planned),
             _percent(since.decode_steps_graphed, since.decode_steps_cascade),
             since.graph_captures, since.graph_capture_s, since.planning_s,
+            _percent(since.planning_cpu_s, since.planning_s),
             _us(quantile(since.planning_buckets, 0.5)),
             _us(quantile(since.planning_buckets, 0.99)),
             _us(since.host_s / since.steps_planned if since.steps_planned else None),

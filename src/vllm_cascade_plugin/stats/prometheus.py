@@ -72,6 +72,9 @@ class PrometheusCounters:
         self.planning_seconds = counter(
             "planning_seconds", "Host seconds planning the planned steps took (runner hooks, "
             "planner, cost model).")
+        self.planning_cpu_seconds = counter(
+            "planning_cpu_seconds", "Of planning_seconds, the time the planning thread ran on a "
+            "CPU (the rest it waited: for the GIL or the CPU).")
         self.step_planning_seconds = Histogram(
             PREFIX + "step_planning_seconds", "Host seconds each planned step's planning took.",
             ["tp_rank"], buckets=BOUNDS_S, registry=registry).labels(rank)
@@ -136,8 +139,9 @@ class PrometheusCounters:
     def pool_bytes(self, total: int) -> None:
         self.graph_pool_bytes.set(total)
 
-    def planning(self, seconds: float) -> None:
+    def planning(self, seconds: float, cpu_seconds: float = 0.0) -> None:
         self.planning_seconds.inc(seconds)
+        self.planning_cpu_seconds.inc(cpu_seconds)
 
     def builder(self, seconds: float) -> None:
         self.builder_seconds.inc(seconds)
