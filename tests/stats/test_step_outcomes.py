@@ -96,7 +96,8 @@ def test_nested_planning_blocks_count_once_and_the_time_goes_to_the_step_they_pl
 
     recorded: list[float] = []
     real = stats.record_planning
-    monkeypatch.setattr(stats, "record_planning", lambda s, cpu=0.0: recorded.append(s) or real(s, cpu))
+    monkeypatch.setattr(stats, "record_planning",
+                        lambda s, cpu=0.0: recorded.append(s) or real(s, cpu))
     with stats.planning():
         stats.record_planned(decode=True)
         with stats.planning():

@@ -6,7 +6,7 @@ from .counters import COST_REASONS, Counters
 from .histogram import quantile
 
 
-def _percent(part: int, whole: int) -> str:
+def _percent(part: float, whole: float) -> str:
     return f"{100 * part / whole:.1f}%" if whole else "n/a"
 
 
