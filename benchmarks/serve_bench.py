@@ -62,6 +62,10 @@ CONFIGS = {
     "flash_attn": Config("FLASH_ATTN", {"CASCADE_ATTENTION": "0"}),
     # The plugin in vLLM's default backend (FA3 kernels), against plain flash_attn.
     "cascade_flash_attn": Config("FLASH_ATTN", {"CASCADE_ATTENTION": "1"}),
+    # Cascade on every step with a shared level, the cost model not asked: whether the steps it
+    # keeps flat would have been faster (its "never slower than flat", checked online).
+    "cascade_flash_attn_always": Config("FLASH_ATTN", {"CASCADE_ATTENTION": "1",
+                                                       "CASCADE_POLICY": "always"}),
 }
 # Each backend's flat config: its burst sets the Poisson rates of every config on that backend.
 FLAT = {"FLASHINFER": "flashinfer", "FLASH_ATTN": "flash_attn"}

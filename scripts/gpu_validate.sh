@@ -168,9 +168,15 @@ part_serve() {  # a server start takes ~3.5 min on a fresh machine: run it detac
 #                      10 min per server, chat 7 min for both).
 #   flash_attn_long    vLLM's default backend: one long document, many short ones, no sharing.
 #   flashinfer         the FlashInfer pair: shared documents and chat.
+#   flash_attn_policy  vLLM's default backend flat, the plugin, and the plugin with cascade on
+#                      every step that shares (CASCADE_POLICY=always), at the loads where the
+#                      cost model keeps most decode steps flat; rates from the committed flat
+#                      bursts (the slices start from benchmarks/results/h200/serve.json).
 serve_slice() {  # name, timeout (s), serve_bench.py arguments...
   local name=$1 limit=$2 start=$SECONDS
   shift 2
+  # The committed rows: a slice without a flat burst takes its rates from them.
+  [ -f "$res/serve_grid/serve.json" ] || cp benchmarks/results/h200/serve.json "$res/serve_grid/"
   timeout "$limit" python3 benchmarks/serve_bench.py --model examples/models/llama3-8b \
     --duration "${SERVE_DURATION:-20}" --out "$res/serve_grid/serve.json" "$@" \
     > "$res/serve_grid/$name.log" 2>&1
@@ -192,6 +198,9 @@ part_serve_grid() {  # run it detached, alone
     --rates "burst,90%"
   [[ $grid == *" flashinfer "* ]] && serve_slice flashinfer 1200 --configs flashinfer,cascade \
     --workloads prefix_8k_x4,chat_1k5_system --rates "burst,90%" --plot
+  [[ $grid == *" flash_attn_policy "* ]] && serve_slice flash_attn_policy 1500 \
+    --configs flash_attn,cascade_flash_attn,cascade_flash_attn_always \
+    --workloads prefix_8k_x4,chat_1k5_system --rates "prefix_8k_x4=50%,90%;*=90%"
   return 0
 }
 

@@ -861,7 +861,7 @@ def test_the_serving_grid_of_gpu_validate_is_a_valid_bench(tmp_path, capsys):
     body = body[:body.index("\n}\n")].replace("\\\n", " ")
     slices = re.findall(r'\*" (\w+) "\* \]\] && serve_slice (\w+) \d+ (.*)', body)
     assert {name for name, _, _ in slices} == {"flash_attn_shared", "flash_attn_long",
-                                               "flashinfer"}
+                                               "flashinfer", "flash_attn_policy"}
     assert all(name == log for name, log, _ in slices)
     for _, _, args in slices:
         argv = shlex.split(args)
@@ -869,7 +869,8 @@ def test_the_serving_grid_of_gpu_validate_is_a_valid_bench(tmp_path, capsys):
         for flag in ("--configs", "--workloads", "--rates"):
             keep += [flag, argv[argv.index(flag) + 1]]
         configs = keep[1].split(",")
-        assert len({sb.CONFIGS[c].backend for c in configs}) == 1 and len(configs) == 2
+        assert len({sb.CONFIGS[c].backend for c in configs}) == 1 and len(configs) >= 2
+        assert sum(not sb.CONFIGS[c].plugin_on for c in configs) == 1  # its backend flat
         assert sb.main(["--dry-run", "--model", str(TINY), "--out", str(tmp_path / "s.json"),
                         "--work-dir", str(tmp_path / "w"), *keep]) == 0
     printed = capsys.readouterr().out
