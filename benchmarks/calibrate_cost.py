@@ -19,6 +19,13 @@ planning measured in the grid (``plan_us_parts``). Writes ``cost_calibration.jso
 row's estimates and the pick the fitted model makes there (``regret``: the measured time of what
 it picks over the faster of the two; 1.0 = the right pick). Paste the fitted values into
 ``COST_MODELS``; ``tests/planning/test_cost.py`` checks the shipped models against the same files.
+
+The flat side alone, per vLLM attention backend (``FLAT_BACKENDS``): ``flat_fixed_us`` and
+``flat_bandwidth`` fitted the same way to the flat estimates alone, on every grid row that
+measured that backend's flat decode (FLASHINFER: ``fi_decode``; FLASH_ATTN: FlashAttention 3's
+``fa3_decode``), from ``START``. Written under ``flat_backends`` with every row's measured and
+model time; FLASH_ATTN's values go into ``cost.FLASH_ATTN_FLAT``, which the FLASH_ATTN backend
+puts in place of the executor's flat terms (FLASHINFER's are those of the executors' fits).
 """
 
 from __future__ import annotations
@@ -298,6 +305,41 @@ def calibrate(kernel: str, grid: Sequence[dict], results: Path,
             "end_to_end": e2e_report, "grid_rows_per_layer": report(per_layer, points, column)}
 
 
+# vLLM's attention backend -> the kernel-grid column of its flat decode.
+FLAT_BACKENDS = {"FLASHINFER": "fi_decode", "FLASH_ATTN": "fa3_decode"}
+FLAT_FITTED = ("flat_fixed_us", "flat_bandwidth")
+
+
+def calibrate_flat(grid: Sequence[dict], column: str) -> dict[str, Any]:
+    """Fit the flat side alone (``FLAT_FITTED``) to one flat decode's grid column: every row
+    that measured it, the squared log error of the flat estimates, from ``START``'s values."""
+    points = [(row, decode_plan(row["B"], row["P"], row["S"], row["groups"])) for row in grid
+              if row.get("ms", {}).get(column)]
+    truth = np.array([1e3 * row["ms"][column] for row, _ in points])
+
+    def model_at(x: np.ndarray) -> CostModel:
+        return dataclasses.replace(START, **dict(zip(FLAT_FITTED, np.exp(x).tolist(),
+                                                     strict=True)))
+
+    def flat_us(model: CostModel) -> np.ndarray:
+        return np.array([decide(plan, LLAMA3_8B_LAYER, model).flat_us for _, plan in points])
+
+    def loss(x: np.ndarray) -> float:
+        return float(np.sum((np.log(flat_us(model_at(x))) - np.log(truth)) ** 2))
+
+    x = np.log([getattr(START, name) for name in FLAT_FITTED])
+    for _ in range(4):  # restarts, as in fit()
+        x = nelder_mead(loss, x)
+    fitted = {name: float(f"{value:.3g}") for name, value
+              in zip(FLAT_FITTED, np.exp(x).tolist(), strict=True)}
+    est = flat_us(dataclasses.replace(START, **fitted))
+    return {"grid_column": column, "fitted": fitted,
+            "worst_relative_error": round(float(np.max(np.abs(est / truth - 1))), 3),
+            "rows": [{"B": row["B"], "P": row["P"], "S": row["S"], "groups": row["groups"],
+                      "measured_us": round(m, 1), "model_us": round(e, 1)}
+                     for (row, _), m, e in zip(points, truth, est, strict=True)]}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results" / "h200")
@@ -310,7 +352,9 @@ def main() -> int:
     result = {"date": datetime.date.today().isoformat(),
               "inputs": ["kernel_grid.json", *E2E_FILES, DEMO_FILE],
               "command": " ".join(["python", *sys.argv]), "margin": CostModel().margin,
-              "executors": executors}
+              "executors": executors,
+              "flat_backends": {backend: calibrate_flat(grid, column)
+                                for backend, column in FLAT_BACKENDS.items()}}
     (args.results / "cost_calibration.json").write_text(json.dumps(result, indent=1) + "\n")
     for kernel, fitted in executors.items():
         regrets = [r["regret"] for r in fitted["grid_rows_per_layer"]]
@@ -322,6 +366,10 @@ def main() -> int:
         if fitted["note"]:
             print(f"  per step: {fitted['note']}")
         print(f"  fitted: {json.dumps(fitted['fitted'])}")
+    for backend, flat in result["flat_backends"].items():
+        print(f"flat {backend}: {len(flat['rows'])} grid rows ({flat['grid_column']}), worst "
+              f"estimate off by {100 * flat['worst_relative_error']:.1f}%")
+        print(f"  fitted: {json.dumps(flat['fitted'])}")
     return 0
 
 
