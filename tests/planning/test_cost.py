@@ -15,10 +15,12 @@ from test_planner import batches, limits, run_python
 from vllm_cascade_plugin.face.demo import Workload, prefix_cached_step
 from vllm_cascade_plugin.planning.cost import (
     COST_MODELS,
+    FLASH_ATTN_FLAT,
     AttentionShape,
     CostModel,
     cost_model_for,
     decide,
+    flash_attn_flat,
 )
 from vllm_cascade_plugin.planning.planner import plan_cascade
 
@@ -88,6 +90,83 @@ def test_per_layer_estimates_follow_the_grid(kernel, worst):
     errors = np.abs(errors)
     assert np.mean(errors) < 0.1
     assert np.max(errors) < worst
+
+
+def test_flash_attn_flat_side_is_the_calibration_of_fa3_decode():
+    """FLASH_ATTN_FLAT: what calibrate_cost.py fitted to the grid's FA3 flat decode (the
+    committed cost_calibration.json; the test below re-runs the fit)."""
+    flat = json.loads((RESULTS / "cost_calibration.json").read_text())["flat_backends"]
+    assert flat["FLASH_ATTN"]["grid_column"] == "fa3_decode"
+    assert flat["FLASH_ATTN"]["fitted"] == {name: pytest.approx(value, rel=1e-3)
+                                            for name, value in FLASH_ATTN_FLAT.items()}
+    # FlashInfer's flat decode alone fits what the executors' joint fits took for it.
+    assert flat["FLASHINFER"]["grid_column"] == "fi_decode"
+    for kernel in COST_MODELS:
+        assert flat["FLASHINFER"]["fitted"] == {
+            name: pytest.approx(getattr(COST_MODELS[kernel], name), rel=1e-3)
+            for name in FLASH_ATTN_FLAT}
+
+
+def test_flash_attn_flat_model_follows_fa3_decode_on_the_grid():
+    """Every row measured FA3's flat decode: the FLASH_ATTN flat side estimates it within 30%
+    (mean |log error| under 10%; its worst are the 512-token rows at 128 and 256 requests,
+    which run slower than their bytes say, as FlashInfer's do). On the large rows FA3's flat
+    decode measured 20% slower than FlashInfer's or more, and the model's ratio of the two
+    flat estimates follows the measured one within 5%."""
+    fa3, fi = flash_attn_flat(per_layer("fa3")), per_layer("fa3")
+    errors, large = [], 0
+    for row in kernel_grid():
+        plan = shared_prefix_decode(row["B"], row["P"], row["S"], groups=row["groups"])
+        fa3_us, fi_us = (decide(plan, H200_LAYER, model).flat_us for model in (fa3, fi))
+        measured_fa3, measured_fi = 1e3 * row["ms"]["fa3_decode"], 1e3 * row["ms"]["fi_decode"]
+        errors.append(np.log(fa3_us / measured_fa3))
+        if row["B"] >= 64 and row["P"] >= 8192:
+            large += 1
+            assert measured_fa3 > 1.2 * measured_fi
+            assert fa3_us > 1.2 * fi_us
+            assert fa3_us / fi_us == pytest.approx(measured_fa3 / measured_fi, rel=0.05)
+    assert len(errors) == 22 and large == 8
+    assert np.mean(np.abs(errors)) < 0.1
+    assert np.max(np.abs(np.exp(errors) - 1)) < 0.3
+
+
+@pytest.mark.parametrize("row", kernel_grid(), **ROW_IDS)
+def test_flash_attn_per_layer_terms_pick_the_faster_against_fa3_flat_decode(row):
+    """With FLASH_ATTN's flat side the FA3 executor's per-layer model never picks a cascade
+    slower than FA3's flat decode and misses no win over the margin on the grid (against
+    FlashInfer's flat decode it misses 64 x 512's and 128 x 512's, see ``EXECUTORS``)."""
+    flat_us, cascade_us = 1e3 * row["ms"]["fa3_decode"], 1e3 * row["ms"]["plugin_cascade_fa3"]
+    plan = shared_prefix_decode(row["B"], row["P"], row["S"], groups=row["groups"])
+    decision = decide(plan, H200_LAYER, flash_attn_flat(per_layer("fa3")))
+    if decision.use_cascade:
+        assert cascade_us < flat_us, decision.reason
+    if cascade_us * (1 + CostModel().margin) < flat_us:
+        assert decision.use_cascade, decision.reason
+
+
+@pytest.mark.parametrize("model", [COST_MODELS["fa3"], cost_model_for("fa3", decode_graphs=False),
+                                   CostModel()], ids=["fa3", "fa3-eager", "flashinfer"])
+def test_flash_attn_flat_side_raises_flat_and_leaves_the_cascade_estimate(model):
+    """The executors' cascade terms were fitted with the per-request level streaming at their
+    flat bandwidth: FLASH_ATTN's slower flat side must not slow that level down."""
+    plan = shared_prefix_decode(128, 8192)
+    assert plan.num_levels == 2
+    before, after = (decide(plan, H200_LAYER, m) for m in (model, flash_attn_flat(model)))
+    assert after.cascade_us == before.cascade_us
+    assert after.flat_us > 1.2 * before.flat_us
+    assert flash_attn_flat(flash_attn_flat(model)) == flash_attn_flat(model)
+    # The per-request level's bandwidth alone moves the cascade estimate, not the flat one.
+    slower = dataclasses.replace(model, own_bandwidth=model.flat_bandwidth / 2)
+    assert decide(plan, H200_LAYER, slower).cascade_us > before.cascade_us
+    assert decide(plan, H200_LAYER, slower).flat_us == before.flat_us
+
+
+def test_flash_attn_flat_side_runs_cascade_where_fa3_flat_decode_is_slower():
+    """64 requests behind a 2K prefix, FA3 with whole-step graphs: flat against FlashInfer's
+    flat decode, cascade against FA3's."""
+    plan = shared_prefix_decode(64, 2048)
+    assert not decide(plan, H200_LAYER, cost_model_for("fa3")).use_cascade
+    assert decide(plan, H200_LAYER, flash_attn_flat(cost_model_for("fa3"))).use_cascade
 
 
 @pytest.mark.parametrize("workload", ["b128_16k_prefix_64_own", "8_prefixes_8k_x16_interleaved",
@@ -191,6 +270,11 @@ def test_the_shipped_defaults_are_the_calibration_of_the_committed_measurements(
         fitted, shipped = result["fitted"], COST_MODELS[kernel]
         assert fitted == {name: pytest.approx(getattr(shipped, name), rel=1e-3)
                           for name in fitted}, kernel
+    flat = json.loads((tmp_path / "cost_calibration.json").read_text())["flat_backends"]
+    assert flat["FLASH_ATTN"]["fitted"] == {name: pytest.approx(value, rel=1e-3)
+                                            for name, value in FLASH_ATTN_FLAT.items()}
+    committed = json.loads((RESULTS / "cost_calibration.json").read_text())["flat_backends"]
+    assert flat == committed
 
 
 @pytest.mark.parametrize(("results", "constant"),

@@ -1,11 +1,12 @@
 """When does a cascade plan beat flat attention? An analytic model, numpy/stdlib only.
 
-Flat FlashInfer decode streams every row's KV pages; a cascade reads a group's shared pages
-once but pays a fixed cost per level, a small cost per request, runs each shared group as one
-dense prefill whose KV streaming is limited by how few thread blocks one group keeps busy, and
-pays once per step for planning its levels on the host and running attention outside FULL CUDA
-graphs. Estimates are per attention layer call (µs); the per-step cost is spread over the
-model's layers.
+Flat decode streams every row's KV pages: FlashInfer's, or with vLLM's FLASH_ATTN backend
+FlashAttention 3's, ~25% slower at large batches (:data:`FLASH_ATTN_FLAT`). A cascade reads a
+group's shared pages once but pays a fixed cost per level, a small cost per request, runs each
+shared group as one dense prefill whose KV streaming is limited by how few thread blocks one
+group keeps busy, and pays once per step for planning its levels on the host and running
+attention outside FULL CUDA graphs. Estimates are per attention layer call (µs); the per-step
+cost is spread over the model's layers.
 
 ``CostModel()``'s defaults are FlashInfer's executor; ``COST_MODELS`` holds one calibration per
 executor (``CASCADE_KERNEL``). Both are fitted by ``benchmarks/calibrate_cost.py`` on an H200
@@ -13,18 +14,19 @@ executor (``CASCADE_KERNEL``). Both are fitted by ``benchmarks/calibrate_cost.py
 terms on the 22 rows of ``benchmarks/results/h200/kernel_grid.json`` (decode, B requests behind P
 shared tokens, 128 own each), the per-step term on end-to-end runs with cascade on every step
 (``e2e_step_cost_fa3.json``, ``e2e_step_cost_flashinfer.json``, ``demo_flashinfer_executor.txt``;
-``benchmarks/README.md`` says what each run is). Some rows, per layer without the per-step term
-(µs; measured / model, from ``cost_calibration.json``):
+``benchmarks/README.md`` says what each run is); FA3's flat side on the grid's ``fa3_decode``
+alone. Some rows, per layer without the per-step term (µs; measured / model, from
+``cost_calibration.json``):
 
-======  =====  ======  ===========  ===================  ==============
-B       P      groups  flat         FlashInfer executor  FA3 executor
-======  =====  ======  ===========  ===================  ==============
-8       512    1       19 / 20      34 / 34              23 / 25
-128     2048   1       151 / 143    202 / 212            54 / 54
-256     8192   1       942 / 977    435 / 460            120 / 117
-256     32768  1       3602 / 3810  761 / 780            279 / 248
-256     8192   16      954 / 977    784 / 466            184 / 186
-======  =====  ======  ===========  ===================  ==============
+=====  =====  ======  ===============  ===========  ===================  ============
+B      P      groups  flat FlashInfer  flat FA3     FlashInfer executor  FA3 executor
+=====  =====  ======  ===============  ===========  ===================  ============
+8      512    1       19 / 20          18 / 20      34 / 34              23 / 25
+128    2048   1       151 / 143        192 / 180    202 / 212            54 / 54
+256    8192   1       942 / 977        1222 / 1265  435 / 460            120 / 117
+256    32768  1       3602 / 3810      4569 / 4952  761 / 780            279 / 248
+256    8192   16      954 / 977        1219 / 1265  784 / 466            184 / 186
+=====  =====  ======  ===============  ===========  ===================  ============
 
 The 16-group row shows what FlashInfer's model misses: many small groups cost more than their
 bytes say. The per-step term (FA3: 1.26 ms, FlashInfer: 3.08 ms over 32 layers) is what a
@@ -50,7 +52,8 @@ import numpy as np
 
 from .plan import CascadeLevel, CascadePlan
 
-__all__ = ["COST_MODELS", "AttentionShape", "CostModel", "Decision", "cost_model_for", "decide"]
+__all__ = ["COST_MODELS", "FLASH_ATTN_FLAT", "AttentionShape", "CostModel", "Decision",
+           "cost_model_for", "decide", "flash_attn_flat"]
 
 
 @dataclass(frozen=True)
@@ -68,9 +71,10 @@ class AttentionShape:
 class CostModel:
     """Knobs of the model; times in microseconds, rates per second.
 
-    flat_fixed_us : launch and split-KV merge of one flat FlashInfer decode call.
+    flat_fixed_us : launch and split-KV merge of one flat FlashInfer decode call
+        (FlashAttention 3's with the FLASH_ATTN backend: :data:`FLASH_ATTN_FLAT`).
     flat_bandwidth : bytes/s a flat call streams KV at; above HBM's 4.8 TB/s because rows
-        sharing pages hit in L2.
+        sharing pages hit in L2 (FlashInfer's 9.09 TB/s, FlashAttention 3's 6.99 TB/s).
     flat_prefill_tile, flat_prefill_flops : flat attention of a row with several query tokens
         (a prefill chunk, the last page vLLM recomputes when a whole prompt hits the prefix
         cache) runs FlashInfer's prefill kernel, whose thread blocks each take ``tile`` query
@@ -87,6 +91,9 @@ class CostModel:
     group_bandwidth : bytes/s one shared group streams its pages at: one group keeps only a few
         thread blocks busy, so this is far below HBM; fitted from the cascade's slope in P.
     shared_bandwidth : bytes/s all groups of one level together can reach (HBM).
+    own_bandwidth : bytes/s the cascade's per-request level streams its pages at; None: at
+        ``flat_bandwidth`` (the executors' calibrations fit their cascade terms with it so).
+        :func:`flash_attn_flat` pins it where it changes the flat terms.
     step_fixed_us : what a cascade step costs beyond its kernels, once per step (spread over
         ``AttentionShape.num_layers``): planning every level on the host and running attention
         outside FULL CUDA graphs. Measured end to end: the gap between the step times of flat
@@ -106,6 +113,7 @@ class CostModel:
     flops: float = 790e12
     group_bandwidth: float = 0.315e12
     shared_bandwidth: float = 4.8e12
+    own_bandwidth: float | None = None
     step_fixed_us: float = 3080.0
     margin: float = 0.1
 
@@ -129,6 +137,19 @@ FA3_LAYER_GRAPHS_STEP_FIXED_US = 1500.0
 # above vLLM's largest capture size): the same calibration on runs without the plugin's CUDA
 # graphs (``e2e_step_cost_fa3_eager.json``, checked the same way).
 FA3_EAGER_STEP_FIXED_US = 7570.0
+# The flat side with vLLM's FLASH_ATTN backend: FlashAttention 3's flat decode, ~25% slower than
+# FlashInfer's at large batches. Fitted alone by ``benchmarks/calibrate_cost.py`` on the same
+# H200 grid (``kernel_grid.json``, column ``fa3_decode``; ``cost_calibration.json``,
+# ``flat_backends``, ``FLASH_ATTN``); :func:`flash_attn_flat` applies it.
+FLASH_ATTN_FLAT = {"flat_fixed_us": 16.9, "flat_bandwidth": 6.99e12}
+
+
+def flash_attn_flat(model: CostModel) -> CostModel:
+    """``model`` with :data:`FLASH_ATTN_FLAT` as its flat side; its cascade estimate unchanged
+    (the per-request level keeps streaming at the bandwidth ``model`` gave it)."""
+    own = model.flat_bandwidth if model.own_bandwidth is None else model.own_bandwidth
+    return replace(model, flat_fixed_us=FLASH_ATTN_FLAT["flat_fixed_us"],
+                   flat_bandwidth=FLASH_ATTN_FLAT["flat_bandwidth"], own_bandwidth=own)
 
 
 def cost_model_for(kernel: str, decode_graphs: bool = True,
@@ -205,7 +226,8 @@ def decide(plan: CascadePlan, shape: AttentionShape, model: CostModel = CostMode
     cascade_us = (
         plan.num_levels * model.level_fixed_us
         + plan.stats.num_requests * model.request_us
-        + stream_us(len(own.kv_page_indices), pairs(own) * flop_per_pair, model.flat_bandwidth)
+        + stream_us(len(own.kv_page_indices), pairs(own) * flop_per_pair,
+                    model.flat_bandwidth if model.own_bandwidth is None else model.own_bandwidth)
     )
     for level in plan.levels[:-1]:
         bandwidth = min(level.num_groups * model.group_bandwidth, model.shared_bandwidth)
