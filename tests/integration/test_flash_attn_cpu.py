@@ -376,6 +376,16 @@ def test_flash_attn_runs_cascade_on_fa3_only_and_says_which_backend_carries_it(
     builder, _ = fa_builder(fa_config)
     assert builder._settings.unsupported is None and builder._cascade_kernel == "fa3"
     assert session.active and session.cost_model.flat_prefill_tile == 1
+    # Flat attention here is FA3's decode (its own calibration), the cascade side the executor's.
+    from vllm_cascade_plugin.planning.cost import COST_MODELS, FLASH_ATTN_FLAT
+
+    assert session.steady_cost_model is not None
+    for model in (session.cost_model, session.steady_cost_model):
+        assert model.flat_prefill_tile == 1
+        assert (model.flat_fixed_us, model.flat_bandwidth) == (
+            FLASH_ATTN_FLAT["flat_fixed_us"], FLASH_ATTN_FLAT["flat_bandwidth"])
+        assert model.own_bandwidth == COST_MODELS["fa3"].flat_bandwidth
+        assert model.flat_bandwidth < COST_MODELS["fa3"].flat_bandwidth
     assert any("the FLASH_ATTN backend carries cascade attention; cascade kernels: "
                "FlashAttention 3" in line for line in plugin_log)
     assert isinstance(builder._executor(), kernels.FlashAttnCascadeExecutor)
