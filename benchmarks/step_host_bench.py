@@ -34,7 +34,12 @@ from planner_bench import PAGE_SIZE, Case, ChurnBatch, DecodeBatch
 from vllm_cascade_plugin import stats
 from vllm_cascade_plugin.config import CascadeConfig
 from vllm_cascade_plugin.integration import hooks_dispatch
-from vllm_cascade_plugin.planning.cost import AttentionShape, cost_model_for
+from vllm_cascade_plugin.planning.cost import (
+    AttentionShape,
+    cost_model_for,
+    decide,
+    flash_attn_flat,
+)
 from vllm_cascade_plugin.planning.planner import plan_cascade
 from vllm_cascade_plugin.step import session
 
@@ -55,8 +60,8 @@ CASES = (
 def set_up_session() -> None:
     """The step session as the FLASH_ATTN backend's builder sets it up (FA3, whole-step
     graphs)."""
-    def fa3(model):  # FA3 packs a row's queries with its heads: no prefill tiles
-        return dataclasses.replace(model, flat_prefill_tile=1)
+    def fa3(model):  # as CascadeFlashAttentionMetadataBuilder._cost_models makes them
+        return dataclasses.replace(flash_attn_flat(model), flat_prefill_tile=1)
 
     session.configure(CascadeConfig(enabled=True), LLAMA3_8B, PAGE_SIZE, None,
                       cost_model=fa3(cost_model_for("fa3", decode_graphs=False)),
@@ -80,7 +85,8 @@ def one_step(batch: DecodeBatch) -> tuple[int, bool, object]:
 def run(case: Case, batch_type: type[DecodeBatch], steps: int, check: bool
         ) -> tuple[list[int], int]:
     """Nanoseconds of each of ``steps`` steps, and how many ran cascade. With ``check``, every
-    step's plan is compared with a fresh :func:`plan_cascade` of the same rows."""
+    step's plan is compared with a fresh :func:`plan_cascade` of the same rows, and a step the
+    hooks did not plan must be one the cost model keeps flat on that fresh plan."""
     set_up_session()
     batch = batch_type(case, np.random.default_rng(1))
     one_step(batch)  # the first plan is built from scratch
@@ -92,7 +98,14 @@ def run(case: Case, batch_type: type[DecodeBatch], steps: int, check: bool
         cascade += ran
         if check:
             fresh = plan_cascade(batch.block_table, batch.seq_lens, batch.query_lens, PAGE_SIZE)
-            assert plan is not None and plan.stats == fresh.stats, (plan, fresh.stats)
+            if plan is not None:
+                assert plan.stats == fresh.stats, (plan.stats, fresh.stats)
+            else:  # not planned (nothing shared, or the cost model's floor): flat in any case
+                decode = bool(np.all(batch.query_lens == 1))
+                model = (session.steady_cost_model if decode and session.steady_cost_model
+                         and session.graphable(fresh.stats.num_tokens) else session.cost_model)
+                assert session.shape is not None
+                assert not ran and not decide(fresh, session.shape, model).use_cascade
     return times, cascade
 
 

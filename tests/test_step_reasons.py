@@ -11,6 +11,7 @@ from test_cost import H200_LAYER
 from vllm_cascade_plugin import stats
 from vllm_cascade_plugin.config import CascadeConfig
 from vllm_cascade_plugin.planning.cost import cost_model_for, decide
+from vllm_cascade_plugin.planning.planner import plan_cascade
 from vllm_cascade_plugin.stats import counters as c
 from vllm_cascade_plugin.step import StepSession
 
@@ -144,3 +145,29 @@ def test_a_decode_step_flat_even_at_the_graphed_cost_never_works_out_its_graph_l
     assert looked_up == [64]
     session.end_step()
     assert stats.snapshot().decode_flat_reasons == {c.COST_MODEL: 1, c.NOT_CAPTURED: 1}
+
+
+def test_a_step_the_cost_models_floor_keeps_flat_is_never_planned(monkeypatch):
+    """Rows too few for their pages to repay a cascade's fixed costs: flat for the reason the
+    session would give, without the planner; under CASCADE_DEBUG the planner runs anyway.
+    The reference: ``decide`` on the fresh plan with the cost model the step is charged."""
+    session = fa3_session()
+    small, _ = prefix_rows(4, prefix_pages=2, own_pages=2)
+    seq = np.full(4, 2 * 16 + 20, np.int32)
+    monkeypatch.setattr(session._planner, "plan", lambda *a: 1 / 0)  # never asked
+    for i, (q, reason, model) in enumerate((([1] * 4, c.COST_MODEL, GRAPHED),
+                                            ([1, 1, 3, 1], c.MIXED, EAGER),
+                                            ([3] * 4, c.MULTI_TOKEN, EAGER))):
+        q = np.asarray(q, np.int32)
+        assert not decide(plan_cascade(small, seq, q, 16), H200_LAYER, model).use_cascade
+        assert session.cannot_win(seq, q) and session.current is None
+        session.end_step()
+        now = stats.snapshot()
+        assert now.flat_reasons[reason] == 1 and now.steps_planned == i + 1
+    counted = stats.snapshot()
+    assert counted.flat_reasons == {c.COST_MODEL: 1, c.MIXED: 1, c.MULTI_TOKEN: 1}
+    assert counted.steps_planned == 3 and not counted.fallbacks
+    _, seq_big = prefix_rows(64)  # worth planning: the floor leaves it to the plan
+    assert not session.cannot_win(seq_big, np.ones(64, np.int32))
+    debug = fa3_session(debug=True)
+    assert not debug.cannot_win(seq, np.ones(4, np.int32))

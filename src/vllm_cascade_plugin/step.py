@@ -23,7 +23,7 @@ import numpy as np
 
 from . import stats
 from .config import CascadeConfig
-from .planning.cost import AttentionShape, CostModel, Decision, decide
+from .planning.cost import AttentionShape, CostModel, Decision, decide, flat_floor
 from .planning.graph_layout import graph_shape
 from .planning.invariants import plan_violations
 from .planning.plan import CascadePlan
@@ -200,6 +200,42 @@ class StepSession:
                 return False
             stats.record_planned(bool(np.all(np.asarray(query_lens) == 1)))
             stats.flat_decision(NO_SHARED)
+        return True
+
+    def cannot_win(self, seq_lens: np.ndarray, query_lens: np.ndarray) -> bool:
+        """Count a real step that no plan could run as cascade as planned and flat; True if so.
+
+        The cost model's floor (:func:`~.planning.cost.flat_floor`, from the rows' lengths) with
+        the model :meth:`_decide` would charge first (graphed for a decode step that may run
+        from graphs, else eager): a step it keeps flat is flat for the reason :meth:`_decide`
+        would give (``cost model``, mixed or multi-token), without the block table read or a
+        plan made. Not with ``CASCADE_DEBUG`` (every step is planned and checked) or
+        ``CASCADE_POLICY=always``.
+        """
+        self.current = None
+        config = self.config
+        if (not self.active or config is None or config.debug or config.policy == "always"
+                or self.shape is None):
+            return False
+        with stats.planning():
+            try:
+                query = np.asarray(query_lens)
+                decode = bool(np.all(query == 1))
+                steady = self.steady_cost_model
+                model = (steady if decode and steady is not None
+                         and self.graphable(int(query.sum())) else self.cost_model)
+                floor = flat_floor(seq_lens, query, self.page_size, self.shape, model)
+            except Exception as exc:  # the full planner decides instead
+                stats.record_fallback("planner error", f"{type(exc).__name__}: {exc}")
+                return False
+            if floor is None:
+                return False
+        if decode:
+            reason = COST_MODEL
+        else:
+            reason = MIXED if bool(np.any(query == 1)) else MULTI_TOKEN
+        stats.record_planned(decode)
+        stats.flat_decision(reason, floor.cascade_us / floor.flat_us)
         return True
 
     def flat_step(self, reason: str, query_lens: np.ndarray) -> None:

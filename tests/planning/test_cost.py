@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from test_planner import batches, limits, run_python
 from vllm_cascade_plugin.face.demo import Workload, prefix_cached_step
@@ -21,6 +22,7 @@ from vllm_cascade_plugin.planning.cost import (
     cost_model_for,
     decide,
     flash_attn_flat,
+    flat_floor,
 )
 from vllm_cascade_plugin.planning.planner import plan_cascade
 
@@ -418,3 +420,53 @@ def test_each_levels_query_pages_are_its_groups_queries_times_pages(batch, limit
                    for g in range(level.num_groups))
         assert level.query_pages == want
         assert level.query_pages == want  # the cached value
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batch=batches(),
+       base=st.sampled_from(["flashinfer", "fa3", "fa3 eager", "fa3 on FLASH_ATTN"]),
+       scale=st.floats(1e-4, 1.0), bandwidth=st.floats(1e9, 1e13))
+def test_the_floor_keeps_flat_only_steps_every_plan_of_which_decide_keeps_flat(
+        batch, base, scale, bandwidth):
+    """``flat_floor`` from the rows' lengths alone, against ``decide`` on the real plan: the
+    same flat estimate, and a step the floor keeps flat is one ``decide`` keeps flat. The fixed
+    costs and flat's bandwidth are scaled so that both answers occur."""
+    model = {"flashinfer": COST_MODELS["flashinfer"], "fa3": cost_model_for("fa3"),
+             "fa3 eager": cost_model_for("fa3", decode_graphs=False),
+             "fa3 on FLASH_ATTN": flash_attn_flat(cost_model_for("fa3"))}[base]
+    model = dataclasses.replace(
+        model, level_fixed_us=model.level_fixed_us * scale, request_us=model.request_us * scale,
+        step_fixed_us=model.step_fixed_us * scale, flat_bandwidth=bandwidth)
+    plan = batch.plan()
+    floor = flat_floor(batch.seq_lens, batch.query_lens, batch.page_size, H200_LAYER, model)
+    exact = decide(plan, H200_LAYER, model)
+    if floor is not None:
+        assert floor.flat_us == pytest.approx(exact.flat_us, rel=1e-9)
+        assert not exact.use_cascade
+        if plan.num_levels > 1:  # (without a shared level decide gives flat's time twice)
+            assert floor.cascade_us <= exact.cascade_us + 1e-9
+    elif plan.num_levels > 1:  # some plan might win: the floor is below this one's cost
+        least = (2 * model.level_fixed_us + plan.stats.num_requests * model.request_us
+                 + model.step_fixed_us / H200_LAYER.num_layers)
+        assert least * (1 + model.margin) < exact.flat_us
+
+
+def test_the_floor_of_a_long_shared_batch_leaves_it_to_the_plan():
+    """128 rows behind a 16K prefix: cascade can win, the floor does not decide."""
+    seq, q = np.full(128, 16384 + 128), np.ones(128, np.int32)
+    model = cost_model_for("fa3")
+    assert flat_floor(seq, q, 16, H200_LAYER, model) is None
+    assert decide(shared_prefix_decode(128, 16384), H200_LAYER, model).use_cascade
+
+
+def test_a_prefill_row_behind_a_row_without_queries_is_charged_its_padded_tiles():
+    """Rows without queries (padding) leave gaps in the batch's row numbers: the prefill
+    padding is still each prefill row's own (it once indexed keys by request count and raised,
+    turning such steps into planner errors)."""
+    table = np.array([[0, 0], [5, 6]], np.int32)
+    plan = plan_cascade(table, np.array([0, 2]), np.array([0, 2]), page_size=1)
+    model = COST_MODELS["flashinfer"]  # 128-token prefill tiles
+    flop_per_pair = 4 * H200_LAYER.head_dim * H200_LAYER.num_qo_heads
+    # Row 1: 2 queries x 2 keys computed, padded to 128 queries x 2 keys.
+    expected = model.flat_fixed_us + 1e6 * 128 * 2 * flop_per_pair / model.flat_prefill_flops
+    assert decide(plan, H200_LAYER, model).flat_us == pytest.approx(expected)

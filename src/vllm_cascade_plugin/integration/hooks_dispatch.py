@@ -31,13 +31,16 @@ def plan_rows(first_pages: np.ndarray, block_table: Callable[[], np.ndarray],
     """Plan a step from CPU rows; True when it will run cascade.
 
     ``block_table`` and ``keys`` (the rows' keys: :mod:`.row_keys`) are read only when the
-    rows' first block ids leave sharing possible.
+    rows' first block ids leave sharing possible and the rows' lengths leave cascade a chance
+    to beat flat (the cost model's floor).
     """
     needed = -(-seq_lens // max(session.page_size, 1))
     if np.any(num_blocks < needed):
         session.flat_step("block table shorter than the sequence", query_lens)
         return False
     if session.skip_unshared(first_pages, seq_lens, query_lens):
+        return False
+    if session.cannot_win(seq_lens, query_lens):  # no plan of these rows could beat flat
         return False
     config = session.config
     row_keys = keys() if config is not None and config.plan_from_changes else None

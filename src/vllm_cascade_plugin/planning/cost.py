@@ -183,9 +183,10 @@ def _prefill_padding_pairs(plan: CascadePlan, tile: int) -> float:
         return 0.0  # every row has one query token (the cost model runs every decode step)
     own = plan.levels[-1]
     queries = np.diff(own.qo_indptr)
-    # The per-request level has one row per group: its queries and rows.
+    # The per-request level has one row per group: its queries and rows. Rows are the batch's
+    # (rows without queries have none), so keys are kept by batch row.
     rows = own.rows[own.row_indptr[:-1]]
-    keys = np.zeros(plan.stats.num_requests, dtype=np.float64)
+    keys = np.zeros(int(np.maximum.reduce(rows)) + 1, dtype=np.float64)
     for level in plan.levels:
         group_keys = np.diff(level.kv_page_indptr).astype(np.float64) * plan.page_size
         np.add.at(keys, level.rows, np.repeat(group_keys, np.diff(level.row_indptr)))
@@ -237,3 +238,41 @@ def decide(plan: CascadePlan, shape: AttentionShape, model: CostModel = CostMode
     verdict = "cascade" if use_cascade else "flat"
     reason = f"{verdict}: cascade {cascade_us:.0f} us vs flat {flat_us:.0f} us"
     return Decision(use_cascade, flat_us, cascade_us, reason)
+
+
+def flat_floor(seq_lens: np.ndarray, query_lens: np.ndarray, page_size: int,
+               shape: AttentionShape, model: CostModel) -> Decision | None:
+    """:func:`decide`'s verdict for a step no plan of which could run as cascade, from the rows'
+    lengths alone (no block ids, no plan); None where some plan might.
+
+    Flat attention's estimate needs only each row's page count and query tokens, and is exactly
+    :func:`decide`'s (a plan reads every row's pages once over its levels). Any cascade of the
+    rows costs at least two levels' fixed costs, every request's and the per-step cost; when
+    that, with the margin, does not beat flat, :func:`decide` keeps every plan of them flat.
+    """
+    queries = np.asarray(query_lens, dtype=np.int64)
+    active = queries > 0
+    requests = int(np.count_nonzero(active))
+    if not requests:
+        return None
+    pages = (np.asarray(seq_lens, dtype=np.int64)[active] + (page_size - 1)) // page_size
+    queries = queries[active]
+    token_bytes = 2 * shape.num_kv_heads * shape.head_dim * shape.dtype_bytes
+    flop_per_pair = 4 * shape.head_dim * shape.num_qo_heads
+    all_pairs = float(queries @ pages) * page_size
+    flat_us = model.flat_fixed_us + 1e6 * max(
+        int(pages.sum()) * page_size * token_bytes / model.flat_bandwidth,
+        all_pairs * flop_per_pair / model.flops)
+    if requests != int(queries.sum()):  # rows of several query tokens: padded prefill tiles
+        tile = model.flat_prefill_tile
+        padded = np.where(queries > 1, -(-queries // tile) * tile, queries)
+        padding = float((padded - queries) @ pages) * page_size
+        if padding:
+            flat_us = max(flat_us, model.flat_fixed_us + 1e6 * (all_pairs + padding)
+                          * flop_per_pair / model.flat_prefill_flops)
+    least = (2 * model.level_fixed_us + requests * model.request_us
+             + model.step_fixed_us / max(shape.num_layers, 1))
+    if least * (1 + model.margin) < flat_us:
+        return None
+    return Decision(False, flat_us, least,
+                    f"flat: cascade at least {least:.0f} us vs flat {flat_us:.0f} us")
