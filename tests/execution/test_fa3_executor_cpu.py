@@ -578,3 +578,29 @@ def test_a_batch_growing_to_the_largest_capture_size_keeps_the_graph_keys_of_sma
     small = key(6, 8)
     key(30, 32)
     assert (key(6, 8) == small) is (graph_rows == 32)
+
+
+def test_an_eager_step_of_many_tokens_between_graphed_ones_keeps_their_graph_key():
+    """A prefill step runs eagerly with buffers for all its tokens, beyond the graphed steps'
+    reserve; the graphed steps' buffers are their own, so the next decode step of the same
+    layout has the key it had before (its graphs replay)."""
+    heads, kv_heads, d = 4, 2, 64
+    executor = FlashAttnCascadeExecutor("NHD", max_levels=4, cuda_graphs=True)
+    executor.graph_rows = 8
+    executor.graphs.capture = replaying_capture
+    planner = CascadePlanner()
+    table = [[1, 2, 3, 10 + 2 * r, 11 + 2 * r, 40 + 2 * r, 41 + 2 * r] for r in range(6)]
+
+    def step(seq: int, query: int):
+        batch = make_batch(table, [seq] * 6, [query] * 6, page_size=16)
+        plan = planner.plan(batch.block_table, batch.seq_lens, batch.query_lens, 16)
+        executor.plan(plan, num_qo_heads=heads, num_kv_heads=kv_heads, head_dim=d,
+                      page_size=16, sm_scale=d**-0.5, logits_soft_cap=None,
+                      q_dtype=torch.float32, kv_dtype=torch.float32,
+                      device=torch.device("cpu"), padded_rows=8)
+        return executor._step.graph_key
+
+    decode = step(16 * 4 + 1, 1)
+    assert decode is not None
+    assert step(16 * 4 + 40, 40) is None  # 240 query tokens: eager, beyond the reserve of 8
+    assert step(16 * 4 + 1, 1) == decode

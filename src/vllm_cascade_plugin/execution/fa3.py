@@ -191,9 +191,12 @@ class FlashAttnCascadeExecutor:
         take = self._scratch.take
 
         reserve = max(self.graph_rows, rows) * num_qo_heads * head_dim if graphed else 0
+        # A graphed step's buffers are its own: an eager step of more tokens (a prefill) growing
+        # a shared one would move it under the graphs captured before.
+        prefix = "graphed " if graphed else ""
 
         def view(name: str, n: int, dtype: torch.dtype = q_dtype) -> torch.Tensor:
-            return take(name, (n, num_qo_heads, head_dim), dtype, device, reserve)
+            return take(prefix + name, (n, num_qo_heads, head_dim), dtype, device, reserve)
 
         query_dtype = FP8_KV_DTYPE if fp8 else q_dtype  # what FA3 reads
 
