@@ -90,6 +90,13 @@ MAX_LAYOUTS = 4096  # graph layouts remembered (then forgotten all at once)
 STEADY, FIRST = "graphed", "first of its layout"
 
 
+def _flat_reason(decode: bool, query_lens: np.ndarray) -> str:
+    """Why the cost model keeps a step flat: a decode step's cost, or its kind of step."""
+    if decode:
+        return COST_MODEL
+    return MIXED if bool(np.any(np.asarray(query_lens) == 1)) else MULTI_TOKEN
+
+
 class StepSession:
     """Per-process planning state: every builder's settings, the settings steps are planned
     with, and the current step's plan."""
@@ -203,15 +210,10 @@ class StepSession:
         return True
 
     def cannot_win(self, seq_lens: np.ndarray, query_lens: np.ndarray) -> bool:
-        """Count a real step that no plan could run as cascade as planned and flat; True if so.
-
-        The cost model's floor (:func:`~.planning.cost.flat_floor`, from the rows' lengths) with
-        the model :meth:`_decide` would charge first (graphed for a decode step that may run
-        from graphs, else eager): a step it keeps flat is flat for the reason :meth:`_decide`
-        would give (``cost model``, mixed or multi-token), without the block table read or a
-        plan made. Not with ``CASCADE_DEBUG`` (every step is planned and checked) or
-        ``CASCADE_POLICY=always``.
-        """
+        """Count a real step no plan of which could run as cascade (the cost model's floor,
+        :func:`~.planning.cost.flat_floor`, charged as :meth:`_decide` charges first) as planned
+        and flat, for the reason :meth:`_decide` would give; True if so. Not with
+        ``CASCADE_DEBUG`` (every step is planned and checked) or ``CASCADE_POLICY=always``."""
         self.current = None
         config = self.config
         if (not self.active or config is None or config.debug or config.policy == "always"
@@ -230,11 +232,8 @@ class StepSession:
                 return False
             if floor is None:
                 return False
-        if decode:
-            reason = COST_MODEL
-        else:
-            reason = MIXED if bool(np.any(query == 1)) else MULTI_TOKEN
         stats.record_planned(decode)
+        reason = _flat_reason(decode, query)
         stats.flat_decision(reason, floor.cascade_us / floor.flat_us)
         return True
 
@@ -327,12 +326,7 @@ class StepSession:
             if decision.use_cascade:
                 return decision
             # such steps never replay the plugin's graphs: always the eager cost
-            if decode:
-                reason = COST_MODEL
-            elif bool(np.any(np.asarray(query_lens) == 1)):
-                reason = MIXED
-            else:
-                reason = MULTI_TOKEN
+            reason = _flat_reason(decode, query_lens)
         ratio = decision.cascade_us / decision.flat_us if decision.flat_us > 0 else None
         stats.flat_decision(reason, ratio)
         return decision
