@@ -75,7 +75,14 @@ def test_cascade_graphs_survive_a_changing_batch(model_dir, tmp_path):
     assert warnings == [], warnings[:5]
     assert on["graph_capture_failures"] == 0, summary
     assert on["decode_steps_cascade"] >= 0.9 * on["decode_steps_planned"], summary
-    assert on["decode_steps_graphed"] >= 0.8 * on["decode_steps_cascade"], summary
+    # Every cascade decode step replays a graph but those that captured one: how many decode
+    # steps a run has follows the engine core's timing, the captures do not (a share of steps
+    # replayed is a bound inside run-to-run noise). The graphed steps' buffers never move
+    # under captured graphs (allocated for vLLM's largest capture size, apart from eager
+    # steps'), so no capture is for their addresses.
+    not_replayed = on["decode_steps_cascade"] - on["decode_steps_graphed"]
+    assert not_replayed <= on["full_graph_captures"] + on["graph_captures"], summary
+    assert on["full_graph_capture_causes"].get("buffer addresses", 0) == 0, summary
     assert on["full_graphs_held"] <= fullgraph.MAX_GRAPHS, summary
     assert agreement.agrees(worst, mean, compared), summary
 
