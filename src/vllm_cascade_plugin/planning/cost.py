@@ -53,7 +53,7 @@ import numpy as np
 from .plan import CascadeLevel, CascadePlan
 
 __all__ = ["COST_MODELS", "FLASH_ATTN_FLAT", "AttentionShape", "CostModel", "Decision",
-           "cost_model_for", "decide", "flash_attn_flat"]
+           "cost_model_for", "decide", "flash_attn_flat", "flat_floor"]
 
 
 @dataclass(frozen=True)
