@@ -164,8 +164,9 @@ part_serve() {  # a server start takes ~3.5 min on a fresh machine: run it detac
 # The serving grid in slices that each fit one session's 30 minutes of device time (a server
 # start is ~1.5 min once compiled, ~4 min on a fresh machine; a run ~1 min): SERVE_GRID picks.
 #   flash_attn_shared  vLLM's default backend: shared documents at two loads (90% twice: the
-#                      spread) and a burst; a chat service. About 20 min (measured: 8K x 4 took
-#                      10 min per server, chat 7 min for both).
+#                      spread) and a burst; a chat service. About 22 min (measured: 8K x 4
+#                      took 9.5 min on a fresh machine's first server, 5.7 on the next; the chat
+#                      pair 7.3 min for both servers).
 #   flash_attn_long    vLLM's default backend: one long document, many short ones, no sharing.
 #   flashinfer         the FlashInfer pair: shared documents and chat.
 #   flash_attn_policy  vLLM's default backend flat, the plugin, and the plugin with cascade on
