@@ -194,6 +194,29 @@ def _prefill_padding_pairs(plan: CascadePlan, tile: int) -> float:
     return float((padded - queries).astype(np.float64) @ keys[rows])
 
 
+def _flat_us(tokens: int, pairs: float, padding: float, shape: AttentionShape,
+             model: CostModel) -> float:
+    """Flat attention per layer: ``tokens`` KV tokens streamed (every row's pages), ``pairs``
+    query-key pairs computed; ``padding``: the pairs a prefill kernel adds by padding rows of
+    several query tokens to whole tiles (FlashInfer's prefill kernel), 0 for none."""
+    token_bytes = 2 * shape.num_kv_heads * shape.head_dim * shape.dtype_bytes  # K and V
+    flop_per_pair = 4 * shape.head_dim * shape.num_qo_heads  # QK^T and PV, all query heads
+    flat_us = model.flat_fixed_us + 1e6 * max(tokens * token_bytes / model.flat_bandwidth,
+                                              pairs * flop_per_pair / model.flops)
+    if padding:
+        flat_us = max(flat_us, model.flat_fixed_us + 1e6 * (pairs + padding) * flop_per_pair
+                      / model.flat_prefill_flops)
+    return flat_us
+
+
+def _cascade_fixed_us(levels: int, requests: int, shape: AttentionShape,
+                      model: CostModel) -> float:
+    """What a cascade of ``levels`` levels over ``requests`` requests costs per layer before it
+    streams a page: each level's, each request's and the step's share of fixed costs."""
+    return (levels * model.level_fixed_us + requests * model.request_us
+            + model.step_fixed_us / max(shape.num_layers, 1))
+
+
 def decide(plan: CascadePlan, shape: AttentionShape, model: CostModel = CostModel()) -> Decision:
     """Estimate flat and cascade attention for ``plan`` and pick the cheaper one.
 
@@ -215,25 +238,17 @@ def decide(plan: CascadePlan, shape: AttentionShape, model: CostModel = CostMode
 
     # Flat reads every row's pages once; its query-key pairs are those of all levels together.
     all_pairs = sum(pairs(level) for level in plan.levels)
-    flat_us = model.flat_fixed_us + stream_us(
-        plan.stats.pages_flat, all_pairs * flop_per_pair, model.flat_bandwidth
-    )
-    padding = _prefill_padding_pairs(plan, model.flat_prefill_tile)
-    if padding:  # rows of several query tokens: FlashInfer's prefill kernel, padded tiles
-        flat_us = max(flat_us, model.flat_fixed_us + 1e6 * (all_pairs + padding)
-                      * flop_per_pair / model.flat_prefill_flops)
+    flat_us = _flat_us(plan.stats.pages_flat * plan.page_size, all_pairs,
+                       _prefill_padding_pairs(plan, model.flat_prefill_tile), shape, model)
     if plan.num_levels < 2:
         return Decision(False, flat_us, flat_us, "no shared prefix")
-    cascade_us = (
-        plan.num_levels * model.level_fixed_us
-        + plan.stats.num_requests * model.request_us
-        + stream_us(len(own.kv_page_indices), pairs(own) * flop_per_pair,
-                    model.flat_bandwidth if model.own_bandwidth is None else model.own_bandwidth)
-    )
+    cascade_us = _cascade_fixed_us(plan.num_levels, plan.stats.num_requests, shape, model)
+    cascade_us += stream_us(
+        len(own.kv_page_indices), pairs(own) * flop_per_pair,
+        model.flat_bandwidth if model.own_bandwidth is None else model.own_bandwidth)
     for level in plan.levels[:-1]:
         bandwidth = min(level.num_groups * model.group_bandwidth, model.shared_bandwidth)
         cascade_us += stream_us(len(level.kv_page_indices), pairs(level) * flop_per_pair, bandwidth)
-    cascade_us += model.step_fixed_us / max(shape.num_layers, 1)
     use_cascade = cascade_us * (1 + model.margin) < flat_us
     verdict = "cascade" if use_cascade else "flat"
     reason = f"{verdict}: cascade {cascade_us:.0f} us vs flat {flat_us:.0f} us"
@@ -257,21 +272,14 @@ def flat_floor(seq_lens: np.ndarray, query_lens: np.ndarray, page_size: int,
         return None
     pages = (np.asarray(seq_lens, dtype=np.int64)[active] + (page_size - 1)) // page_size
     queries = queries[active]
-    token_bytes = 2 * shape.num_kv_heads * shape.head_dim * shape.dtype_bytes
-    flop_per_pair = 4 * shape.head_dim * shape.num_qo_heads
-    all_pairs = float(queries @ pages) * page_size
-    flat_us = model.flat_fixed_us + 1e6 * max(
-        int(pages.sum()) * page_size * token_bytes / model.flat_bandwidth,
-        all_pairs * flop_per_pair / model.flops)
+    padding = 0.0
     if requests != int(queries.sum()):  # rows of several query tokens: padded prefill tiles
         tile = model.flat_prefill_tile
         padded = np.where(queries > 1, -(-queries // tile) * tile, queries)
         padding = float((padded - queries) @ pages) * page_size
-        if padding:
-            flat_us = max(flat_us, model.flat_fixed_us + 1e6 * (all_pairs + padding)
-                          * flop_per_pair / model.flat_prefill_flops)
-    least = (2 * model.level_fixed_us + requests * model.request_us
-             + model.step_fixed_us / max(shape.num_layers, 1))
+    flat_us = _flat_us(int(pages.sum()) * page_size, float(queries @ pages) * page_size,
+                       padding, shape, model)
+    least = _cascade_fixed_us(2, requests, shape, model)
     if least * (1 + model.margin) < flat_us:
         return None
     return Decision(False, flat_us, least,
