@@ -20,7 +20,6 @@ the spread).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import platform
@@ -60,12 +59,9 @@ CASES = (
 def set_up_session() -> None:
     """The step session as the FLASH_ATTN backend's builder sets it up (FA3, whole-step
     graphs)."""
-    def fa3(model):  # as CascadeFlashAttentionMetadataBuilder._cost_models makes them
-        return dataclasses.replace(flash_attn_flat(model), flat_prefill_tile=1)
-
     session.configure(CascadeConfig(enabled=True), LLAMA3_8B, PAGE_SIZE, None,
-                      cost_model=fa3(cost_model_for("fa3", decode_graphs=False)),
-                      steady_cost_model=fa3(cost_model_for("fa3")),
+                      cost_model=flash_attn_flat(cost_model_for("fa3", decode_graphs=False)),
+                      steady_cost_model=flash_attn_flat(cost_model_for("fa3")),
                       capture_sizes=CAPTURE_SIZES)
 
 

@@ -112,13 +112,9 @@ class CascadeFlashAttentionMetadataBuilder(CascadeBuilder, FlashAttentionMetadat
                                      cuda_graphs=self._cuda_graphs)
 
     def _cost_models(self, kernel: str, graphs: bool, full: bool) -> tuple[CostModel, CostModel]:
-        # The flat side is FlashAttention 3 here: its decode as measured on the H200
-        # (cost.FLASH_ATTN_FLAT, the cascade's estimate unchanged), and it packs a row's query
-        # tokens with its GQA heads instead of padding them to FlashInfer's 128-token prefill
-        # tiles: no padding charged (a prefill estimate not above what it costs).
+        # The flat side is FlashAttention 3 here (cost.flash_attn_flat).
         eager, steady = super()._cost_models(kernel, graphs, full)
-        return (dataclasses.replace(flash_attn_flat(eager), flat_prefill_tile=1),
-                dataclasses.replace(flash_attn_flat(steady), flat_prefill_tile=1))
+        return flash_attn_flat(eager), flash_attn_flat(steady)
 
     @override
     def build(self, *args: Any, **kwargs: Any) -> FlashAttentionMetadata:

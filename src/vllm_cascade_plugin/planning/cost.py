@@ -145,11 +145,15 @@ FLASH_ATTN_FLAT = {"flat_fixed_us": 16.9, "flat_bandwidth": 6.99e12}
 
 
 def flash_attn_flat(model: CostModel) -> CostModel:
-    """``model`` with :data:`FLASH_ATTN_FLAT` as its flat side; its cascade estimate unchanged
-    (the per-request level keeps streaming at the bandwidth ``model`` gave it)."""
+    """``model`` with FlashAttention 3 as its flat side (vLLM's FLASH_ATTN backend): its decode,
+    :data:`FLASH_ATTN_FLAT`, and no prefill-tile padding (FA3 packs a row's query tokens with
+    its GQA heads instead of padding them to FlashInfer's 128-token tiles). Its cascade
+    estimate unchanged: the per-request level keeps streaming at the bandwidth ``model`` gave
+    it."""
     own = model.flat_bandwidth if model.own_bandwidth is None else model.own_bandwidth
     return replace(model, flat_fixed_us=FLASH_ATTN_FLAT["flat_fixed_us"],
-                   flat_bandwidth=FLASH_ATTN_FLAT["flat_bandwidth"], own_bandwidth=own)
+                   flat_bandwidth=FLASH_ATTN_FLAT["flat_bandwidth"], own_bandwidth=own,
+                   flat_prefill_tile=1)
 
 
 def cost_model_for(kernel: str, decode_graphs: bool = True,
