@@ -193,8 +193,10 @@ def _rate_key(row: dict[str, Any]) -> tuple[int, float, str]:
     return (0, 0.0, spec) if rate == "burst" else (1, float(rate), spec)
 
 
-# (flat config, plugin config, the backend both run) of serve_bench.py's CONFIGS
+# (flat config, plugin config, the backend both run) of serve_bench.py's CONFIGS; the plugin
+# with cascade on every step that shares (no cost model) beside the plugin as shipped
 SERVE_PAIRS = (("flash_attn", "cascade_flash_attn", "FLASH_ATTN"),
+               ("flash_attn", "cascade_flash_attn_always", "FLASH_ATTN, `CASCADE_POLICY=always`"),
                ("flashinfer", "cascade", "FLASHINFER"))
 APART = "\u00b9"  # marks a pair measured by separate invocations
 
