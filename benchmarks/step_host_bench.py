@@ -2,7 +2,11 @@
 
 What ``vllm serve``'s log calls planning: the runner hook's whole path for one step
 (``hooks_dispatch.plan_rows``: the pre-check on the rows' first block ids, the row keys, the
-planner, the cost model's decision, the step's plan) and the step's end (its counters), with the
+planner, the cost model's decision, the step's plan) and the step's end (its counters); columns
+``v2_*``: the same through Model Runner V2's hook (``hooks_dispatch.v2_plan``, what ``vllm serve``
+runs by default), which first puts the rows in vLLM's batch order (vLLM's own
+``sort_batch_req_ids``: vLLM must be installed) and reads them from the CPU mirror of the block
+ids; with the
 step session set up as vLLM's default backend, ``FLASH_ATTN``, sets it up on an H200: the FA3
 executor's eager and graphed cost models, vLLM's default CUDA-graph capture sizes (1, 2, 4, 8,
 ..., 512). The batches are ``planner_bench.py``'s: steady decode (every row one token longer),
@@ -26,13 +30,15 @@ import platform
 import statistics
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
 from planner_bench import PAGE_SIZE, Case, ChurnBatch, DecodeBatch
 from vllm_cascade_plugin import stats
 from vllm_cascade_plugin.config import CascadeConfig
-from vllm_cascade_plugin.integration import hooks_dispatch
+from vllm_cascade_plugin.integration import hooks_dispatch, row_keys
+from vllm_cascade_plugin.integration.hooks_step import PendingStep
 from vllm_cascade_plugin.planning.cost import (
     AttentionShape,
     cost_model_for,
@@ -78,26 +84,83 @@ def one_step(batch: DecodeBatch) -> tuple[int, bool, object]:
     return time.perf_counter_ns() - start, cascade, planned and planned.plan
 
 
-def run(case: Case, batch_type: type[DecodeBatch], steps: int, check: bool
+SLOTS = 1024  # Model Runner V2's request slots (max_num_seqs)
+
+
+class V2Rows:
+    """``batch`` as Model Runner V2's hook reads it: each row a request in the slot of its row
+    number, its block ids in the CPU mirror the plugin keeps, its key the slot's, and vLLM's
+    scheduler output (tokens per request id)."""
+
+    def __init__(self, batch: DecodeBatch) -> None:
+        self.batch = batch
+        self.req_ids = [f"cmpl-{row:08x}-0" for row in range(len(batch.seq_lens))]
+        self.tables = SimpleNamespace(num_kv_cache_groups=1,
+                                      num_blocks=SimpleNamespace(np=np.zeros((1, SLOTS), np.int32)))
+        self.mirror = np.zeros((SLOTS, batch.block_table.shape[1]), np.int32)
+        self.keys = np.zeros(SLOTS, np.int64)
+        vars(self.tables)[hooks_dispatch.MIRROR] = self.mirror
+        vars(self.tables)[row_keys.V2_KEYS] = self.keys
+        self.computed = np.zeros(SLOTS, np.int32)
+        self.runner = SimpleNamespace(
+            block_tables=self.tables, decode_query_len=1,
+            req_states=SimpleNamespace(req_id_to_index={r: i for i, r in enumerate(self.req_ids)},
+                                       num_computed_tokens_np=self.computed))
+
+    def written(self) -> PendingStep:
+        """vLLM's writes for the batch's current step (not timed: vLLM makes them), and the
+        step as the hook gets it."""
+        b, n = self.batch, len(self.batch.seq_lens)
+        self.mirror[:n] = b.block_table
+        self.tables.num_blocks.np[0, :n] = b.block_table.shape[1]
+        self.keys[:n] = b.keys
+        self.computed[:n] = b.seq_lens - b.query_lens
+        scheduled = dict(zip(self.req_ids, b.query_lens.tolist(), strict=True))
+        return PendingStep(self.runner, SimpleNamespace(num_scheduled_tokens=scheduled,
+                                                        scheduled_spec_decode_tokens={}))
+
+    def order(self, step: PendingStep) -> np.ndarray:
+        """The rows in vLLM's batch order (what the V2 hook planned)."""
+        return np.array([int(r.split("-")[1], 16) for r in
+                         hooks_dispatch.compat.v2_batch_order(self.runner, step.scheduler_output)])
+
+
+def one_v2_step(rows: V2Rows) -> tuple[int, bool, object]:
+    """:func:`one_step` through Model Runner V2's hook."""
+    step = rows.written()
+    start = time.perf_counter_ns()
+    cascade = hooks_dispatch.plan_once(step, hooks_dispatch.v2_plan)
+    planned = session.current
+    session.end_step()
+    return time.perf_counter_ns() - start, cascade, planned and planned.plan
+
+
+def run(case: Case, batch_type: type[DecodeBatch], steps: int, check: bool, v2: bool = False
         ) -> tuple[list[int], int]:
-    """Nanoseconds of each of ``steps`` steps, and how many ran cascade. With ``check``, every
-    step's plan is compared with a fresh :func:`plan_cascade` of the same rows, and a step the
-    hooks did not plan must be one the cost model keeps flat on that fresh plan."""
+    """Nanoseconds of each of ``steps`` steps, and how many ran cascade (``v2``: through
+    Model Runner V2's hook). With ``check``, every step's plan is compared with a fresh
+    :func:`plan_cascade` of the same rows (in the hook's order), and a step the hooks did not
+    plan must be one the cost model keeps flat on that fresh plan."""
     set_up_session()
     batch = batch_type(case, np.random.default_rng(1))
-    one_step(batch)  # the first plan is built from scratch
+    rows = V2Rows(batch) if v2 else None
+    one_v2_step(rows) if rows is not None else one_step(batch)  # the first plan from scratch
     times, cascade = [], 0
     for _ in range(steps):
         batch.step()
-        ns, ran, plan = one_step(batch)
+        ns, ran, plan = one_v2_step(rows) if rows is not None else one_step(batch)
         times.append(ns)
         cascade += ran
         if check:
-            fresh = plan_cascade(batch.block_table, batch.seq_lens, batch.query_lens, PAGE_SIZE)
+            order = (rows.order(rows.written()) if rows is not None
+                     else np.arange(len(batch.seq_lens)))
+            table, seq, query = (batch.block_table[order], batch.seq_lens[order],
+                                 batch.query_lens[order])
+            fresh = plan_cascade(table, seq, query, PAGE_SIZE)
             if plan is not None:
                 assert plan.stats == fresh.stats, (plan.stats, fresh.stats)
             else:  # not planned (nothing shared, or the cost model's floor): flat in any case
-                decode = bool(np.all(batch.query_lens == 1))
+                decode = bool(np.all(query == 1))
                 model = (session.steady_cost_model if decode and session.steady_cost_model
                          and session.graphable(fresh.stats.num_tokens) else session.cost_model)
                 assert session.shape is not None
@@ -107,10 +170,11 @@ def run(case: Case, batch_type: type[DecodeBatch], steps: int, check: bool
 
 def measure(case: Case, steps: int, rounds: int, check: bool) -> dict[str, object]:
     out: dict[str, object] = {"case": case.name, "requests": case.requests}
-    for name, batch_type in (("steady", DecodeBatch), ("churn", ChurnBatch)):
+    for name, batch_type, v2 in (("steady", DecodeBatch, False), ("churn", ChurnBatch, False),
+                                 ("v2_steady", DecodeBatch, True), ("v2_churn", ChurnBatch, True)):
         p50, p99, cascade = [], [], 0
         for _ in range(rounds):
-            times, cascade = run(case, batch_type, steps, check)
+            times, cascade = run(case, batch_type, steps, check, v2)
             p50.append(float(np.percentile(times, 50)) / 1e3)
             p99.append(float(np.percentile(times, 99)) / 1e3)
         out[f"{name}_p50_us"] = round(statistics.median(p50), 1)

@@ -51,3 +51,25 @@ def test_the_case_with_few_rows_per_document_is_flat_as_the_cost_model_says():
     plan = plan_cascade(batch.block_table, batch.seq_lens, batch.query_lens, pb.PAGE_SIZE)
     assert session.steady_cost_model is not None and session.shape is not None
     assert cascade == 0 and not decide(plan, session.shape, session.steady_cost_model).use_cascade
+
+
+def test_through_model_runner_v2s_hook_rows_in_vllms_order_are_planned_as_fresh():
+    """The ``v2_*`` columns: the V2 hook puts the rows in vLLM's batch order (an arriving
+    request's prefill row goes behind the decode rows, moving the rows after its slot every
+    step), and every plan it times is the fresh plan of the rows in that order."""
+    case = shb.CASES[4]  # 256 rows behind one 32K prefix: its churn steps run cascade
+    times, cascade = shb.run(case, pb.ChurnBatch, 8, check=True, v2=True)
+    assert len(times) == 8 and cascade == 8
+    times, cascade = shb.run(shb.CASES[1], pb.DecodeBatch, 8, check=True, v2=True)
+    assert cascade == 8
+
+
+def test_the_comparison_gives_each_figure_before_over_after_with_its_spread():
+    compare = importlib.import_module("step_host_compare")
+    before = [[{"case": "c", "steady_p50_us": 200.0, "steady_p99_us": 400.0}],
+              [{"case": "c", "steady_p50_us": 300.0, "steady_p99_us": 400.0}]]
+    after = [[{"case": "c", "steady_p50_us": 100.0, "steady_p99_us": 400.0}],
+             [{"case": "c", "steady_p50_us": 100.0, "steady_p99_us": 800.0}]]
+    p50, p99 = compare.summary(before, after)
+    assert "before   250.0 after   100.0  before/after 2.50 (2.00-3.00)" in p50
+    assert "before   400.0 after   600.0  before/after 0.75 (0.50-1.00)" in p99

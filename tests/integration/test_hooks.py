@@ -309,6 +309,15 @@ def test_v2_runner_updates_block_ids_before_dispatch_and_sorts_rows_like_we_do()
     so = SimpleNamespace(num_scheduled_tokens={"a": 5, "b": 1, "c": 1},
                          scheduled_spec_decode_tokens={})
     assert compat.v2_batch_order(runner, so) == ["b", "c", "a"]
+    # A decode step without drafts: the scheduler's order, which vLLM's own sort keeps.
+    from vllm.v1.worker.gpu.model_runner import sort_batch_req_ids
+
+    decode = {f"r{i}": 1 for i in (5, 3, 9, 1, 7)}
+    uniform = SimpleNamespace(num_scheduled_tokens=decode, scheduled_spec_decode_tokens={})
+    drafts = ({"draft_tokens": {}} if "draft_tokens" in inspect.signature(
+        sort_batch_req_ids).parameters else {})
+    order = sort_batch_req_ids(decode, decode_query_len=1, **drafts)
+    assert compat.v2_batch_order(runner, uniform) == order == list(decode)
 
 
 class StagedRows:

@@ -70,6 +70,78 @@ def test_planner_switching_between_keys_and_none_equals_a_fresh_plan(steps, limi
         assert_same_plan(plan, batch.plan(**limits))
 
 
+def watch_place(monkeypatch) -> list[int]:
+    """The rows the planner looks up in its prefix trie from now on."""
+    from vllm_cascade_plugin.planning.trie import PrefixTrie
+
+    placed: list[int] = []
+    original = PrefixTrie.place
+    monkeypatch.setattr(PrefixTrie, "place",
+                        lambda self, table, row, *a: placed.append(row) or original(
+                            self, table, row, *a))
+    return placed
+
+
+def reordered(batch: Batch, order: list[int]) -> Batch:
+    """``batch`` with its rows in ``order`` (row i of the result is ``batch``'s row order[i])."""
+    return Batch(batch.block_table[order], batch.seq_lens[order], batch.query_lens[order],
+                 batch.page_size)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=churn_steps(), limits=limits, data=st.data())
+def test_keyed_planner_with_rows_reordered_every_step_equals_a_fresh_plan(steps, limits, data):
+    """Model Runner V2 orders its rows anew every step (a finished request moves the rows
+    after it; prefill rows go behind decode rows): rows that move keep their keys, and every
+    plan is still the fresh plan of its step."""
+    keys = keys_of(steps, [False] * len(steps))
+    planner = CascadePlanner(**limits)
+    for batch, row_keys in zip(steps, keys, strict=True):
+        order = data.draw(st.permutations(range(len(batch.seq_lens))))
+        moved = reordered(batch, order)
+        plan = planner.plan(moved.block_table, moved.seq_lens, moved.query_lens,
+                            moved.page_size, row_keys=row_keys[order])
+        assert_same_plan(plan, moved.plan(**limits))
+        assert plan_violations(plan, moved.block_table, moved.seq_lens, moved.query_lens) == []
+
+
+def test_rows_that_move_keep_their_place_in_the_trie_without_a_new_plan(monkeypatch):
+    """A request that finishes moves every row after it one place up (V2's batch order): the
+    planner follows them by their keys and builds no new trie, nor reads a row again."""
+    builds = count_builds(monkeypatch)
+    batch = interleaved_decode_batch(groups=3, per_group=5, shared=6)
+    keys = np.arange(len(batch.seq_lens), dtype=np.int64)
+    planner = CascadePlanner()
+    planner.plan(batch.block_table, batch.seq_lens, batch.query_lens, batch.page_size,
+                 row_keys=keys)
+    placed = watch_place(monkeypatch)
+    rest = [r for r in range(len(keys)) if r != 2]  # row 2's request finished
+    step = reordered(batch, rest)
+    plan = planner.plan(step.block_table, step.seq_lens, step.query_lens, step.page_size,
+                        row_keys=keys[rest])
+    builds.counting = False
+    assert_same_plan(plan, step.plan())
+    assert placed == [] and builds.count == 1
+
+
+def test_repeated_keys_are_trusted_only_at_their_place(monkeypatch):
+    """Two rows with one key (a caller that drew none for them) hold their ids by place only:
+    rows that move beside them are read again, not followed by key, and the plan is the
+    fresh one."""
+    batch = interleaved_decode_batch(groups=2, per_group=3, shared=5)
+    keys = np.array([7, 7, 1, 2, 3, 4], dtype=np.int64)
+    planner = CascadePlanner()
+    planner.plan(batch.block_table, batch.seq_lens, batch.query_lens, batch.page_size,
+                 row_keys=keys)
+    placed = watch_place(monkeypatch)
+    order = [0, 1, 3, 4, 5, 2]  # rows 0 and 1 stay; the others move
+    step = reordered(batch, order)
+    plan = planner.plan(step.block_table, step.seq_lens, step.query_lens, step.page_size,
+                        row_keys=keys[order])
+    assert_same_plan(plan, step.plan())
+    assert sorted(placed) == [2, 3, 4, 5]
+
+
 def test_steady_keyed_decode_reads_no_column_it_planned(monkeypatch):
     """With every key kept, a decode step never compares the table: only rows that grew a page
     are read (their new columns), and the structure is carried over."""

@@ -261,12 +261,19 @@ def _sort_takes_draft_tokens() -> bool:
 def v2_batch_order(runner: Any, scheduler_output: Any) -> list[str]:
     """A step's request ids in Model Runner V2's batch order, sorted as vLLM sorts them.
 
-    0.28+ take the step's draft tokens too (verification rows first).
+    0.28+ take the step's draft tokens too (verification rows first). A step whose every
+    request has the decode query length and no draft tokens keeps the scheduler's order (vLLM's
+    sort is stable and its key the same for every request: tests/integration/test_hooks.py
+    checks this on the installed vLLM), read without sorting.
     """
+    so = scheduler_output
+    tokens = so.num_scheduled_tokens
+    if not getattr(so, "scheduled_spec_decode_tokens", None) and set(tokens.values()) == {
+            runner.decode_query_len}:
+        return list(tokens)
     from vllm.v1.worker.gpu.model_runner import sort_batch_req_ids
 
     sort: Callable[..., list[str]] = sort_batch_req_ids  # its parameters differ by release
-    so = scheduler_output
     if _sort_takes_draft_tokens():
         return sort(so.num_scheduled_tokens, so.scheduled_spec_decode_tokens,
                     runner.decode_query_len)

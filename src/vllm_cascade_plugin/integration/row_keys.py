@@ -3,18 +3,19 @@
 The planner carries each row's place in the prefix trie from one step to the next; to know which
 rows still hold the block ids it planned, it compares every row with a copy of the last step's
 (``O(rows x pages)``), unless it is given one key per row
-(:meth:`~vllm_cascade_plugin.planning.planner.CascadePlanner.plan`): a row whose key is the one
-it had at the same place in the last keyed step holds the same ids, appended to at most; any
+(:meth:`~vllm_cascade_plugin.planning.planner.CascadePlanner.plan`): a row whose key some row
+had in the last keyed step holds that row's ids, appended to at most, wherever it now is; any
 other row brings a key never used. The runners know which rows vLLM wrote anew:
 
 - V1 (``GPUModelRunner._update_states``): a request's row is written whole when it is scheduled
   new (``scheduled_new_reqs``) or resumed from preemption (``resumed_req_ids``), and otherwise
   only appended to (``append_row``); rows move (``condense``, ``swap_states``) with their
   request. A request's key is drawn each time it comes new or resumed, so the key of a row is
-  its request's: a moved request's key was never at its new place.
+  its request's, and follows it when it moves.
 - V2: every write of block ids goes through ``BlockTables.append_block_ids``, which the CPU
   mirror of :mod:`.hooks_dispatch` wraps; a write that overwrites a slot (a request added or
-  resumed) draws the slot a new key, and a row's key is its slot's.
+  resumed) draws the slot a new key, and a row's key is its slot's wherever vLLM's batch order
+  puts the slot.
 
 Keys come from one counter per process, never reused. Every real step's scheduler output goes
 through :func:`note_step` (``execute_model``); if one cannot be read, the runner's keys are

@@ -11,11 +11,14 @@ structure is exactly the one a fresh plan finds for the step.
 
 Which rows still hold their ids is found one of two ways. Without row keys, by comparing the
 block table with the snapshot, id by id: ``O(rows x pages)``, the largest cost of a steady step.
-With row keys (the caller's promise, one integer per row: a row whose key is the one it had at
-the same place in the last step planned with keys holds, in every column that step read, the
-same ids, vLLM having at most appended to it), by comparing the keys: ``O(rows)``, and only rows
-with a new key are read again. No snapshot is kept then; a step planned without keys after one
-planned with them is planned from scratch.
+With row keys (the caller's promise, one integer per row: a row whose key some row had in the
+last step planned with keys holds, in every column that step read, that row's ids, vLLM having
+at most appended to them), by comparing the keys: ``O(rows)``, and only rows with a new key are
+read again. A row that moved keeps its node by its key: Model Runner V2 orders a step's rows
+by request, so a request that finishes moves every row after it, and one that arrives moves
+the prefill rows behind the decode rows. Keys that repeat within a step promise nothing beyond
+their place. No snapshot is kept then; a step planned without keys after one planned with them
+is planned from scratch.
 """
 
 from __future__ import annotations
@@ -83,7 +86,13 @@ class PlanMemory:
         else:
             was, node, continuation = (
                 _fit(a, num_rows) for a in (old.shareable, old.node, old.continuation))
-        broken = self._refresh(table, was) if keys is None else self._rekey(keys)
+        source = None if keys is None else self._moved(keys)
+        if source is not None:  # rows moved: each takes the place its key had
+            was, node, continuation = (
+                _take(a, source) for a in (old.shareable, old.node, old.continuation))
+            broken = np.empty(0, np.int64)
+        else:
+            broken = self._refresh(table, was) if keys is None else self._rekey(keys)
         start = was
         if broken.size:  # their leading ids changed: read them from the first page on
             start = was.copy()
@@ -125,7 +134,8 @@ class PlanMemory:
                         node[row], continuation[row] = where
                         placed.append(row)
         # Rows that left a node may leave it with one way on; rows placed may continue alike.
-        same_nodes = same_rows and (not suspect.size or not np.count_nonzero(node != old.node))
+        same_nodes = same_rows and (not (suspect.size or source is not None)
+                                    or not np.count_nonzero(node != old.node))
         if not trie.holds(node, continuation, ways=not same_nodes, placed=placed):
             return None
         if same_nodes and ((self._all_active and step.all_active)
@@ -140,6 +150,29 @@ class PlanMemory:
         self._active, self._all_active = step.active, step.all_active
         self._num_rows = num_rows
         return structure
+
+    def _moved(self, keys: np.ndarray) -> np.ndarray | None:
+        """For rows that moved: each row's place in the last step (its key's), -1 for a row
+        with a new key; None where no row holding a key from the last step moved, or a key
+        repeats (then keys promise only by place, :meth:`_rekey`). Keeps ``keys`` if not None."""
+        last = self._keys
+        assert last is not None
+        if not len(last):
+            return None
+        known = min(len(keys), len(last))
+        if not np.count_nonzero(keys[:known] != last[:known]):
+            return None
+        order = last.argsort(kind="stable")
+        ordered = last[order]
+        if np.count_nonzero(ordered[1:] == ordered[:-1]) or np.unique(keys).size != len(keys):
+            return None
+        at = np.searchsorted(ordered, keys).clip(max=len(ordered) - 1)
+        source = np.where(ordered[at] == keys, order[at], -1)
+        held = source >= 0
+        if not np.count_nonzero(source[held] != held.nonzero()[0]):
+            return None  # rows kept their places: new keys mark changed rows alone
+        self._keys = keys.copy()
+        return source
 
     def _rekey(self, keys: np.ndarray) -> np.ndarray:
         """The rows whose key is not the one the last step had at their place (rows past the
@@ -174,6 +207,13 @@ class PlanMemory:
                 self._differs = np.empty(grown.shape, bool)
             snapshot[known:num_rows] = table[known:, :width]
         return broken
+
+
+def _take(values: np.ndarray, source: np.ndarray) -> np.ndarray:
+    """``values[source]``, 0 where ``source`` is -1 (a row new to the memory)."""
+    out = values[np.maximum(source, 0)] if len(values) else np.zeros(len(source), values.dtype)
+    out[source < 0] = 0
+    return out
 
 
 def _fit(values: np.ndarray, num_rows: int) -> np.ndarray:

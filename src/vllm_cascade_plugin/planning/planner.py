@@ -130,12 +130,12 @@ class CascadePlanner:
         """Plan one step; arguments as in :func:`plan_cascade`.
 
         ``row_keys``: optional int ``[R]``, one key per row, which spares comparing the block
-        table with the last step's. A row whose key is the one it had at the same place when
-        the planner last planned with keys must hold the same ids in every column that step
-        read (vLLM only appended to the row); a row whose ids may have changed otherwise (a new
-        request, one moved, one whose ids were rewritten) must bring a key it never had at that
-        place. A broken promise gives a plan of stale ids: :func:`~.invariants.plan_violations`
-        (``CASCADE_DEBUG``) finds it.
+        table with the last step's. A row whose key some row had when the planner last
+        planned with keys must hold, wherever it is now, that row's ids in every column that
+        step read (vLLM only appended to them); a row whose ids may have changed otherwise (a
+        new request, one whose ids were rewritten) must bring a key no row had then. Keys that
+        repeat within a step are trusted at the same place only. A broken promise gives a plan
+        of stale ids: :func:`~.invariants.plan_violations` (``CASCADE_DEBUG``) finds it.
         """
         step = read_step(block_table, seq_lens, query_lens, page_size)
         keys = None
