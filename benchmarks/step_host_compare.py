@@ -1,6 +1,7 @@
-"""Two versions of the plugin's host work per step, side by side: ``step_host_bench.py`` run from
-each version's source in turn, ``--times`` times each (this CPU's medians drift between
-invocations, so they alternate), and each figure's ratio before / after with its spread.
+"""Two versions of the plugin's host work per step, side by side: ``step_host_bench.py`` run
+from each version's source in turn, ``--times`` times each (medians drift between invocations,
+and the first of two runs is slower, so they alternate, each first every other time), and each
+figure's ratio before / after with its spread.
 
     python benchmarks/step_host_compare.py --before OLD/src --after src --times 5 \\
         --what "what each version is" --out benchmarks/results/cpu/step_host_before_after.json
@@ -16,6 +17,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -76,13 +78,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     before, after = [], []
-    for _ in range(args.times):
-        before.append(bench(args.before.resolve(), args.steps))
-        after.append(bench(args.after.resolve(), args.steps))
+    for time in range(args.times):  # each version first every other time: warm-up bias
+        for run in (0, 1) if time % 2 == 0 else (1, 0):
+            (before, after)[run].append(bench((args.before, args.after)[run].resolve(),
+                                              args.steps))
     lines = summary(before, after)
     print("\n".join(lines))
-    result = {"what": args.what, "command": "python benchmarks/step_host_compare.py "
-              + " ".join(sys.argv[1:]), "summary": lines, "before": before, "after": after,
+    command = shlex.join(["python", "benchmarks/step_host_compare.py", *sys.argv[1:]])
+    result = {"what": args.what, "command": command, "summary": lines, "before": before,
+              "after": after,
               "date": datetime.date.today().isoformat(), "numpy": np.__version__,
               "python": platform.python_version(), "cpus": os.cpu_count(),
               "machine": platform.machine(), "cpu": cpu_name()}

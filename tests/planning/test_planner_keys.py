@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -124,22 +125,26 @@ def test_rows_that_move_keep_their_place_in_the_trie_without_a_new_plan(monkeypa
     assert placed == [] and builds.count == 1
 
 
-def test_repeated_keys_are_trusted_only_at_their_place(monkeypatch):
-    """Two rows with one key (a caller that drew none for them) hold their ids by place only:
-    rows that move beside them are read again, not followed by key, and the plan is the
-    fresh one."""
-    batch = interleaved_decode_batch(groups=2, per_group=3, shared=5)
-    keys = np.array([7, 7, 1, 2, 3, 4], dtype=np.int64)
+@pytest.mark.parametrize("moved_rows", [2, 10])
+def test_repeated_keys_are_trusted_only_at_their_place(monkeypatch, moved_rows):
+    """A key two rows share (a caller that drew none for them) holds ids by place only: a row
+    that moved under it is read again, rows that moved under keys of their own are followed,
+    and the plan is the fresh one. With a few moved rows each key is looked up alone, with
+    many all at once: both ways alike."""
+    batch = interleaved_decode_batch(groups=3, per_group=4, shared=5)
+    keys = np.arange(1, len(batch.seq_lens) + 1, dtype=np.int64)
+    keys[0] = keys[-1] = 99  # rows 0 and 11 share a key
     planner = CascadePlanner()
     planner.plan(batch.block_table, batch.seq_lens, batch.query_lens, batch.page_size,
                  row_keys=keys)
     placed = watch_place(monkeypatch)
-    order = [0, 1, 3, 4, 5, 2]  # rows 0 and 1 stay; the others move
+    # Row 0 moves behind the next ``moved_rows - 1`` rows; row 11 stays where it was.
+    order = [*range(1, moved_rows), 0, *range(moved_rows, len(keys))]
     step = reordered(batch, order)
     plan = planner.plan(step.block_table, step.seq_lens, step.query_lens, step.page_size,
                         row_keys=keys[order])
     assert_same_plan(plan, step.plan())
-    assert sorted(placed) == [2, 3, 4, 5]
+    assert placed == [moved_rows - 1]
 
 
 def test_steady_keyed_decode_reads_no_column_it_planned(monkeypatch):

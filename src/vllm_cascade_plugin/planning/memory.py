@@ -153,24 +153,39 @@ class PlanMemory:
 
     def _moved(self, keys: np.ndarray) -> np.ndarray | None:
         """For rows that moved: each row's place in the last step (its key's), -1 for a row
-        with a new key; None where no row holding a key from the last step moved, or a key
-        repeats (then keys promise only by place, :meth:`_rekey`). Keeps ``keys`` if not None."""
+        with a new key; None where no row holding a key from the last step moved (then new keys
+        mark changed rows alone, :meth:`_rekey`). A key found more than once, in this step or
+        the last, is trusted at its place only. Keeps ``keys`` if not None."""
         last = self._keys
         assert last is not None
         if not len(last):
             return None
         known = min(len(keys), len(last))
-        if not np.count_nonzero(keys[:known] != last[:known]):
+        differ = (keys[:known] != last[:known]).nonzero()[0]
+        if len(keys) > known:  # rows past the last step's: new, or moved there
+            differ = np.concatenate((differ, np.arange(known, len(keys))))
+        if not differ.size:
             return None
-        order = last.argsort(kind="stable")
-        ordered = last[order]
-        if np.count_nonzero(ordered[1:] == ordered[:-1]) or np.unique(keys).size != len(keys):
+        source = np.arange(len(keys))
+        source[differ] = -1
+        if differ.size <= MOST_PLACED_ROWS:  # a few rows: look each key up
+            for row in differ.tolist():
+                at = (last == keys[row]).nonzero()[0]
+                if at.size == 1 and np.count_nonzero(keys == keys[row]) == 1:
+                    source[row] = at[0]
+        else:
+            order = last.argsort(kind="stable")
+            ordered, wanted = last[order], keys[differ]
+            at = np.searchsorted(ordered, wanted).clip(max=len(ordered) - 1)
+            found = ordered[at] == wanted
+            now = np.sort(keys)
+            repeated = np.concatenate((ordered[1:][ordered[1:] == ordered[:-1]],
+                                       now[1:][now[1:] == now[:-1]]))
+            if repeated.size:
+                found &= ~np.isin(wanted, repeated)
+            source[differ] = np.where(found, order[at], -1)
+        if not np.count_nonzero(source[differ] >= 0):
             return None
-        at = np.searchsorted(ordered, keys).clip(max=len(ordered) - 1)
-        source = np.where(ordered[at] == keys, order[at], -1)
-        held = source >= 0
-        if not np.count_nonzero(source[held] != held.nonzero()[0]):
-            return None  # rows kept their places: new keys mark changed rows alone
         self._keys = keys.copy()
         return source
 
