@@ -266,7 +266,8 @@ def block_serve() -> list[str]:
               f"({_source(path)}); latencies in ms, lower is better; the plugin's flat decode "
               "steps as a share of its decode steps, by reason; its planning time per step "
               "in µs (p50 / p99) and its whole host time per step (planning, metadata, graph "
-              "captures):", ""]
+              "captures); `CASCADE_POLICY=always`: the plugin with cascade on every step that "
+              "shares, the cost model bypassed:", ""]
     lines += _table(["backend", "workload", "request rate", "output tokens/s", "TTFT p99",
                      "TPOT p50", "TPOT p99", "decode steps as cascade",
                      "flat decode steps, why", "planning µs p50 / p99 (host µs per step)"], body)
