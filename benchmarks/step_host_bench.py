@@ -1,22 +1,20 @@
-"""Time the plugin's host work per engine step, as the V1 runner hooks do it, on serving batches.
+"""Time the plugin's host work per engine step, as the runner hooks do it, on serving batches.
 
 What ``vllm serve``'s log calls planning: the runner hook's whole path for one step
 (``hooks_dispatch.plan_rows``: the pre-check on the rows' first block ids, the row keys, the
-planner, the cost model's decision, the step's plan) and the step's end (its counters); columns
-``v2_*``: the same through Model Runner V2's hook (``hooks_dispatch.v2_plan``, what ``vllm serve``
-runs by default), which first puts the rows in vLLM's batch order (vLLM's own
+planner, the cost model's decision, the step's plan) and the step's end (its counters). Columns
+``v2_*``: the same through Model Runner V2's hook (``hooks_dispatch.v2_plan``, what ``vllm
+serve`` runs by default), which first puts the rows in vLLM's batch order (vLLM's own
 ``sort_batch_req_ids``: vLLM must be installed) and reads them from the CPU mirror of the block
-ids; with the
-step session set up as vLLM's default backend, ``FLASH_ATTN``, sets it up on an H200: the FA3
-executor's eager and graphed cost models, vLLM's default CUDA-graph capture sizes (1, 2, 4, 8,
-..., 512). The batches are ``planner_bench.py``'s: steady decode (every row one token longer),
-and churn (every step one request finishes and a new one arrives and prefills its own tokens, so
-every churn step is a mixed prefill+decode step). Each case runs ``--rounds`` times over the same
-steps; a figure is the rounds' median of the round's p50 or p99.
+ids. The step session is set up as vLLM's default backend, ``FLASH_ATTN``, sets it up on an
+H200: the FA3 executor's eager and graphed cost models, vLLM's default CUDA-graph capture sizes
+(1, 2, 4, 8, ..., 512). The batches are ``planner_bench.py``'s: steady decode (every row one
+token longer), and churn (every step one request finishes and a new one arrives and prefills its
+own tokens, so every churn step is a mixed prefill+decode step). Each case runs ``--rounds``
+times over the same steps; a figure is the rounds' median of the round's p50 or p99.
 
-It times the code it runs: to compare two versions of the plugin, run it from both checkouts in
-turn on the same machine (this CPU's medians drift between invocations: alternate them and give
-the spread).
+It times the code it runs: to compare two versions of the plugin, run
+``step_host_compare.py`` (each version's source in turn, on the same machine).
 
     PYTHONPATH=src:benchmarks python benchmarks/step_host_bench.py [--quick] [--out DIR]
 """
