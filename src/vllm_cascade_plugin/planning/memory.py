@@ -17,8 +17,9 @@ at most appended to them), by comparing the keys: ``O(rows)``, and only rows wit
 read again. A row that moved keeps its node by its key: Model Runner V2 orders a step's rows
 by request, so a request that finishes moves every row after it, and its rows of several query
 tokens (prefills, chunks) go behind the decode rows, so a request that goes from one to the
-other moves too. Keys that repeat within a step promise nothing beyond their place. No snapshot is kept then; a step planned without keys after one planned with them
-is planned from scratch.
+other moves too. Keys that repeat within a step promise nothing beyond their place. No
+snapshot is kept then; a step planned without keys after one planned with them is planned from
+scratch.
 """
 
 from __future__ import annotations
