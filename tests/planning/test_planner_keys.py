@@ -71,6 +71,15 @@ def test_planner_switching_between_keys_and_none_equals_a_fresh_plan(steps, limi
         assert_same_plan(plan, batch.plan(**limits))
 
 
+def planned_with_keys(batch: Batch) -> tuple[CascadePlanner, np.ndarray]:
+    """A planner that planned ``batch`` told its rows' keys (0, 1, ...), and those keys."""
+    keys = np.arange(len(batch.seq_lens), dtype=np.int64)
+    planner = CascadePlanner()
+    planner.plan(batch.block_table, batch.seq_lens, batch.query_lens, batch.page_size,
+                 row_keys=keys)
+    return planner, keys
+
+
 def watch_place(monkeypatch) -> list[int]:
     """The rows the planner looks up in its prefix trie from now on."""
     from vllm_cascade_plugin.planning.trie import PrefixTrie
@@ -111,10 +120,7 @@ def test_rows_that_move_keep_their_place_in_the_trie_without_a_new_plan(monkeypa
     planner follows them by their keys and builds no new trie, nor reads a row again."""
     builds = count_builds(monkeypatch)
     batch = interleaved_decode_batch(groups=3, per_group=5, shared=6)
-    keys = np.arange(len(batch.seq_lens), dtype=np.int64)
-    planner = CascadePlanner()
-    planner.plan(batch.block_table, batch.seq_lens, batch.query_lens, batch.page_size,
-                 row_keys=keys)
+    planner, keys = planned_with_keys(batch)
     placed = watch_place(monkeypatch)
     rest = [r for r in range(len(keys)) if r != 2]  # row 2's request finished
     step = reordered(batch, rest)
@@ -152,10 +158,7 @@ def test_steady_keyed_decode_reads_no_column_it_planned(monkeypatch):
     are read (their new columns), and the structure is carried over."""
     builds = count_builds(monkeypatch)
     batch = interleaved_decode_batch(groups=3, per_group=4, shared=6)
-    keys = np.arange(len(batch.seq_lens), dtype=np.int64)
-    planner = CascadePlanner()
-    planner.plan(batch.block_table, batch.seq_lens, batch.query_lens, batch.page_size,
-                 row_keys=keys)
+    planner, keys = planned_with_keys(batch)
     compared = []
     monkeypatch.setattr(memory_module.PlanMemory, "_refresh",
                         lambda self, *a: compared.append(a) or np.empty(0, np.int64))
@@ -181,10 +184,7 @@ def test_a_key_that_hides_a_changed_row_gives_a_plan_the_debug_check_rejects():
     """The promise is the caller's: a row given a new prefix under its old key is planned with
     the ids it had, and ``plan_violations`` (``CASCADE_DEBUG``) names the pages."""
     batch = interleaved_decode_batch(groups=2, per_group=3, shared=5)
-    keys = np.arange(len(batch.seq_lens), dtype=np.int64)
-    planner = CascadePlanner()
-    planner.plan(batch.block_table, batch.seq_lens, batch.query_lens, batch.page_size,
-                 row_keys=keys)
+    planner, keys = planned_with_keys(batch)
     table = batch.block_table.copy()
     table[0, :5] = table[1, :5]  # row 0 now holds the other group's prefix; its key stays
     plan = planner.plan(table, batch.seq_lens, batch.query_lens, batch.page_size,

@@ -87,13 +87,10 @@ class PlanMemory:
         else:
             was, node, continuation = (
                 _fit(a, num_rows) for a in (old.shareable, old.node, old.continuation))
-        source = None if keys is None else self._moved(keys)
+        source, broken = (None, self._refresh(table, was)) if keys is None else self._rekey(keys)
         if source is not None:  # rows moved: each takes the place its key had
             was, node, continuation = (
                 _take(a, source) for a in (old.shareable, old.node, old.continuation))
-            broken = np.empty(0, np.int64)
-        else:
-            broken = self._refresh(table, was) if keys is None else self._rekey(keys)
         start = was
         if broken.size:  # their leading ids changed: read them from the first page on
             start = was.copy()
@@ -152,21 +149,23 @@ class PlanMemory:
         self._num_rows = num_rows
         return structure
 
-    def _moved(self, keys: np.ndarray) -> np.ndarray | None:
-        """For rows that moved: each row's place in the last step (its key's), -1 for a row
-        with a new key; None where no row holding a key from the last step moved (then new keys
-        mark changed rows alone, :meth:`_rekey`). A key found more than once, in this step or
-        the last, is trusted at its place only. Keeps ``keys`` if not None."""
+    def _rekey(self, keys: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+        """How this step's rows relate to the last one's by their keys (kept for the next step):
+        ``(None, broken)`` where every row holding a key from the last step is at its place,
+        ``broken`` the rows whose key is not their place's (rows past the last step's are new:
+        they have nothing planned, and need no listing); ``(source, [])`` where some moved,
+        ``source`` each row's place in the last step (its key's), -1 for a row with a new key.
+        A key found more than once, in this step or the last, is trusted at its place only."""
         last = self._keys
         assert last is not None
-        if not len(last):
-            return None
+        self._keys = keys.copy()
         known = min(len(keys), len(last))
-        differ = (keys[:known] != last[:known]).nonzero()[0]
+        broken = (keys[:known] != last[:known]).nonzero()[0]
+        differ = broken
         if len(keys) > known:  # rows past the last step's: new, or moved there
-            differ = np.concatenate((differ, np.arange(known, len(keys))))
-        if not differ.size:
-            return None
+            differ = np.concatenate((broken, np.arange(known, len(keys))))
+        if not differ.size or not len(last):
+            return None, broken
         source = np.arange(len(keys))
         source[differ] = -1
         if differ.size <= MOST_PLACED_ROWS:  # a few rows: look each key up
@@ -186,18 +185,8 @@ class PlanMemory:
                 found &= ~np.isin(wanted, repeated)
             source[differ] = np.where(found, order[at], -1)
         if not np.count_nonzero(source[differ] >= 0):
-            return None
-        self._keys = keys.copy()
-        return source
-
-    def _rekey(self, keys: np.ndarray) -> np.ndarray:
-        """The rows whose key is not the one the last step had at their place (rows past the
-        last step's are new: they have nothing planned, and need no listing). Keeps ``keys``."""
-        assert self._keys is not None
-        known = min(len(keys), len(self._keys))
-        broken = (keys[:known] != self._keys[:known]).nonzero()[0]
-        self._keys = keys.copy()
-        return broken
+            return None, broken
+        return source, np.empty(0, np.int64)
 
     def _refresh(self, table: np.ndarray, planned: np.ndarray) -> np.ndarray:
         """The rows ``r`` whose ``table[r, :planned[r]]`` is not what the snapshot has.
