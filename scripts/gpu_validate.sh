@@ -169,6 +169,8 @@ part_serve() {  # a server start takes ~3.5 min on a fresh machine: run it detac
 #                      pair 7.3 min for both servers).
 #   flash_attn_long    vLLM's default backend: one long document, many short ones, no sharing.
 #   flashinfer         the FlashInfer pair: shared documents and chat.
+#   flashinfer_burst   the FlashInfer pair on shared documents only: a burst and 90% (about
+#                      7 min after the verification parts on the same machine).
 #   flash_attn_policy  vLLM's default backend flat, the plugin, and the plugin with cascade on
 #                      every step that shares (CASCADE_POLICY=always), at the loads where the
 #                      cost model keeps most decode steps flat; rates from the committed flat
@@ -199,6 +201,8 @@ part_serve_grid() {  # run it detached, alone
     --rates "burst,90%"
   [[ $grid == *" flashinfer "* ]] && serve_slice flashinfer 1200 --configs flashinfer,cascade \
     --workloads prefix_8k_x4,chat_1k5_system --rates "burst,90%" --plot
+  [[ $grid == *" flashinfer_burst "* ]] && serve_slice flashinfer_burst 900 \
+    --configs flashinfer,cascade --workloads prefix_8k_x4 --rates "burst,90%"
   [[ $grid == *" flash_attn_policy "* ]] && serve_slice flash_attn_policy 1500 \
     --configs flash_attn,cascade_flash_attn,cascade_flash_attn_always \
     --workloads prefix_8k_x4,chat_1k5_system --rates "prefix_8k_x4=50%,90%;*=90%"

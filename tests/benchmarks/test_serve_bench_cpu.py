@@ -861,7 +861,8 @@ def test_the_serving_grid_of_gpu_validate_is_a_valid_bench(tmp_path, capsys):
     body = body[:body.index("\n}\n")].replace("\\\n", " ")
     slices = re.findall(r'\*" (\w+) "\* \]\] && serve_slice (\w+) \d+ (.*)', body)
     assert {name for name, _, _ in slices} == {"flash_attn_shared", "flash_attn_long",
-                                               "flashinfer", "flash_attn_policy"}
+                                               "flashinfer", "flashinfer_burst",
+                                               "flash_attn_policy"}
     assert all(name == log for name, log, _ in slices)
     for _, _, args in slices:
         argv = shlex.split(args)
