@@ -37,7 +37,7 @@
 # of some parts (GV_SIDE_BY_SIDE, GV_ALONE: the lists to run) completes the committed table.
 # Logs and result JSON go to /tmp/gv/<part>/: benchmarks/results/h200/gpu_validate/<part>/.
 # Other parts, each alone: e2e, e2e_fa (offline end-to-end tables), serve (the serving
-# benchmark, one workload), serve_grid (the serving grid: each backend's plugin against the same
+# benchmark once, SERVE_ARGS its arguments), serve_grid (the serving grid: each backend's plugin against the same
 # backend flat, `vllm serve` driven by `vllm bench serve`; SERVE_DURATION seconds of Poisson
 # arrivals per run; SERVE_GRID names the slices to run, each one session's device time at most),
 # tp (tensor parallelism: two GPUs).
@@ -153,12 +153,18 @@ part_e2e_fa() {
   stamp "e2e_fa rc=$?"; grep -h '"workload"' "$res/e2e_fa/e2e.log" | cut -c1-140
 }
 
-part_serve() {  # a server start takes ~3.5 min on a fresh machine: run it detached
+# One serving benchmark, SERVE_ARGS its arguments (default: the FlashInfer pair on 8K x 4). A
+# server start takes ~3.5 min on a fresh machine: run it detached.
+part_serve() {
   mkdir -p "$res/serve"
+  # shellcheck disable=SC2086  # SERVE_ARGS: several arguments
   timeout 1500 python3 benchmarks/serve_bench.py --model examples/models/llama3-8b \
-    --workloads prefix_8k_x4 --configs flashinfer,cascade --duration 30 \
-    --out "$res/serve/serve.json" --plot > "$res/serve/serve.log" 2>&1
+    ${SERVE_ARGS:---workloads prefix_8k_x4 --configs flashinfer,cascade --duration 30 --plot} \
+    --out "$res/serve/serve.json" > "$res/serve/serve.log" 2>&1
   stamp "serve rc=$?"; tail -20 "$res/serve/serve.log"
+  for d in /tmp/vllm-cascade-serve-bench/*/client-logs; do
+    [ -d "$d" ] && cp -r "$d" "$res/serve/client-logs-$(basename "$(dirname "$d")")"
+  done
 }
 
 # The serving grid in slices that each fit one session's 30 minutes of device time (a server

@@ -4,8 +4,11 @@ memory and graph counters). Imported only in vLLM workers (torch at the top)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+import time
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,6 +104,26 @@ def check_plan(plan: CascadePlan, page_size: int, max_levels: int) -> None:
         raise ValueError("shared levels must not be causal")
 
 
+class StagingClock:
+    """Host seconds the executors spent staging plans for the device: pinned host copies of
+    their arrays and the launches of the uploads (CUDA calls, which can wait on the driver),
+    as against the rest of planning an executor (Python and numpy)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    @contextlib.contextmanager
+    def timed(self) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds += time.perf_counter() - start
+
+
+STAGING = StagingClock()  # the metadata builders read it around each executor's plan()
+
+
 def pinned(array: np.ndarray, dtype: type[np.integer]) -> torch.Tensor:
     # Host tensors keep FlashInfer's plan free of device->host copies; pinned ones make the
     # non_blocking uploads (FlashInfer's and ours) truly asynchronous, and torch's pinned-memory
@@ -113,12 +136,14 @@ def upload(array: np.ndarray, dtype: type[np.integer], device: torch.device) -> 
     """``array`` on ``device`` without waiting: pinned and non-blocking for a GPU."""
     if device.type == "cpu":  # the CPU tests of the FA3 executor
         return torch.from_numpy(np.array(array, dtype))
-    return pinned(array, dtype).to(device, non_blocking=True)
+    with STAGING.timed():
+        return pinned(array, dtype).to(device, non_blocking=True)
 
 
 def device_index(q_index: np.ndarray, device: torch.device) -> torch.Tensor:
     # int64: index_copy_ accepts no other index dtype.
-    return pinned(q_index, np.int64).to(device, non_blocking=True)
+    with STAGING.timed():
+        return pinned(q_index, np.int64).to(device, non_blocking=True)
 
 
 

@@ -12,7 +12,16 @@ import numpy as np
 import torch
 
 from ..planning.plan import CascadeLevel, CascadePlan
-from .common import EXECUTORS, FP8_KV_DTYPE, KvScales, Scratch, check_plan, device_index, pinned
+from .common import (
+    EXECUTORS,
+    FP8_KV_DTYPE,
+    STAGING,
+    KvScales,
+    Scratch,
+    check_plan,
+    device_index,
+    pinned,
+)
 
 
 @dataclass(frozen=True)
@@ -134,12 +143,13 @@ class FlashInferCascadeExecutor:
                 flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, self._kv_layout))
         wrappers = self._wrappers[: plan.num_levels]
         for wrapper, level in zip(wrappers, plan.levels, strict=True):
+            with STAGING.timed():  # FlashInfer's own uploads are part of its plan() below
+                host = [pinned(a, np.int32) for a in (level.qo_indptr, level.kv_page_indptr,
+                                                      level.kv_page_indices,
+                                                      level.kv_last_page_len)]
             # Positional up to page_size: the keyword is head_dim_qk in FlashInfer >= 0.2.1.
             wrapper.plan(
-                pinned(level.qo_indptr, np.int32),
-                pinned(level.kv_page_indptr, np.int32),
-                pinned(level.kv_page_indices, np.int32),
-                pinned(level.kv_last_page_len, np.int32),
+                *host,
                 num_qo_heads,
                 num_kv_heads,
                 head_dim,

@@ -218,13 +218,15 @@ def planning() -> Iterator[None]:
             record_planning(time.perf_counter() - start, time.thread_time() - cpu)
 
 
-def record_builder(seconds: float) -> None:
-    """Host time a metadata builder spent planning its executor for a cascade step."""
+def record_builder(seconds: float, staging_seconds: float = 0.0) -> None:
+    """Host time a metadata builder spent planning its executor for a cascade step; of it,
+    ``staging_seconds`` staging the plan for the device (pinned copies, upload launches)."""
     with _lock:
         _counters.builder_s += seconds
+        _counters.builder_staging_s += staging_seconds
     sink = _sink()
     if sink is not None:
-        sink.builder(seconds)
+        sink.builder(seconds, staging_seconds)
 
 
 def record_capture_failure() -> None:

@@ -44,6 +44,9 @@ class Counters:
     # which vLLM's other threads in the process hold meanwhile, or for the CPU itself).
     planning_cpu_s: float = 0.0
     builder_s: float = 0.0  # host time the metadata builders took planning cascade executors
+    # Of that, staging the plans for the device: pinned host copies and the uploads' launches
+    # (CUDA calls, which may wait on the driver), the rest being Python and numpy.
+    builder_staging_s: float = 0.0
     graph_pool_bytes: int = 0  # GPU memory the plugin's CUDA-graph pools hold now (a level)
     pages_flat: int = 0  # KV pages flat attention would have read, over cascade steps
     pages_cascade: int = 0  # KV pages the cascade read instead, over cascade steps
@@ -101,6 +104,7 @@ def difference(now: Counters, before: Counters) -> Counters:
         planning_s=now.planning_s - before.planning_s,
         planning_cpu_s=now.planning_cpu_s - before.planning_cpu_s,
         builder_s=now.builder_s - before.builder_s,
+        builder_staging_s=now.builder_staging_s - before.builder_staging_s,
         graph_pool_bytes=now.graph_pool_bytes,  # a level, not a count
         pages_flat=now.pages_flat - before.pages_flat,
         pages_cascade=now.pages_cascade - before.pages_cascade,

@@ -81,6 +81,9 @@ class PrometheusCounters:
         self.builder_seconds = counter(
             "builder_seconds", "Host seconds the metadata builders took planning cascade "
             "executors.")
+        self.builder_staging_seconds = counter(
+            "builder_staging_seconds", "Of builder_seconds, the time staging the plans for the "
+            "device (pinned host copies, upload launches).")
         self._flat_steps = counter(
             "flat_steps", "Planned steps that ran flat attention, by their one reason.",
             ("reason",))
@@ -143,8 +146,9 @@ class PrometheusCounters:
         self.planning_seconds.inc(seconds)
         self.planning_cpu_seconds.inc(cpu_seconds)
 
-    def builder(self, seconds: float) -> None:
+    def builder(self, seconds: float, staging_seconds: float = 0.0) -> None:
         self.builder_seconds.inc(seconds)
+        self.builder_staging_seconds.inc(staging_seconds)
 
     def ended(self, planning_s: float, flat_reason: str | None, decode: bool,
               ratio: float | None) -> None:
