@@ -38,9 +38,9 @@
 # Logs and result JSON go to /tmp/gv/<part>/: benchmarks/results/h200/gpu_validate/<part>/.
 # Other parts, each alone: e2e, e2e_fa (offline end-to-end tables), serve (the serving
 # benchmark once, SERVE_ARGS its arguments), serve_grid (the serving grid: each backend's
-# plugin against the same backend flat, `vllm serve` driven by `vllm bench serve`; SERVE_DURATION seconds of Poisson
-# arrivals per run; SERVE_GRID names the slices to run, each one session's device time at most),
-# tp (tensor parallelism: two GPUs).
+# plugin against the same backend flat, `vllm serve` driven by `vllm bench serve`;
+# SERVE_DURATION seconds of Poisson arrivals per run; SERVE_GRID names the slices to run, each
+# one session's device time at most), tp (tensor parallelism: two GPUs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 res=${CASCADE_GV_DIR:-/tmp/gv}
