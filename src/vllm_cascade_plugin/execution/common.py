@@ -160,8 +160,13 @@ def same_device(have: torch.device, want: torch.device) -> bool:
 class Scratch:
     """Device buffers reused by every layer and step; grown (never shrunk) on demand."""
 
+    MAX_VIEWS = 4096  # views kept for reuse (steps of the same shapes take the same views)
+
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        # Views handed out, by (name, shape, dtype, device): a step takes ~10 and making one
+        # costs microseconds of torch's Python. Dropped with their buffer when it is replaced.
+        self._views: dict[tuple[Any, ...], torch.Tensor] = {}
 
     def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
              device: torch.device, reserve: int = 0) -> torch.Tensor:
@@ -172,13 +177,21 @@ class Scratch:
         step's buffers are sized at once for the largest step its graphs can run, so that they
         never move and orphan the graphs captured before).
         """
+        key = (name, shape, dtype, device)
+        view = self._views.get(key)
+        if view is not None:
+            return view
         numel = math.prod(shape)
         buf = self._buffers.get(name)
         if (buf is None or buf.numel() < numel or buf.dtype != dtype
                 or not same_device(buf.device, device)):
             buf = torch.empty(max(buffer_elements(numel), reserve), dtype=dtype, device=device)
             self._buffers[name] = buf
-        return buf[:numel].view(shape)
+            self._views = {k: v for k, v in self._views.items() if k[0] != name}
+        if len(self._views) >= self.MAX_VIEWS:
+            self._views.clear()
+        view = self._views[key] = buf[:numel].view(shape)
+        return view
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
