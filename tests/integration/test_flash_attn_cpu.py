@@ -209,6 +209,31 @@ def test_a_shared_prefix_batch_gets_vllms_metadata_plus_the_planned_executor(fa_
     assert counters.steps_cascade == 1 and not counters.fallbacks
 
 
+def test_the_builders_time_counts_the_executors_staging_uploads_apart(fa_engine, monkeypatch):
+    """Of a cascade step's builder time, what the executor spent staging uploads (timed by
+    ``common.STAGING``; the CPU executor uploads nothing, so a stand-in staging of a known
+    2 ms) is counted apart: the periodic line and /metrics tell CUDA calls from Python."""
+    import time
+
+    from vllm_cascade_plugin.execution.common import STAGING
+
+    _config, builder, _layers = fa_engine
+    original = kernels.FlashAttnCascadeExecutor.plan
+
+    def plan_with_staging(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        with STAGING.timed():
+            time.sleep(0.002)
+
+    monkeypatch.setattr(kernels.FlashAttnCascadeExecutor, "plan", plan_with_staging)
+    table, seq, q = batch()
+    assert session.plan_step(table, seq, q) is not None
+    builder.build(0, common_metadata(table, seq, q))
+    counters = stats.snapshot()
+    assert counters.steps_cascade == 1
+    assert 0.002 <= counters.builder_staging_s <= counters.builder_s
+
+
 def test_a_batch_without_sharing_gets_exactly_vllms_metadata_and_forward(fa_engine,
                                                                          flat_forward):
     from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadata
