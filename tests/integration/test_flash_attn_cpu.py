@@ -209,10 +209,11 @@ def test_a_shared_prefix_batch_gets_vllms_metadata_plus_the_planned_executor(fa_
     assert counters.steps_cascade == 1 and not counters.fallbacks
 
 
-def test_the_builders_time_counts_the_executors_staging_uploads_apart(fa_engine, monkeypatch):
+def test_the_builders_time_counts_staging_uploads_and_cpu_time_apart(fa_engine, monkeypatch):
     """Of a cascade step's builder time, what the executor spent staging uploads (timed by
     ``common.STAGING``; the CPU executor uploads nothing, so a stand-in staging of a known
-    2 ms) is counted apart: the periodic line and /metrics tell CUDA calls from Python."""
+    2 ms) and what its thread ran on a CPU are counted apart: the periodic line and /metrics
+    tell CUDA calls from Python, and waiting from running."""
     import time
 
     from vllm_cascade_plugin.execution.common import STAGING
@@ -232,6 +233,8 @@ def test_the_builders_time_counts_the_executors_staging_uploads_apart(fa_engine,
     counters = stats.snapshot()
     assert counters.steps_cascade == 1
     assert 0.002 <= counters.builder_staging_s <= counters.builder_s
+    # A sleep is off the CPU: the builder's CPU time leaves it out.
+    assert counters.builder_cpu_s <= counters.builder_s - 0.0015
 
 
 def test_a_batch_without_sharing_gets_exactly_vllms_metadata_and_forward(fa_engine,

@@ -279,7 +279,7 @@ class CascadeBuilder:
         from ..execution.common import STAGING
 
         args = self._kernel_args
-        start, staged = time.perf_counter(), STAGING.seconds
+        start, cpu, staged = time.perf_counter(), time.thread_time(), STAGING.seconds
         try:
             executor = self._executor()
             executor.plan(step.plan, num_qo_heads=args.num_qo_heads,
@@ -293,7 +293,8 @@ class CascadeBuilder:
             stats.record_fallback("kernel planning error", f"{type(exc).__name__}: {exc}")
             return None
         finally:
-            stats.record_builder(time.perf_counter() - start, STAGING.seconds - staged)
+            stats.record_builder(time.perf_counter() - start, STAGING.seconds - staged,
+                                 time.thread_time() - cpu)
         stats.record_cascade(step.plan.stats.pages_flat, step.plan.stats.pages_cascade,
                              step.decode)
         return {"cascade": executor, "cascade_max_page": step.plan.stats.max_page,

@@ -84,6 +84,9 @@ class PrometheusCounters:
         self.builder_staging_seconds = counter(
             "builder_staging_seconds", "Of builder_seconds, the time staging the plans for the "
             "device (pinned host copies, upload launches).")
+        self.builder_cpu_seconds = counter(
+            "builder_cpu_seconds", "Of builder_seconds, the time the builders' thread ran on a "
+            "CPU (the rest it waited: for the GIL or the CPU).")
         self._flat_steps = counter(
             "flat_steps", "Planned steps that ran flat attention, by their one reason.",
             ("reason",))
@@ -146,9 +149,11 @@ class PrometheusCounters:
         self.planning_seconds.inc(seconds)
         self.planning_cpu_seconds.inc(cpu_seconds)
 
-    def builder(self, seconds: float, staging_seconds: float = 0.0) -> None:
+    def builder(self, seconds: float, staging_seconds: float = 0.0,
+                cpu_seconds: float = 0.0) -> None:
         self.builder_seconds.inc(seconds)
         self.builder_staging_seconds.inc(staging_seconds)
+        self.builder_cpu_seconds.inc(cpu_seconds)
 
     def ended(self, planning_s: float, flat_reason: str | None, decode: bool,
               ratio: float | None) -> None:
