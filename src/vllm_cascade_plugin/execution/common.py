@@ -167,6 +167,9 @@ class Scratch:
         # Views handed out, by (name, shape, dtype, device): a step takes ~10 and making one
         # costs microseconds of torch's Python. Dropped with their buffer when it is replaced.
         self._views: dict[tuple[Any, ...], torch.Tensor] = {}
+        # What callers made of the buffers (views of several, by their own key): emptied when
+        # a buffer is replaced, so that nothing keeps an old one alive.
+        self.memo: dict[Any, Any] = {}
 
     def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
              device: torch.device, reserve: int = 0) -> torch.Tensor:
@@ -188,8 +191,11 @@ class Scratch:
             buf = torch.empty(max(buffer_elements(numel), reserve), dtype=dtype, device=device)
             self._buffers[name] = buf
             self._views = {k: v for k, v in self._views.items() if k[0] != name}
+            self.memo.clear()
         if len(self._views) >= self.MAX_VIEWS:
             self._views.clear()
+        if len(self.memo) >= self.MAX_VIEWS:
+            self.memo.clear()
         view = self._views[key] = buf[:numel].view(shape)
         return view
 

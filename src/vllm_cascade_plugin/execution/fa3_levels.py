@@ -107,6 +107,21 @@ def write_static(layouts: tuple[LevelLayout, ...], scratch: Scratch, device: tor
         elif host.size:
             with STAGING.timed():
                 dev[:host.size].copy_(pinned(host, dtype), non_blocking=True)
+    addresses = (dev32.data_ptr(), dev64.data_ptr())
+    # The views depend on the buffers and the layouts' sizes only: a step of the same sizes as
+    # an earlier one takes that step's (each torch call costs microseconds and lets go of the
+    # GIL, which another thread may then hold).
+    sizes = (addresses, *((layout.key, layout.table.shape,
+                           None if layout.index is None else layout.index.size)
+                          for layout in layouts))
+    levels = scratch.memo.get(sizes)
+    if levels is None:
+        levels = scratch.memo[sizes] = _static_views(layouts, dev32, dev64)
+    return levels, addresses
+
+
+def _static_views(layouts: tuple[LevelLayout, ...], dev32: torch.Tensor, dev64: torch.Tensor,
+                  ) -> tuple[FaLevel, ...]:
     levels = []
     at32 = at64 = 0
     for layout in layouts:
@@ -119,4 +134,4 @@ def write_static(layouts: tuple[LevelLayout, ...], scratch: Scratch, device: tor
         levels.append(FaLevel(level=None, cu_q=cu_q, kv_lens=kv_lens, block_table=table,
                               max_q=layout.max_q, max_k=layout.max_k, index=index,
                               rows=layout.rows))
-    return tuple(levels), (dev32.data_ptr(), dev64.data_ptr())
+    return tuple(levels)
