@@ -109,8 +109,7 @@ def write_static(layouts: tuple[LevelLayout, ...], scratch: Scratch, device: tor
                 dev[:host.size].copy_(pinned(host, dtype), non_blocking=True)
     addresses = (dev32.data_ptr(), dev64.data_ptr())
     # The views depend on the buffers and the layouts' sizes only: a step of the same sizes as
-    # an earlier one takes that step's (each torch call costs microseconds and lets go of the
-    # GIL, which another thread may then hold).
+    # an earlier one takes that step's (making them is ten torch calls of host time).
     sizes = (addresses, *((layout.key, layout.table.shape,
                            None if layout.index is None else layout.index.size)
                           for layout in layouts))
