@@ -22,6 +22,7 @@ from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
 from .. import stats
 from ..config import CascadeConfig, load_config
+from ..execution.common import STAGING
 from ..planning.cost import AttentionShape, CostModel, cost_model_for
 from ..step import BuilderSettings, StepPlan, session
 from . import compat, support
@@ -276,8 +277,6 @@ class CascadeBuilder:
     def _cascade_fields(self, step: StepPlan) -> dict[str, Any] | None:
         """The cascade fields of this step's metadata, the executor planned; None: the step
         runs flat (counted)."""
-        from ..execution.common import STAGING
-
         args = self._kernel_args
         start, cpu, staged = time.perf_counter(), time.thread_time(), STAGING.seconds
         try:

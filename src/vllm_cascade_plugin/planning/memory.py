@@ -82,15 +82,17 @@ class PlanMemory:
         trie = old.trie
         num_rows = table.shape[0]
         same_rows = num_rows == self._num_rows
-        if same_rows:
+        source, broken = (None, None) if keys is None else self._rekey(keys)
+        if source is not None:  # rows moved: each takes the place its key had
+            was, node, continuation = (
+                _take(a, source) for a in (old.shareable, old.node, old.continuation))
+        elif same_rows:
             was, node, continuation = old.shareable, old.node, old.continuation
         else:
             was, node, continuation = (
                 _fit(a, num_rows) for a in (old.shareable, old.node, old.continuation))
-        source, broken = (None, self._refresh(table, was)) if keys is None else self._rekey(keys)
-        if source is not None:  # rows moved: each takes the place its key had
-            was, node, continuation = (
-                _take(a, source) for a in (old.shareable, old.node, old.continuation))
+        if broken is None:
+            broken = self._refresh(table, was)
         start = was
         if broken.size:  # their leading ids changed: read them from the first page on
             start = was.copy()
