@@ -32,6 +32,7 @@ COUNTERS = {  # row key -> Prometheus sample name
     "planning_cpu_s": "vllm_cascade_planning_cpu_seconds_total",
     "builder_s": "vllm_cascade_builder_seconds_total",
     "builder_staging_s": "vllm_cascade_builder_staging_seconds_total",
+    "builder_launch_s": "vllm_cascade_builder_launch_seconds_total",
     "builder_cpu_s": "vllm_cascade_builder_cpu_seconds_total",
     "graph_pool_bytes": "vllm_cascade_graph_pool_bytes",  # a level (gauge): its value after
 }
@@ -39,7 +40,8 @@ LEVELS = ("graph_pool_bytes",)
 # Counted on tp_rank="0" only: every tensor-parallel rank plans (and captures) the same steps.
 STEP_COUNTERS = ("steps_planned", "decode_steps_planned", "decode_steps_cascade",
                  "decode_steps_graphed", "graph_captures", "graph_capture_s", "planning_s",
-                 "planning_cpu_s", "builder_s", "builder_staging_s", "builder_cpu_s")
+                 "planning_cpu_s", "builder_s", "builder_staging_s", "builder_launch_s",
+                 "builder_cpu_s")
 # Step counts by label, on tp_rank="0": {label value: count}.
 BY_LABEL = {  # key -> (Prometheus sample name, label)
     "decode_flat_steps": ("vllm_cascade_decode_flat_steps_total", "reason"),
@@ -119,6 +121,7 @@ def derived(delta: dict[str, Any], plugin_on: bool) -> dict[str, Any]:
       (well under 1: it waited for the GIL or the CPU);
     - ``builder_staging_share``: of the metadata builders' time, the share spent staging the
       plans for the device (pinned host copies, upload launches: CUDA calls);
+    - ``builder_launch_share``: of it, the share in the uploads' launches alone;
     - ``builder_cpu_share``: of it, the share their thread ran on a CPU (the rest it waited:
       for the GIL, which each torch call releases, or the CPU);
     - ``flat_reasons``: {reason: decode steps that ran flat for it / decode steps planned};
@@ -127,7 +130,8 @@ def derived(delta: dict[str, Any], plugin_on: bool) -> dict[str, Any]:
     """
     out: dict[str, Any] = dict.fromkeys(("planning_us_p50", "planning_us_p99",
                                          "host_us_per_step", "planning_cpu_share",
-                                         "builder_staging_share", "builder_cpu_share",
+                                         "builder_staging_share", "builder_launch_share",
+                                         "builder_cpu_share",
                                          "flat_reasons",
                                          "full_graph_capture_causes"))
     if not plugin_on:
@@ -143,6 +147,9 @@ def derived(delta: dict[str, Any], plugin_on: bool) -> dict[str, Any]:
     builder, staging = delta.get("builder_s"), delta.get("builder_staging_s")
     if builder and staging is not None:
         out["builder_staging_share"] = staging / builder
+    launch = delta.get("builder_launch_s")
+    if builder and launch is not None:
+        out["builder_launch_share"] = launch / builder
     builder_cpu = delta.get("builder_cpu_s")
     if builder and builder_cpu is not None:
         out["builder_cpu_share"] = builder_cpu / builder

@@ -374,6 +374,9 @@ vllm_cascade_builder_seconds_total{tp_rank="0"} 0.25
 # HELP vllm_cascade_builder_staging_seconds_total Of that, staging.
 # TYPE vllm_cascade_builder_staging_seconds_total counter
 vllm_cascade_builder_staging_seconds_total{tp_rank="0"} 0.1
+# HELP vllm_cascade_builder_launch_seconds_total Of that, launches.
+# TYPE vllm_cascade_builder_launch_seconds_total counter
+vllm_cascade_builder_launch_seconds_total{tp_rank="0"} 0.04
 # HELP vllm_cascade_builder_cpu_seconds_total Of that, on a CPU.
 # TYPE vllm_cascade_builder_cpu_seconds_total counter
 vllm_cascade_builder_cpu_seconds_total{tp_rank="0"} 0.2
@@ -400,7 +403,8 @@ vllm_cascade_step_planning_seconds_sum{tp_rank="0"} 0.1
 PARSED = {"steps_planned": 250.0, "decode_steps_planned": 200.0, "decode_steps_cascade": 150.0,
           "decode_steps_graphed": 120.0, "graph_capture_failures": 3.0, "graph_captures": 12.0,
           "graph_capture_s": 0.75, "planning_s": 2.5, "planning_cpu_s": 1.0, "builder_s": 0.25,
-          "builder_staging_s": 0.1, "builder_cpu_s": 0.2, "graph_pool_bytes": 1900.0,
+          "builder_staging_s": 0.1, "builder_launch_s": 0.04, "builder_cpu_s": 0.2,
+          "graph_pool_bytes": 1900.0,
           "decode_flat_steps": {"cost model": 40.0, "no shared level": 10.0},
           "full_graph_capture_causes": {"padded size": 6.0, "level layout": 3.0},
           "planning_buckets": {1e-4: 100.0, 1e-3: 240.0, float("inf"): 250.0}}
@@ -428,7 +432,8 @@ def test_fractions_from_counter_deltas():
               "decode_steps_cascade": 50.0, "decode_steps_graphed": 40.0,
               "graph_capture_failures": 0.0, "graph_captures": 2.0, "graph_capture_s": 0.25,
               "planning_s": 0.5, "planning_cpu_s": 0.2, "builder_s": 0.05,
-              "builder_staging_s": 0.02, "builder_cpu_s": 0.05, "graph_pool_bytes": 400.0,
+              "builder_staging_s": 0.02, "builder_launch_s": 0.01, "builder_cpu_s": 0.05,
+              "graph_pool_bytes": 400.0,
               "decode_flat_steps": {"cost model": 30.0},
               "full_graph_capture_causes": {"padded size": 4.0},
               "planning_buckets": {1e-4: 60.0, 1e-3: 90.0, float("inf"): 100.0}}
@@ -439,6 +444,7 @@ def test_fractions_from_counter_deltas():
                      "graph_capture_failures": 3.0, "graph_captures": 10.0,
                      "graph_capture_s": 0.5, "planning_s": 2.0, "planning_cpu_s": 0.8,
                      "builder_s": 0.2, "builder_staging_s": pytest.approx(0.08),
+                     "builder_launch_s": pytest.approx(0.03),
                      "builder_cpu_s": pytest.approx(0.15),
                      "graph_pool_bytes": 1900.0,
                      "decode_flat_steps": {"cost model": 10.0, "no shared level": 10.0},
@@ -459,7 +465,8 @@ def test_planning_percentiles_host_time_and_flat_reasons_of_a_run():
     step."""
     delta = sr.counter_deltas({**dict.fromkeys(PARSED), "steps_planned": 100.0,
                                "planning_s": 0.5, "planning_cpu_s": 0.5, "builder_s": 0.05,
-                               "builder_staging_s": 0.05, "builder_cpu_s": 0.1,
+                               "builder_staging_s": 0.05, "builder_launch_s": 0.02,
+                               "builder_cpu_s": 0.1,
                                "graph_capture_s": 0.25,
                                "decode_steps_planned": 150.0,
                                "decode_flat_steps": {"cost model": 30.0},
@@ -472,6 +479,7 @@ def test_planning_percentiles_host_time_and_flat_reasons_of_a_run():
     assert got["host_us_per_step"] == pytest.approx(1e6 * (2.0 + 0.2 + 0.5) / 150)
     assert got["planning_cpu_share"] == pytest.approx(0.5 / 2.0)  # waited for 3/4 of it
     assert got["builder_staging_share"] == pytest.approx(0.05 / 0.2)
+    assert got["builder_launch_share"] == pytest.approx(0.02 / 0.2)
     assert got["builder_cpu_share"] == pytest.approx(0.1 / 0.2)
     assert got["flat_reasons"] == {"cost model": 0.2, "no shared level": 0.2}
     assert got["full_graph_capture_causes"] == {"level layout": 3, "padded size": 6}
@@ -479,7 +487,7 @@ def test_planning_percentiles_host_time_and_flat_reasons_of_a_run():
     idle = sr.derived(sr.counter_deltas(PARSED, PARSED), True)
     assert idle == {**dict.fromkeys(got), "host_us_per_step": None,
                     "planning_cpu_share": None, "builder_staging_share": None,
-                    "builder_cpu_share": None,
+                    "builder_launch_share": None, "builder_cpu_share": None,
                     "full_graph_capture_causes": {}}
 
 
@@ -510,7 +518,7 @@ def test_derived_values_agree_with_the_plugins_own_metrics_and_counters():
                 stats.flat_decision("cost model", 1.2)
             else:
                 stats.record_fallback("plan does not match the batch", level=10)
-            stats.record_builder(1e-5, 4e-6, 8e-6)
+            stats.record_builder(1e-5, 4e-6, 8e-6, 1e-6)
             if i % 50 == 0:
                 stats.record_capture_cause("padded size" if i < 200 else "level layout")
         stats.end_step()
@@ -527,6 +535,7 @@ def test_derived_values_agree_with_the_plugins_own_metrics_and_counters():
         assert lower * 1e6 <= got[key] <= BOUNDS_S[at] * 1e6, (q, exact)
     assert got["host_us_per_step"] == pytest.approx(1e6 * (times.sum() + 400 * 1e-5) / 400)
     assert got["builder_staging_share"] == pytest.approx(0.4)
+    assert got["builder_launch_share"] == pytest.approx(0.1)
     assert got["builder_cpu_share"] == pytest.approx(0.8)
     decode = sum(i % 4 != 0 for i in range(400))
     want = {r: n / decode for r, n in counters.decode_flat_reasons.items()}

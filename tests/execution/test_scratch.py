@@ -42,3 +42,4 @@ def test_a_view_taken_again_is_of_the_buffer_as_it_is_now():
     assert halves.dtype == torch.bfloat16 and halves.data_ptr() != grown.data_ptr()
     assert scratch.take("level_out", (4, 8), torch.float32, cpu).data_ptr() != grown.data_ptr()
     assert scratch.take("gather_q", (4, 8), torch.float32, cpu) is other
+

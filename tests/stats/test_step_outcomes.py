@@ -168,7 +168,7 @@ def test_prometheus_counts_flat_steps_by_reason_and_planning_per_step():
     metrics.ended(0.0004, c.COST_MODEL, False, 0.75)
     metrics.ended(0.002, None, True, None)  # a cascade step: its planning time only
     metrics.ended(0.00001, "planner error", True, None)
-    metrics.builder(0.5, 0.125, 0.25)
+    metrics.builder(0.5, 0.125, 0.25, 0.0625)
 
     def value(name: str, **labels: str) -> float | None:
         return registry.get_sample_value(f"vllm_cascade_{name}", {"tp_rank": "0", **labels})
@@ -183,4 +183,5 @@ def test_prometheus_counts_flat_steps_by_reason_and_planning_per_step():
     assert value("step_planning_seconds_bucket", le="0.002") == 4
     assert value("builder_seconds_total") == 0.5
     assert value("builder_staging_seconds_total") == 0.125
+    assert value("builder_launch_seconds_total") == 0.0625
     assert value("builder_cpu_seconds_total") == 0.25

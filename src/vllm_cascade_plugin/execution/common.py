@@ -105,20 +105,34 @@ def check_plan(plan: CascadePlan, page_size: int, max_levels: int) -> None:
 
 
 class StagingClock:
-    """Host seconds the executors spent staging plans for the device: pinned host copies of
-    their arrays and the launches of the uploads (CUDA calls, which can wait on the driver),
-    as against the rest of planning an executor (Python and numpy)."""
+    """Host seconds the executors spent staging plans for the device: copies of their arrays
+    into pinned host memory and the launches of the uploads (CUDA calls, which can wait on the
+    driver), as against the rest of planning an executor (Python and numpy).
+    ``launch_seconds``: the part of ``seconds`` spent in the launches."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
+        self.launch_seconds = 0.0
+        self._depth = 0  # timed() blocks entered and not left: the outermost one counts
 
     @contextlib.contextmanager
     def timed(self) -> Iterator[None]:
         start = time.perf_counter()
+        self._depth += 1
         try:
             yield
         finally:
-            self.seconds += time.perf_counter() - start
+            self._depth -= 1
+            if not self._depth:
+                self.seconds += time.perf_counter() - start
+
+    @contextlib.contextmanager
+    def launching(self) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.launch_seconds += time.perf_counter() - start
 
 
 STAGING = StagingClock()  # the metadata builders read it around each executor's plan()
@@ -132,20 +146,111 @@ def pinned(array: np.ndarray, dtype: type[np.integer]) -> torch.Tensor:
     return torch.from_numpy(np.require(array, dtype, ("C", "W"))).pin_memory()
 
 
+class PinnedRing:
+    """Pinned host buffers that uploads are staged in, taken in turn: a buffer is written
+    again only once the copies that last read it have run (a CUDA event per buffer, which has
+    long run by then: the ring holds ``SLOTS`` stagings, several steps' worth). Used by the
+    builders' thread only.
+
+    The buffers are allocated once (grown when a staging is larger), so a step's uploads cost
+    a host copy and a launch each. ``pin_memory()`` instead takes a block of torch's caching
+    host allocator per upload, which it may have to allocate (page-locking, milliseconds)
+    while the blocks of the last steps' copies are still in flight.
+    """
+
+    SLOTS = 8
+    MIN_BYTES = 1 << 16
+
+    def __init__(self) -> None:
+        self._host: list[torch.Tensor | None] = [None] * self.SLOTS  # uint8, pinned
+        self._events: list[Any] = [None] * self.SLOTS
+        self._next = 0
+        self.waits = 0  # stagings that found their buffer's last copies not yet run
+        self.allocations = 0
+
+    @contextlib.contextmanager
+    def staged(self, arrays: list[np.ndarray], dtype: torch.dtype) -> Iterator[list[torch.Tensor]]:
+        """Pinned host tensors of ``dtype`` holding ``arrays`` (each 16-byte aligned), for the
+        block's non-blocking copies on the current stream, which an event then guards."""
+        slot = self._next
+        self._next = (slot + 1) % self.SLOTS
+        event = self._events[slot]
+        if event is not None and not event.query():
+            self.waits += 1
+            event.synchronize()
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        starts, end = [], 0
+        for array in arrays:
+            starts.append(end)
+            end += -(-array.size * itemsize // 16) * 16
+        host = self._host[slot]
+        if host is None or host.numel() < end:
+            size = max(self.MIN_BYTES, 1 << max(end - 1, 0).bit_length())
+            host = self._host[slot] = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            self.allocations += 1
+        views = []
+        for array, start in zip(arrays, starts, strict=True):
+            view = host[start:start + array.size * itemsize].view(dtype)
+            view.numpy()[:] = array.ravel()
+            views.append(view)
+        try:
+            yield views
+        finally:  # also after a failure: copies the block launched may still read the buffer
+            with STAGING.timed(), STAGING.launching():
+                if event is None:
+                    event = self._events[slot] = torch.cuda.Event()
+                event.record(torch.cuda.current_stream())
+
+    def copy(self, dest: torch.Tensor, array: np.ndarray) -> None:
+        """``array`` into the first ``array.size`` elements of ``dest`` (contiguous, on the
+        current GPU, of ``array``'s dtype) on the current stream, without waiting for it."""
+        with self.staged([array], dest.dtype) as (staged,), STAGING.launching():
+            dest[:array.size].copy_(staged, non_blocking=True)
+
+
+_RINGS: dict[Any, PinnedRing] = {}  # by device
+
+
+def ring_for(device: torch.device) -> PinnedRing:
+    """The :class:`PinnedRing` of ``device`` (a GPU, the current one)."""
+    key = torch.device(device.type, torch.cuda.current_device() if device.index is None
+                       else device.index)
+    ring = _RINGS.get(key)
+    if ring is None:
+        ring = _RINGS[key] = PinnedRing()
+    return ring
+
+
+def copy_to_device(dest: torch.Tensor, array: np.ndarray, dtype: type[np.integer]) -> None:
+    """``array`` as ``dtype`` into the start of ``dest`` without waiting for the copy: through
+    the device's :class:`PinnedRing` (timed by :data:`STAGING`); on a CPU a plain copy (the CPU
+    tests of the FA3 executor)."""
+    if dest.device.type == "cpu":
+        dest[:array.size].copy_(torch.from_numpy(np.array(array, dtype).ravel()))
+        return
+    with STAGING.timed():
+        host = np.asarray(array, dtype)
+        if torch.cuda.is_current_stream_capturing():  # a capture records no event of ours
+            dest[:host.size].copy_(pinned(host.ravel(), dtype), non_blocking=True)
+        else:
+            ring_for(dest.device).copy(dest, host)
+
+
+_TORCH_DTYPES = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64}
+
+
 def upload(array: np.ndarray, dtype: type[np.integer], device: torch.device) -> torch.Tensor:
-    """``array`` on ``device`` without waiting: pinned and non-blocking for a GPU."""
+    """``array`` on ``device`` without waiting: staged in pinned memory, copied non-blocking."""
     if device.type == "cpu":  # the CPU tests of the FA3 executor
         return torch.from_numpy(np.array(array, dtype))
-    with STAGING.timed():
-        return pinned(array, dtype).to(device, non_blocking=True)
+    dest = torch.empty(array.shape, dtype=_TORCH_DTYPES[np.dtype(dtype)], device=device)
+    copy_to_device(dest.view(-1), array, dtype)
+    return dest
 
 
 def device_index(q_index: np.ndarray, device: torch.device) -> torch.Tensor:
     # int64: index_copy_ accepts no other index dtype.
-    with STAGING.timed():
-        return pinned(q_index, np.int64).to(device, non_blocking=True)
-
-
+    return upload(q_index, np.int64, device)
 
 
 def same_device(have: torch.device, want: torch.device) -> bool:

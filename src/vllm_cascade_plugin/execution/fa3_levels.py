@@ -15,7 +15,7 @@ import torch
 
 from ..planning.graph_layout import LevelLayout
 from ..planning.plan import CascadeLevel
-from .common import STAGING, Scratch, pinned, upload
+from .common import Scratch, copy_to_device, upload
 
 
 @dataclass(frozen=True, eq=False)
@@ -102,11 +102,8 @@ def write_static(layouts: tuple[LevelLayout, ...], scratch: Scratch, device: tor
     dev32 = scratch.take("static32", (max(host32.size, 1),), torch.int32, device, reserve[0])
     dev64 = scratch.take("static64", (max(host64.size, 1),), torch.int64, device, reserve[1])
     for dev, host, dtype in ((dev32, host32, np.int32), (dev64, host64, np.int64)):
-        if host.size and device.type == "cpu":  # the CPU tests of the FA3 executor
-            dev[:host.size].copy_(torch.from_numpy(np.array(host, dtype)))
-        elif host.size:
-            with STAGING.timed():
-                dev[:host.size].copy_(pinned(host, dtype), non_blocking=True)
+        if host.size:
+            copy_to_device(dev, host, dtype)
     addresses = (dev32.data_ptr(), dev64.data_ptr())
     # The views depend on the buffers and the layouts' sizes only: a step of the same sizes as
     # an earlier one takes that step's (making them is ten torch calls of host time).

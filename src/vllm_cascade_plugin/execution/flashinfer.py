@@ -5,6 +5,7 @@ runs."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import flashinfer
@@ -21,6 +22,7 @@ from .common import (
     check_plan,
     device_index,
     pinned,
+    ring_for,
 )
 
 
@@ -142,24 +144,30 @@ class FlashInferCascadeExecutor:
             self._wrappers.append(
                 flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, self._kv_layout))
         wrappers = self._wrappers[: plan.num_levels]
+        ring = ring_for(device) if not torch.cuda.is_current_stream_capturing() else None
         for wrapper, level in zip(wrappers, plan.levels, strict=True):
-            with STAGING.timed():  # FlashInfer's own uploads are part of its plan() below
-                host = [pinned(a, np.int32) for a in (level.qo_indptr, level.kv_page_indptr,
-                                                      level.kv_page_indices,
-                                                      level.kv_last_page_len)]
-            # Positional up to page_size: the keyword is head_dim_qk in FlashInfer >= 0.2.1.
-            wrapper.plan(
-                *host,
-                num_qo_heads,
-                num_kv_heads,
-                head_dim,
-                page_size,
-                causal=level.causal,
-                sm_scale=sm_scale,
-                logits_soft_cap=logits_soft_cap,
-                q_data_type=q_dtype,
-                kv_data_type=kv_dtype,
-            )
+            arrays = [np.asarray(a, np.int32) for a in (
+                level.qo_indptr, level.kv_page_indptr, level.kv_page_indices,
+                level.kv_last_page_len)]
+            # FlashInfer's plan() reads these on the host and uploads them non-blocking: from
+            # the ring's pinned buffers, which it guards until those copies have run.
+            with contextlib.ExitStack() as stack:
+                with STAGING.timed():
+                    host = ([pinned(a, np.int32) for a in arrays] if ring is None
+                            else stack.enter_context(ring.staged(arrays, torch.int32)))
+                # Positional up to page_size: the keyword is head_dim_qk in FlashInfer >= 0.2.1.
+                wrapper.plan(
+                    *host,
+                    num_qo_heads,
+                    num_kv_heads,
+                    head_dim,
+                    page_size,
+                    causal=level.causal,
+                    sm_scale=sm_scale,
+                    logits_soft_cap=logits_soft_cap,
+                    q_data_type=q_dtype,
+                    kv_data_type=kv_dtype,
+                )
         num_tokens = int(last_level.qo_indptr[-1])
         self._step = _Step(
             last=wrappers[-1],

@@ -278,7 +278,8 @@ class CascadeBuilder:
         """The cascade fields of this step's metadata, the executor planned; None: the step
         runs flat (counted)."""
         args = self._kernel_args
-        start, cpu, staged = time.perf_counter(), time.thread_time(), STAGING.seconds
+        start, cpu = time.perf_counter(), time.thread_time()
+        staged, launched = STAGING.seconds, STAGING.launch_seconds
         try:
             executor = self._executor()
             executor.plan(step.plan, num_qo_heads=args.num_qo_heads,
@@ -293,7 +294,7 @@ class CascadeBuilder:
             return None
         finally:
             stats.record_builder(time.perf_counter() - start, STAGING.seconds - staged,
-                                 time.thread_time() - cpu)
+                                 time.thread_time() - cpu, STAGING.launch_seconds - launched)
         stats.record_cascade(step.plan.stats.pages_flat, step.plan.stats.pages_cascade,
                              step.decode)
         return {"cascade": executor, "cascade_max_page": step.plan.stats.max_page,

@@ -219,17 +219,19 @@ def planning() -> Iterator[None]:
 
 
 def record_builder(seconds: float, staging_seconds: float = 0.0,
-                   cpu_seconds: float = 0.0) -> None:
+                   cpu_seconds: float = 0.0, launch_seconds: float = 0.0) -> None:
     """Host time a metadata builder spent planning its executor for a cascade step; of it,
-    ``staging_seconds`` staging the plan for the device (pinned copies, upload launches), and
-    ``cpu_seconds`` the time its thread ran on a CPU."""
+    ``staging_seconds`` staging the plan for the device (pinned copies, upload launches), of
+    that ``launch_seconds`` in the launches, and ``cpu_seconds`` the time its thread ran on a
+    CPU."""
     with _lock:
         _counters.builder_s += seconds
         _counters.builder_staging_s += staging_seconds
+        _counters.builder_launch_s += launch_seconds
         _counters.builder_cpu_s += cpu_seconds
     sink = _sink()
     if sink is not None:
-        sink.builder(seconds, staging_seconds, cpu_seconds)
+        sink.builder(seconds, staging_seconds, cpu_seconds, launch_seconds)
 
 
 def record_capture_failure() -> None:

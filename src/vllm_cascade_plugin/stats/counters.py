@@ -47,6 +47,8 @@ class Counters:
     # Of that, staging the plans for the device: pinned host copies and the uploads' launches
     # (CUDA calls, which may wait on the driver), the rest being Python and numpy.
     builder_staging_s: float = 0.0
+    # Of the staging, the launches: copy calls and the events that guard the pinned buffers.
+    builder_launch_s: float = 0.0
     # And the time the builders' thread ran on a CPU: the rest it waited, e.g. for the GIL,
     # which a torch call releases and another thread may then hold for a switch interval.
     builder_cpu_s: float = 0.0
@@ -108,6 +110,7 @@ def difference(now: Counters, before: Counters) -> Counters:
         planning_cpu_s=now.planning_cpu_s - before.planning_cpu_s,
         builder_s=now.builder_s - before.builder_s,
         builder_staging_s=now.builder_staging_s - before.builder_staging_s,
+        builder_launch_s=now.builder_launch_s - before.builder_launch_s,
         builder_cpu_s=now.builder_cpu_s - before.builder_cpu_s,
         graph_pool_bytes=now.graph_pool_bytes,  # a level, not a count
         pages_flat=now.pages_flat - before.pages_flat,

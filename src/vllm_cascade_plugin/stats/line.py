@@ -45,7 +45,7 @@ def format_line(since: Counters, total: Counters, elapsed_s: float,
     return ("vllm-cascade-plugin: last %.0f s: %d steps, %s ran cascade (decode steps: %s, "
             "%s of them from CUDA graphs; %d graphs captured in %.2f s; planning %.2f s (%s "
             "of it on a CPU), per step p50 %s, p99 %s; host time %s per step, metadata %s per "
-            "cascade step (%s of it staging uploads, %s on a CPU)); flat steps: %s; "
+            "cascade step (%s of it staging uploads, %s launches, %s on a CPU)); flat steps: %s; "
             "fallbacks: %s; "
             "KV pages read on cascade steps: %s instead of %s flat, %s.",
             elapsed_s, since.steps_planned, _percent(since.steps_cascade, since.steps_planned),
@@ -58,6 +58,7 @@ def format_line(since: Counters, total: Counters, elapsed_s: float,
             _us(since.host_s / since.steps_planned if since.steps_planned else None),
             _us(since.builder_s / since.steps_cascade if since.steps_cascade else None),
             _percent(since.builder_staging_s, since.builder_s),
+            _percent(since.builder_launch_s, since.builder_s),
             _percent(since.builder_cpu_s, since.builder_s),
             flat_summary(since), fallbacks or "none",
             f"{since.pages_cascade:,}", f"{since.pages_flat:,}", kv)

@@ -84,6 +84,9 @@ class PrometheusCounters:
         self.builder_staging_seconds = counter(
             "builder_staging_seconds", "Of builder_seconds, the time staging the plans for the "
             "device (pinned host copies, upload launches).")
+        self.builder_launch_seconds = counter(
+            "builder_launch_seconds", "Of builder_staging_seconds, the uploads' launches (CUDA "
+            "calls: copies and the events that guard the pinned host buffers).")
         self.builder_cpu_seconds = counter(
             "builder_cpu_seconds", "Of builder_seconds, the time the builders' thread ran on a "
             "CPU (the rest it waited: for the GIL or the CPU).")
@@ -150,9 +153,10 @@ class PrometheusCounters:
         self.planning_cpu_seconds.inc(cpu_seconds)
 
     def builder(self, seconds: float, staging_seconds: float = 0.0,
-                cpu_seconds: float = 0.0) -> None:
+                cpu_seconds: float = 0.0, launch_seconds: float = 0.0) -> None:
         self.builder_seconds.inc(seconds)
         self.builder_staging_seconds.inc(staging_seconds)
+        self.builder_launch_seconds.inc(launch_seconds)
         self.builder_cpu_seconds.inc(cpu_seconds)
 
     def ended(self, planning_s: float, flat_reason: str | None, decode: bool,
