@@ -208,10 +208,10 @@ def test_planning_time_counts_what_the_thread_ran_on_a_cpu_apart_from_waiting():
         time.sleep(0.02)
     slept = stats.snapshot()
     assert slept.planning_s >= 0.02 and slept.planning_cpu_s < 0.5 * slept.planning_s
-    with stats.planning():
-        end = time.perf_counter() + 0.02
-        while time.perf_counter() < end:
+    with stats.planning():  # 20 ms on a CPU, however loaded the machine (wall time: more)
+        start = time.thread_time()
+        while time.thread_time() - start < 0.02:
             pass
     busy = stats.snapshot()
-    # Over a quarter even on a loaded 2-core machine (a sleep's is next to nothing).
-    assert busy.planning_cpu_s - slept.planning_cpu_s > 0.25 * (busy.planning_s - slept.planning_s)
+    assert busy.planning_cpu_s - slept.planning_cpu_s >= 0.0199
+    assert busy.planning_s - slept.planning_s >= busy.planning_cpu_s - slept.planning_cpu_s
