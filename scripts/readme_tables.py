@@ -255,8 +255,8 @@ def block_serve() -> list[str]:
                     f = (same or flat[spec])[-1]
                     rate = (spec if f["request_rate"] == "burst"
                             else f"{spec} ({f['request_rate']} req/s)")
-                    if len(on[spec]) > 1:  # measured in several runs: say which code ran
-                        rate += f", code {str(c.get('run', '')).rpartition('-')[2] or '?'}"
+                    if len(on[spec]) > 1:  # measured in several runs: name the row's
+                        rate += f", run {c.get('run_id', '?')}"
                     if f.get("run_id") != c.get("run_id"):
                         rate, apart = rate + APART, True
                     fraction = c.get("cascade_step_fraction")
