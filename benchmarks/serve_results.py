@@ -35,6 +35,14 @@ COUNTERS = {  # row key -> Prometheus sample name
     "builder_launch_s": "vllm_cascade_builder_launch_seconds_total",
     "builder_cpu_s": "vllm_cascade_builder_cpu_seconds_total",
     "graph_pool_bytes": "vllm_cascade_graph_pool_bytes",  # a level (gauge): its value after
+    # vLLM's own request histograms (every server, plugin or not), their sums and counts: the
+    # server's part of the client's TTFT (request_times()).
+    "vllm_ttft_s": "vllm:time_to_first_token_seconds_sum",
+    "vllm_ttft_n": "vllm:time_to_first_token_seconds_count",
+    "vllm_queue_s": "vllm:request_queue_time_seconds_sum",
+    "vllm_queue_n": "vllm:request_queue_time_seconds_count",
+    "vllm_prefill_s": "vllm:request_prefill_time_seconds_sum",
+    "vllm_prefill_n": "vllm:request_prefill_time_seconds_count",
 }
 LEVELS = ("graph_pool_bytes",)
 # Counted on tp_rank="0" only: every tensor-parallel rank plans (and captures) the same steps.
@@ -163,6 +171,30 @@ def derived(delta: dict[str, Any], plugin_on: bool) -> dict[str, Any]:
     return out
 
 
+REQUEST_TIMES = {  # row key -> (sum, count) keys of vLLM's histograms in COUNTERS
+    "server_ttft_ms_mean": ("vllm_ttft_s", "vllm_ttft_n"),
+    "queue_ms_mean": ("vllm_queue_s", "vllm_queue_n"),
+    "prefill_ms_mean": ("vllm_prefill_s", "vllm_prefill_n"),
+}
+
+
+def request_times(delta: dict[str, Any]) -> dict[str, float | None]:
+    """Where a run's time to first token went, as vLLM's server measured it (means in ms over
+    the run's requests; None where vLLM reported none):
+
+    - ``server_ttft_ms_mean``: from the request's arrival in vLLM's frontend (after the HTTP
+      request was read and the prompt tokenized) to its first token; the client's
+      ``ttft_ms_mean`` less this is the frontend's part;
+    - ``queue_ms_mean``: waiting in the engine's queue until first scheduled;
+    - ``prefill_ms_mean``: from first scheduled to the first token (the prompt's steps).
+    """
+    out: dict[str, float | None] = {}
+    for key, (total, count) in REQUEST_TIMES.items():
+        s, n = delta.get(total), delta.get(count)
+        out[key] = 1e3 * s / n if s is not None and n else None
+    return out
+
+
 def fractions(delta: dict[str, float | None], plugin_on: bool) -> tuple[float | None, ...]:
     """(cascade_step_fraction, graph_replay_fraction): Δcascade/Δplanned and Δgraphed/Δcascade
     decode steps; None with the plugin off, a counter missing or a zero denominator."""
@@ -208,6 +240,7 @@ def make_row(*, workload: str, config: str, request_rate: float | str, tensor_pa
     row.update({k: result.get(field) for k, field in EXTRAS.items()})
     if row["request_throughput"] is None and result.get("duration"):
         row["request_throughput"] = result["completed"] / result["duration"]
+    row.update(request_times(delta))
     row.update(derived(delta, plugin_on))
     row.update({k: v for k, v in delta.items() if k not in BY_LABEL})
     row.update(extra)

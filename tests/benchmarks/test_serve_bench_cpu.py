@@ -399,12 +399,31 @@ vllm_cascade_step_planning_seconds_bucket{le="0.001",tp_rank="1"} 250.0
 vllm_cascade_step_planning_seconds_bucket{le="+Inf",tp_rank="1"} 250.0
 vllm_cascade_step_planning_seconds_count{tp_rank="0"} 250.0
 vllm_cascade_step_planning_seconds_sum{tp_rank="0"} 0.1
+# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{engine="0",le="1.0",model_name="m"} 200.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="m"} 250.0
+vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 250.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} 200.0
+vllm:time_to_first_token_seconds_count{engine="1",model_name="m"} 50.0
+vllm:time_to_first_token_seconds_sum{engine="1",model_name="m"} 40.0
+# HELP vllm:request_queue_time_seconds Histogram of time spent in WAITING phase for request.
+# TYPE vllm:request_queue_time_seconds histogram
+vllm:request_queue_time_seconds_count{engine="0",model_name="m"} 250.0
+vllm:request_queue_time_seconds_sum{engine="0",model_name="m"} 50.0
+# HELP vllm:request_prefill_time_seconds Histogram of time spent in PREFILL phase for request.
+# TYPE vllm:request_prefill_time_seconds histogram
+vllm:request_prefill_time_seconds_count{engine="0",model_name="m"} 250.0
+vllm:request_prefill_time_seconds_sum{engine="0",model_name="m"} 25.0
 """
 PARSED = {"steps_planned": 250.0, "decode_steps_planned": 200.0, "decode_steps_cascade": 150.0,
           "decode_steps_graphed": 120.0, "graph_capture_failures": 3.0, "graph_captures": 12.0,
           "graph_capture_s": 0.75, "planning_s": 2.5, "planning_cpu_s": 1.0, "builder_s": 0.25,
           "builder_staging_s": 0.1, "builder_launch_s": 0.04, "builder_cpu_s": 0.2,
           "graph_pool_bytes": 1900.0,
+          # vLLM's histograms, summed over their label sets (engines)
+          "vllm_ttft_s": 240.0, "vllm_ttft_n": 300.0, "vllm_queue_s": 50.0,
+          "vllm_queue_n": 250.0, "vllm_prefill_s": 25.0, "vllm_prefill_n": 250.0,
           "decode_flat_steps": {"cost model": 40.0, "no shared level": 10.0},
           "full_graph_capture_causes": {"padded size": 6.0, "level layout": 3.0},
           "planning_buckets": {1e-4: 100.0, 1e-3: 240.0, float("inf"): 250.0}}
@@ -433,7 +452,9 @@ def test_fractions_from_counter_deltas():
               "graph_capture_failures": 0.0, "graph_captures": 2.0, "graph_capture_s": 0.25,
               "planning_s": 0.5, "planning_cpu_s": 0.2, "builder_s": 0.05,
               "builder_staging_s": 0.02, "builder_launch_s": 0.01, "builder_cpu_s": 0.05,
-              "graph_pool_bytes": 400.0,
+              "graph_pool_bytes": 400.0, "vllm_ttft_s": 40.0, "vllm_ttft_n": 100.0,
+              "vllm_queue_s": 10.0, "vllm_queue_n": 100.0, "vllm_prefill_s": 5.0,
+              "vllm_prefill_n": 100.0,
               "decode_flat_steps": {"cost model": 30.0},
               "full_graph_capture_causes": {"padded size": 4.0},
               "planning_buckets": {1e-4: 60.0, 1e-3: 90.0, float("inf"): 100.0}}
@@ -446,7 +467,9 @@ def test_fractions_from_counter_deltas():
                      "builder_s": 0.2, "builder_staging_s": pytest.approx(0.08),
                      "builder_launch_s": pytest.approx(0.03),
                      "builder_cpu_s": pytest.approx(0.15),
-                     "graph_pool_bytes": 1900.0,
+                     "graph_pool_bytes": 1900.0, "vllm_ttft_s": 200.0, "vllm_ttft_n": 200.0,
+                     "vllm_queue_s": 40.0, "vllm_queue_n": 150.0, "vllm_prefill_s": 20.0,
+                     "vllm_prefill_n": 150.0,
                      "decode_flat_steps": {"cost model": 10.0, "no shared level": 10.0},
                      "full_graph_capture_causes": {"padded size": 2.0, "level layout": 3.0},
                      "planning_buckets": {1e-4: 40.0, 1e-3: 150.0, float("inf"): 150.0}}
@@ -456,6 +479,24 @@ def test_fractions_from_counter_deltas():
     assert sr.fractions(idle, True) == (None, None)  # no decode step at all
     missing = sr.counter_deltas(dict.fromkeys(before), {**after, "decode_steps_graphed": None})
     assert sr.fractions(missing, True) == (0.75, None)
+
+
+def test_request_times_are_vllms_own_means_over_the_run_with_or_without_the_plugin():
+    """The server's part of a run's TTFT from vLLM's histograms: mean = Δsum / Δcount, in ms;
+    None where a histogram is missing or counted no request. Rows of flat servers get them."""
+    before = {**dict.fromkeys(PARSED), "vllm_ttft_s": 40.0, "vllm_ttft_n": 100.0,
+              "vllm_queue_s": 10.0, "vllm_queue_n": 100.0}
+    delta = sr.counter_deltas(before, {**PARSED, "vllm_prefill_s": None})
+    assert sr.request_times(delta) == {"server_ttft_ms_mean": pytest.approx(1000.0),
+                                       "queue_ms_mean": pytest.approx(40.0 / 150 * 1e3),
+                                       "prefill_ms_mean": None}
+    idle = sr.request_times(sr.counter_deltas(PARSED, PARSED))
+    assert idle == dict.fromkeys(idle) and len(idle) == 3
+    row = sr.make_row(workload="prefix_8k_x4", config="flash_attn", request_rate="burst",
+                      tensor_parallel_size=1, result=BURST_RESULT, delta=delta,
+                      plugin_on=False, capture_warnings=0, extra={})
+    assert row["server_ttft_ms_mean"] == pytest.approx(1000.0)
+    assert row["planning_us_p50"] is None  # the plugin's figures stay empty on a flat server
 
 
 def test_planning_percentiles_host_time_and_flat_reasons_of_a_run():
