@@ -14,9 +14,11 @@ own tokens, so every churn step is a mixed prefill+decode step). Each case runs 
 times over the same steps; a figure is the rounds' median of the round's p50 or p99.
 
 It times the code it runs: to compare two versions of the plugin, run
-``step_host_compare.py`` (each version's source in turn, on the same machine).
+``step_host_compare.py`` (each version's source in turn, on the same machine). ``--parts``
+also splits each variant's p50 into the planner, the cost model's decision and the rest
+(columns ``<variant>_planner_p50_us`` ..., file ``step_host_parts.json``).
 
-    PYTHONPATH=src:benchmarks python benchmarks/step_host_bench.py [--quick] [--out DIR]
+    PYTHONPATH=src:benchmarks python benchmarks/step_host_bench.py [--quick] [--parts] [--out DIR]
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import statistics
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 
@@ -133,22 +136,58 @@ def one_v2_step(rows: V2Rows) -> tuple[int, bool, object]:
     return time.perf_counter_ns() - start, cascade, planned and planned.plan
 
 
-def run(case: Case, batch_type: type[DecodeBatch], steps: int, check: bool, v2: bool = False
-        ) -> tuple[list[int], int]:
+PARTS = ("planner", "decision")  # the session's calls --parts times apart
+
+
+class PartTimer:
+    """Nanoseconds a step spends in two of the step session's calls: the planner's ``plan``
+    (block ids to plan) and ``_decide`` (the cost model's decision), wrapped in place."""
+
+    def __init__(self) -> None:
+        self.ns = dict.fromkeys(PARTS, 0)
+        planner = session._planner
+        assert planner is not None, "set_up_session() first"
+        planner.plan = self._timed(planner.plan, "planner")  # type: ignore[method-assign]
+        session._decide = self._timed(session._decide, "decision")  # type: ignore[method-assign]
+
+    def _timed(self, fn: Any, part: str) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.ns[part] += time.perf_counter_ns() - start
+        return timed
+
+    def take(self) -> dict[str, int]:
+        """The parts' nanoseconds since the last take."""
+        out, self.ns = self.ns, dict.fromkeys(PARTS, 0)
+        return out
+
+
+def run(case: Case, batch_type: type[DecodeBatch], steps: int, check: bool, v2: bool = False,
+        parts: dict[str, list[int]] | None = None) -> tuple[list[int], int]:
     """Nanoseconds of each of ``steps`` steps, and how many ran cascade (``v2``: through
     Model Runner V2's hook). With ``check``, every step's plan is compared with a fresh
     :func:`plan_cascade` of the same rows (in the hook's order), and a step the hooks did not
-    plan must be one the cost model keeps flat on that fresh plan."""
+    plan must be one the cost model keeps flat on that fresh plan. ``parts``: appended each
+    step's nanoseconds in the planner and the decision (:class:`PartTimer`)."""
     set_up_session()
+    timer = PartTimer() if parts is not None else None
     batch = batch_type(case, np.random.default_rng(1))
     rows = V2Rows(batch) if v2 else None
     one_v2_step(rows) if rows is not None else one_step(batch)  # the first plan from scratch
+    if timer is not None:
+        timer.take()
     times, cascade = [], 0
     for _ in range(steps):
         batch.step()
         ns, ran, plan = one_v2_step(rows) if rows is not None else one_step(batch)
         times.append(ns)
         cascade += ran
+        if timer is not None and parts is not None:
+            for part, part_ns in timer.take().items():
+                parts.setdefault(part, []).append(part_ns)
         if check:
             order = (rows.order(rows.written()) if rows is not None
                      else np.arange(len(batch.seq_lens)))
@@ -166,15 +205,28 @@ def run(case: Case, batch_type: type[DecodeBatch], steps: int, check: bool, v2: 
     return times, cascade
 
 
-def measure(case: Case, steps: int, rounds: int, check: bool) -> dict[str, object]:
+def measure(case: Case, steps: int, rounds: int, check: bool, with_parts: bool = False,
+            ) -> dict[str, object]:
+    """A case's row. ``with_parts``: also each variant's p50 of the planner's, the decision's
+    and the rest's share of a step (the rest: reading the rows, the pre-check and the cost
+    floor, the step's plan object and counters), rounds' medians."""
     out: dict[str, object] = {"case": case.name, "requests": case.requests}
     for name, batch_type, v2 in (("steady", DecodeBatch, False), ("churn", ChurnBatch, False),
                                  ("v2_steady", DecodeBatch, True), ("v2_churn", ChurnBatch, True)):
         p50, p99, cascade = [], [], 0
+        shares: dict[str, list[float]] = {}
         for _ in range(rounds):
-            times, cascade = run(case, batch_type, steps, check, v2)
+            parts: dict[str, list[int]] | None = {} if with_parts else None
+            times, cascade = run(case, batch_type, steps, check, v2, parts)
             p50.append(float(np.percentile(times, 50)) / 1e3)
             p99.append(float(np.percentile(times, 99)) / 1e3)
+            if parts is not None:
+                spent = {p: np.asarray(parts.get(p, [0] * steps)) for p in PARTS}
+                spent["rest"] = np.asarray(times) - sum(spent.values())
+                for part, ns in spent.items():
+                    shares.setdefault(part, []).append(float(np.percentile(ns, 50)) / 1e3)
+        for part, values in shares.items():
+            out[f"{name}_{part}_p50_us"] = round(statistics.median(values), 1)
         out[f"{name}_p50_us"] = round(statistics.median(p50), 1)
         out[f"{name}_p99_us"] = round(statistics.median(p99), 1)
         out[f"{name}_p50_us_rounds"] = [round(x, 1) for x in p50]
@@ -189,21 +241,26 @@ def main() -> None:
                         help="compare every plan with a fresh plan_cascade (slow)")
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--parts", action="store_true",
+                        help="also time the planner and the decision apart (their calls "
+                             "wrapped: a little slower), into step_host_parts.json")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "cpu")
     args = parser.parse_args()
     steps, rounds = (20, 1) if args.quick else (args.steps, args.rounds)
     stats.reset()
-    rows = [measure(case, steps, rounds, args.check) for case in CASES]
+    rows = [measure(case, steps, rounds, args.check, args.parts) for case in CASES]
     for row in rows:
         print(json.dumps(row))
     result = {"date": datetime.date.today().isoformat(), "machine": platform.machine(),
               "cpus": __import__("os").cpu_count(), "numpy": np.__version__,
               "python": platform.python_version(), "steps": steps, "rounds": rounds,
-              "command": "PYTHONPATH=src:benchmarks python benchmarks/step_host_bench.py",
+              "command": "PYTHONPATH=src:benchmarks python benchmarks/step_host_bench.py"
+                         + (" --parts" if args.parts else ""),
               "rows": rows}
     if not args.quick:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "step_host.json").write_text(json.dumps(result, indent=1) + "\n")
+        name = "step_host_parts.json" if args.parts else "step_host.json"
+        (args.out / name).write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -73,3 +73,20 @@ def test_the_comparison_gives_each_figure_before_over_after_with_its_spread():
     p50, p99 = compare.summary(before, after)
     assert "before   250.0 after   100.0  before/after 2.50 (2.00-3.00)" in p50
     assert "before   400.0 after   600.0  before/after 0.75 (0.50-1.00)" in p99
+
+
+def test_parts_time_the_planner_and_the_decision_inside_each_timed_step():
+    """``--parts``: each step's time in the planner and in the cost model's decision, measured
+    inside the step's whole time (so they never exceed it), and the rest beside them."""
+    parts: dict[str, list[int]] = {}
+    times, cascade = shb.run(shb.CASES[1], pb.DecodeBatch, 10, check=True, v2=True,
+                             parts=parts)
+    assert cascade == 10 and set(parts) == set(shb.PARTS)
+    for whole, planner, decision in zip(times, parts["planner"], parts["decision"], strict=True):
+        assert planner > 0 and decision > 0 and planner + decision < whole
+    row = shb.measure(shb.CASES[1], 5, 1, check=False, with_parts=True)
+    for name in ("steady", "v2_steady"):
+        assert row[f"{name}_planner_p50_us"] > 0 and row[f"{name}_rest_p50_us"] > 0
+    # Churn steps of 32 rows are mixed steps the cost model's floor keeps flat unplanned.
+    assert row["churn_planner_p50_us"] == 0 and row["churn_rest_p50_us"] > 0
+    assert "steady_planner_p50_us" not in shb.measure(shb.CASES[1], 3, 1, check=False)
