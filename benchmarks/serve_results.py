@@ -152,15 +152,13 @@ def derived(delta: dict[str, Any], plugin_on: bool) -> dict[str, Any]:
     planning, cpu = delta.get("planning_s"), delta.get("planning_cpu_s")
     if planning and cpu is not None:
         out["planning_cpu_share"] = cpu / planning
-    builder, staging = delta.get("builder_s"), delta.get("builder_staging_s")
-    if builder and staging is not None:
-        out["builder_staging_share"] = staging / builder
-    launch = delta.get("builder_launch_s")
-    if builder and launch is not None:
-        out["builder_launch_share"] = launch / builder
-    builder_cpu = delta.get("builder_cpu_s")
-    if builder and builder_cpu is not None:
-        out["builder_cpu_share"] = builder_cpu / builder
+    builder = delta.get("builder_s")
+    for share, part in (("builder_staging_share", "builder_staging_s"),
+                        ("builder_launch_share", "builder_launch_s"),
+                        ("builder_cpu_share", "builder_cpu_s")):
+        seconds = delta.get(part)
+        if builder and seconds is not None:
+            out[share] = seconds / builder
     decode, flat = delta.get("decode_steps_planned"), delta.get("decode_flat_steps")
     if decode:
         out["flat_reasons"] = {reason: n / decode for reason, n in sorted((flat or {}).items())

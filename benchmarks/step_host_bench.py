@@ -221,7 +221,7 @@ def measure(case: Case, steps: int, rounds: int, check: bool, with_parts: bool =
             p50.append(float(np.percentile(times, 50)) / 1e3)
             p99.append(float(np.percentile(times, 99)) / 1e3)
             if parts is not None:
-                spent = {p: np.asarray(parts.get(p, [0] * steps)) for p in PARTS}
+                spent = {p: np.asarray(parts[p]) for p in PARTS}
                 spent["rest"] = np.asarray(times) - sum(spent.values())
                 for part, ns in spent.items():
                     shares.setdefault(part, []).append(float(np.percentile(ns, 50)) / 1e3)
