@@ -45,11 +45,13 @@ HOST = sw.HOST  # loopback only
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """A server configuration: attention backend, extra environment and ``vllm serve`` args."""
+    """A server configuration: attention backend, extra environment and ``vllm serve`` args;
+    ``pythonpath``: folders put first on the server's ``PYTHONPATH``."""
 
     backend: str
     env: dict[str, str]
     args: tuple[str, ...] = ()
+    pythonpath: tuple[str, ...] = ()
 
     @property
     def plugin_on(self) -> bool:
@@ -66,6 +68,11 @@ CONFIGS = {
     # keeps flat would have been faster (its "never slower than flat", checked online).
     "cascade_flash_attn_always": Config("FLASH_ATTN", {"CASCADE_ATTENTION": "1",
                                                        "CASCADE_POLICY": "always"}),
+    # The plugin with 1 ms of busy host time added to the planning of every step
+    # (host_delay/sitecustomize.py): whether its host time per step is on the critical path.
+    "cascade_flash_attn_host_delay_1ms": Config(
+        "FLASH_ATTN", {"CASCADE_ATTENTION": "1", "CASCADE_BENCH_HOST_DELAY_US": "1000"},
+        pythonpath=(str(Path(__file__).resolve().parent / "host_delay"),)),
 }
 # Each backend's flat config: its burst sets the Poisson rates of every config on that backend.
 FLAT = {"FLASHINFER": "flashinfer", "FLASH_ATTN": "flash_attn"}
@@ -90,6 +97,9 @@ def server_env(config: Config, prometheus_dir: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CASCADE_")}
     env.update(config.env, PROMETHEUS_MULTIPROC_DIR=str(prometheus_dir),
                VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1")
+    if config.pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(
+            [*config.pythonpath, *filter(None, [env.get("PYTHONPATH")])])
     return env
 
 

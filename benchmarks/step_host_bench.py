@@ -77,7 +77,7 @@ def one_step(batch: DecodeBatch) -> tuple[int, bool, object]:
     the step's plan or None where the pre-check skipped the planner)."""
     table, seq, query = batch.block_table, batch.seq_lens, batch.query_lens
     start = time.perf_counter_ns()
-    cascade = hooks_dispatch.plan_rows(table[:, 0], lambda: table,
+    cascade = hooks_dispatch.plan_rows(table[:, 0], table,
                                        np.full(len(seq), table.shape[1]), seq, query,
                                        lambda: batch.keys)
     planned = session.current

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import bisect
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -244,13 +244,15 @@ class StepSession:
         stats.record_planned(bool(np.all(np.asarray(query_lens) == 1)))
         stats.record_fallback(reason)
 
-    def plan_step(self, block_table: np.ndarray | Callable[[], np.ndarray],
+    def plan_step(self, block_table: np.ndarray,
                   seq_lens: np.ndarray, query_lens: np.ndarray,
-                  row_keys: np.ndarray | None = None) -> StepPlan | None:
+                  row_keys: np.ndarray | None = None,
+                  row_index: np.ndarray | None = None) -> StepPlan | None:
         """Plan a real engine step (rows in the builder's order); None: run it flat.
 
-        ``block_table``: the rows' block ids, or a function that reads them (its time counts
-        as planning). ``row_keys``: which rows changed since the last step planned with them
+        ``block_table``: the rows' block ids; with ``row_index``, row ``r``'s are
+        ``block_table[row_index[r]]``.
+        ``row_keys``: which rows changed since the last step planned with them
         (:meth:`~.planning.planner.CascadePlanner.plan`), or None to compare the block ids.
         A failure here never escapes into vLLM: the step runs flat and the reason is counted.
         Why a step runs flat goes to the step's counters (``stats.flat_decision``).
@@ -263,10 +265,12 @@ class StepSession:
             decode = bool(np.all(query_lens == 1))
             stats.record_planned(decode)
             try:
-                table = block_table() if callable(block_table) else block_table
+                table = block_table
                 plan = self._planner.plan(table, seq_lens, query_lens, self.page_size,
-                                          row_keys)
+                                          row_keys, row_index)
                 if self.config.debug:
+                    if row_index is not None:
+                        table = table[row_index]
                     broken = plan_violations(plan, table, seq_lens, query_lens)
                     if (plan.num_levels > 1 and table.shape[1] > 0
                             and nothing_shared(table[:, 0], seq_lens, query_lens,

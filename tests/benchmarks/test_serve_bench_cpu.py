@@ -98,6 +98,33 @@ def test_a_config_with_extra_arguments_passes_them_on(tmp_path):
     assert sb.server_env(config, tmp_path)["CASCADE_KERNEL"] == "fa3" and config.plugin_on
 
 
+def test_the_host_delay_config_delays_every_planning_of_its_servers_processes(tmp_path,
+                                                                              monkeypatch):
+    """Its servers' processes start with 1 ms of busy host time before each planning call
+    (benchmarks/host_delay/sitecustomize.py): a fresh Python with the server's environment
+    finds ``plan_rows`` wrapped, and a call takes at least the delay before it reaches the
+    plugin's own ``plan_rows`` (which refuses these arguments)."""
+    src = Path(__file__).resolve().parents[2] / "src"
+    monkeypatch.setenv("PYTHONPATH", str(src))
+    config = sb.CONFIGS["cascade_flash_attn_host_delay_1ms"]
+    env = sb.server_env(config, tmp_path / "prom")
+    assert env["CASCADE_BENCH_HOST_DELAY_US"] == "1000" and config.plugin_on
+    assert env["PYTHONPATH"].split(os.pathsep)[-1] == str(src)
+    probe = ("import time\n"
+             "from vllm_cascade_plugin.integration import hooks_dispatch as h\n"
+             "start = time.perf_counter()\n"
+             "try:\n    h.plan_rows(None, None, None, None, None, None)\n"
+             "except TypeError:\n    pass\n"
+             "print(h.plan_rows.__name__, time.perf_counter() - start)\n")
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert out[0] == "_delayed_plan_rows" and float(out[1]) >= 0.001
+    plain = subprocess.run([sys.executable, "-c", probe],
+                           env=sb.server_env(sb.CONFIGS["cascade_flash_attn"], tmp_path),
+                           capture_output=True, text=True, check=True).stdout.split()
+    assert plain[0] == "plan_rows"
+
+
 def _client(workload: str, rate, n=64, data=None, result=("/r", "x.json")):
     w = sw.WORKLOADS[workload]
     return sw.client_command(w, Path("/m"), 9000, rate, n, 5, data, result)

@@ -74,3 +74,26 @@ def test_copy_to_device_and_upload_use_the_devices_ring():
     assert common.STAGING.seconds > before[0]
     assert common.STAGING.launch_seconds > before[1]
     assert common.ring_for(device) is common.ring_for(torch.device("cuda", 0))
+
+
+def test_an_upload_captured_in_a_cuda_graph_is_staged_outside_the_ring():
+    """While a capture is underway the ring records no event (a capture cannot): the upload is
+    staged in a pinned block of its own, which the graph copies from on every replay."""
+    device = torch.device("cuda")
+    ring = common.ring_for(device)
+    dest = torch.zeros(6, dtype=torch.int32, device=device)
+    common.upload(np.zeros(1, np.int64), np.int32, device)  # the ring's first staging: eager
+    torch.cuda.synchronize()
+    turn = ring._next
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        graph.capture_begin()
+        common.copy_to_device(dest, np.array([4, 5, 6], np.int64), np.int32)
+        graph.capture_end()
+    torch.cuda.synchronize()
+    assert ring._next == turn  # no slot taken during the capture
+    dest.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert dest.cpu().tolist() == [4, 5, 6, 0, 0, 0]

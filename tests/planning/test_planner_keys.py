@@ -208,3 +208,47 @@ def test_row_keys_of_another_shape_are_refused():
         assert "row_keys" in str(exc)
     else:
         raise AssertionError("row_keys of the wrong shape were accepted")
+
+
+def in_slots(batch: Batch, slots: list[int], width: int, rng: np.random.Generator,
+             ) -> np.ndarray:
+    """A table of more rows than ``batch`` (Model Runner V2's request slots, as wide as
+    ``width`` pages at least): row ``r`` of the batch in row ``slots[r]``, every other cell a
+    block id no row of the batch holds, which a plan that read it would show."""
+    table = batch.block_table
+    junk = int(table.max(initial=0)) + 1000
+    out = rng.integers(junk, 2 * junk, size=(max(slots) + 3, max(width, table.shape[1])),
+                       dtype=np.int32)
+    out[slots, : table.shape[1]] = table
+    return out
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=churn_steps(), limits=limits, data=st.data())
+def test_planner_reading_rows_through_an_index_equals_a_fresh_plan(steps, limits, data):
+    """Model Runner V2's rows live in request slots of the plugin's CPU mirror: the planner
+    reads them there through ``row_index`` (rows moved to other slots every step, with keys
+    or without) and plans exactly what a fresh plan of the rows gathered finds."""
+    keys = keys_of(steps, [False] * len(steps))
+    keyed = data.draw(st.lists(st.booleans(), min_size=len(steps), max_size=len(steps)))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    planner = CascadePlanner(**limits)
+    for batch, row_keys, use in zip(steps, keys, keyed, strict=True):
+        rows = len(batch.seq_lens)
+        slots = data.draw(st.lists(st.integers(0, 2 * rows + 2), min_size=rows, max_size=rows,
+                                   unique=True))
+        table = in_slots(batch, slots, batch.block_table.shape[1] + 3, rng)
+        plan = planner.plan(table, batch.seq_lens, batch.query_lens, batch.page_size,
+                            row_keys=row_keys if use else None, row_index=np.array(slots))
+        assert_same_plan(plan, batch.plan(**limits))
+        assert plan_violations(plan, batch.block_table, batch.seq_lens, batch.query_lens) == []
+
+
+def test_a_row_index_of_another_shape_or_past_the_table_is_refused():
+    batch = interleaved_decode_batch(groups=2, per_group=2, shared=3)
+    rows = len(batch.seq_lens)
+    for index in (np.zeros(1, np.int64), np.arange(rows) + len(batch.block_table),
+                  np.arange(rows) - 1):
+        with pytest.raises(ValueError, match="row_index"):
+            CascadePlanner().plan(batch.block_table, batch.seq_lens, batch.query_lens,
+                                  batch.page_size, row_index=index)

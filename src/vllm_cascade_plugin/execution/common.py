@@ -175,24 +175,25 @@ class PinnedRing:
         slot = self._next
         self._next = (slot + 1) % self.SLOTS
         event = self._events[slot]
-        if event is not None and not event.query():
-            self.waits += 1
-            event.synchronize()
-        itemsize = torch.empty(0, dtype=dtype).element_size()
-        starts, end = [], 0
-        for array in arrays:
-            starts.append(end)
-            end += -(-array.size * itemsize // 16) * 16
-        host = self._host[slot]
-        if host is None or host.numel() < end:
-            size = max(self.MIN_BYTES, 1 << max(end - 1, 0).bit_length())
-            host = self._host[slot] = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-            self.allocations += 1
-        views = []
-        for array, start in zip(arrays, starts, strict=True):
-            view = host[start:start + array.size * itemsize].view(dtype)
-            view.numpy()[:] = array.ravel()
-            views.append(view)
+        with STAGING.timed():
+            if event is not None and not event.query():
+                self.waits += 1
+                event.synchronize()
+            itemsize = dtype.itemsize
+            starts, end = [], 0
+            for array in arrays:
+                starts.append(end)
+                end += -(-array.size * itemsize // 16) * 16
+            host = self._host[slot]
+            if host is None or host.numel() < end:
+                size = max(self.MIN_BYTES, 1 << max(end - 1, 0).bit_length())
+                host = self._host[slot] = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+                self.allocations += 1
+            views = []
+            for array, start in zip(arrays, starts, strict=True):
+                view = host[start:start + array.size * itemsize].view(dtype)
+                view.numpy()[:] = array.ravel()
+                views.append(view)
         try:
             yield views
         finally:  # also after a failure: copies the block launched may still read the buffer
@@ -221,19 +222,38 @@ def ring_for(device: torch.device) -> PinnedRing:
     return ring
 
 
+_NUMPY_DTYPES: dict[torch.dtype, type[np.integer]] = {torch.int32: np.int32,
+                                                      torch.int64: np.int64}
+
+
+@contextlib.contextmanager
+def staged(arrays: list[np.ndarray], dtype: torch.dtype,
+           device: torch.device) -> Iterator[list[torch.Tensor]]:
+    """Pinned host tensors of ``dtype`` holding ``arrays``, for the block's non-blocking copies
+    to ``device`` (the current GPU) on the current stream; the staging is timed by
+    :data:`STAGING`. From the device's :class:`PinnedRing`; while a CUDA-graph capture is
+    underway (it records no event of ours), from ``pin_memory()``, whose blocks torch's
+    allocator keeps until their copies have run."""
+    if not torch.cuda.is_current_stream_capturing():
+        with ring_for(device).staged(arrays, dtype) as views:
+            yield views
+        return
+    with STAGING.timed():
+        views = [pinned(array.ravel(), _NUMPY_DTYPES[dtype]) for array in arrays]
+    yield views
+
+
 def copy_to_device(dest: torch.Tensor, array: np.ndarray, dtype: type[np.integer]) -> None:
-    """``array`` as ``dtype`` into the start of ``dest`` without waiting for the copy: through
-    the device's :class:`PinnedRing` (timed by :data:`STAGING`); on a CPU a plain copy (the CPU
-    tests of the FA3 executor)."""
+    """``array`` as ``dtype`` into the start of ``dest`` without waiting for the copy, staged
+    in pinned memory (:func:`staged`); on a CPU a plain copy (the CPU tests of the FA3
+    executor)."""
     if dest.device.type == "cpu":
         dest[:array.size].copy_(torch.from_numpy(np.array(array, dtype).ravel()))
         return
     with STAGING.timed():
         host = np.asarray(array, dtype)
-        if torch.cuda.is_current_stream_capturing():  # a capture records no event of ours
-            dest[:host.size].copy_(pinned(host.ravel(), dtype), non_blocking=True)
-        else:
-            ring_for(dest.device).copy(dest, host)
+        with staged([host], dest.dtype, dest.device) as (view,), STAGING.launching():
+            dest[:host.size].copy_(view, non_blocking=True)
 
 
 _TORCH_DTYPES = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64}

@@ -5,7 +5,6 @@ runs."""
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import flashinfer
@@ -16,13 +15,11 @@ from ..planning.plan import CascadeLevel, CascadePlan
 from .common import (
     EXECUTORS,
     FP8_KV_DTYPE,
-    STAGING,
     KvScales,
     Scratch,
     check_plan,
     device_index,
-    pinned,
-    ring_for,
+    staged,
 )
 
 
@@ -144,17 +141,13 @@ class FlashInferCascadeExecutor:
             self._wrappers.append(
                 flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, self._kv_layout))
         wrappers = self._wrappers[: plan.num_levels]
-        ring = ring_for(device) if not torch.cuda.is_current_stream_capturing() else None
         for wrapper, level in zip(wrappers, plan.levels, strict=True):
             arrays = [np.asarray(a, np.int32) for a in (
                 level.qo_indptr, level.kv_page_indptr, level.kv_page_indices,
                 level.kv_last_page_len)]
             # FlashInfer's plan() reads these on the host and uploads them non-blocking: from
-            # the ring's pinned buffers, which it guards until those copies have run.
-            with contextlib.ExitStack() as stack:
-                with STAGING.timed():
-                    host = ([pinned(a, np.int32) for a in arrays] if ring is None
-                            else stack.enter_context(ring.staged(arrays, torch.int32)))
+            # pinned buffers, guarded until those copies have run.
+            with staged(arrays, torch.int32, device) as host:
                 # Positional up to page_size: the keyword is head_dim_qk in FlashInfer >= 0.2.1.
                 wrapper.plan(
                     *host,

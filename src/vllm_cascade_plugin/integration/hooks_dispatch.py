@@ -25,14 +25,17 @@ from . import compat, hooks_step, row_keys
 from .hooks_step import PendingStep, failed, run_flat
 
 
-def plan_rows(first_pages: np.ndarray, block_table: Callable[[], np.ndarray],
-              num_blocks: np.ndarray, seq_lens: np.ndarray, query_lens: np.ndarray,
-              keys: Callable[[], np.ndarray | None]) -> bool:
+def plan_rows(first_pages: np.ndarray, block_table: np.ndarray, num_blocks: np.ndarray,
+              seq_lens: np.ndarray, query_lens: np.ndarray,
+              keys: Callable[[], np.ndarray | None],
+              row_index: np.ndarray | None = None) -> bool:
     """Plan a step from CPU rows; True when it will run cascade.
 
-    ``block_table`` and ``keys`` (the rows' keys: :mod:`.row_keys`) are read only when the
-    rows' first block ids leave sharing possible and the rows' lengths leave cascade a chance
-    to beat flat (the cost model's floor).
+    ``block_table``: the rows' block ids; with ``row_index``, row ``r``'s are
+    ``block_table[row_index[r]]`` (the planner reads the rows it needs, nothing is copied
+    whole). ``keys`` (the rows' keys: :mod:`.row_keys`) are read only when the rows' first
+    block ids leave sharing possible and the rows' lengths leave cascade a chance to beat flat
+    (the cost model's floor).
     """
     needed = -(-seq_lens // max(session.page_size, 1))
     if np.any(num_blocks < needed):
@@ -47,7 +50,7 @@ def plan_rows(first_pages: np.ndarray, block_table: Callable[[], np.ndarray],
     if row_keys is not None:
         stats.log_once("planned from changes", "vllm-cascade-plugin: steps are planned from "
                        "the rows vLLM changed (CASCADE_PLAN_FROM_CHANGES).")
-    step = session.plan_step(block_table, seq_lens, query_lens, row_keys)
+    step = session.plan_step(block_table, seq_lens, query_lens, row_keys, row_index)
     return step is not None and step.decision.use_cascade
 
 
@@ -108,7 +111,7 @@ def v1_plan(step: PendingStep) -> bool:
                              dtype=np.int32, count=n)
     seq_lens = np.asarray(batch.num_computed_tokens_cpu[:n], dtype=np.int32) + query_lens
     rows = batch.block_table[0].block_table.np[:n]
-    return plan_rows(rows[:, 0], lambda: rows, batch.block_table[0].num_blocks_per_row[:n],
+    return plan_rows(rows[:, 0], rows, batch.block_table[0].num_blocks_per_row[:n],
                      seq_lens, query_lens, lambda: row_keys.v1_rows(runner, batch.req_ids, n))
 
 
@@ -213,11 +216,10 @@ def v2_plan(step: PendingStep) -> bool:
     query_lens = np.fromiter(map(so.num_scheduled_tokens.__getitem__, req_ids),
                              dtype=np.int32, count=n)
     seq_lens = runner.req_states.num_computed_tokens_np[index] + query_lens
-    width = int(-(-int(seq_lens.max()) // max(session.page_size, 1)))
-    # The row copy (~70 us for 256 rows x 2K pages) only when sharing is possible.
-    return plan_rows(mirror[index, 0], lambda: mirror[index, :width],
-                     tables.num_blocks.np[0, index], seq_lens, query_lens,
-                     lambda: row_keys.v2_rows(tables, index))
+    # The planner reads the rows of the mirror it needs (a copy of 256 rows x 2K pages would
+    # take ~70 us).
+    return plan_rows(mirror[index, 0], mirror, tables.num_blocks.np[0, index], seq_lens,
+                     query_lens, lambda: row_keys.v2_rows(tables, index), index)
 
 
 def v2_dispatch(original: Callable[..., Any]) -> Callable[..., Any]:

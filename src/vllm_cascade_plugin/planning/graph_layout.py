@@ -125,20 +125,32 @@ def _own_sizes(plan: CascadePlan, padded: int) -> tuple[int, ...]:
 # The last plan's key: a step's key is asked for twice, by the step session (to charge the
 # step) and by the executor laying the step out (plans are read-only, so ``is`` identifies one).
 _last_shape: tuple[CascadePlan, int, tuple[tuple[int, ...], ...]] | None = None
+# The last shared levels' keys: the planner hands out the very same shared levels while the
+# prefix structure holds (steady decode), so their part of the key is worked out once.
+_last_shared: tuple[tuple[CascadeLevel, ...], int, int, int, tuple[tuple[int, ...], ...]] | None
+_last_shared = None
 
 
 def graph_shape(plan: CascadePlan, padded_rows: int) -> tuple[tuple[int, ...], ...]:
     """The key of a decode step's graphs (one query per row): every level's
     :attr:`LevelLayout.key` for ``padded_rows`` rows (at least the plan's)."""
-    global _last_shape
+    global _last_shape, _last_shared
     rows = plan.stats.num_tokens
     padded = max(padded_rows, rows)
     last = _last_shape
     if last is not None and last[0] is plan and last[1] == padded:
         return last[2]
     shared = plan.levels[:-1]
-    key = (*(_shared_sizes(level, i == 0, rows, padded, plan.page_size)
-             for i, level in enumerate(shared)), _own_sizes(plan, padded))
+    known = _last_shared
+    if (known is not None and known[1:4] == (rows, padded, plan.page_size)
+            and len(known[0]) == len(shared)
+            and all(a is b for a, b in zip(known[0], shared, strict=True))):
+        shared_keys = known[4]
+    else:
+        shared_keys = tuple(_shared_sizes(level, i == 0, rows, padded, plan.page_size)
+                            for i, level in enumerate(shared))
+        _last_shared = (shared, rows, padded, plan.page_size, shared_keys)
+    key = (*shared_keys, _own_sizes(plan, padded))
     _last_shape = (plan, padded, key)
     return key
 

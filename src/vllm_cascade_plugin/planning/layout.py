@@ -27,9 +27,14 @@ FEW_ROWS = 4
 
 @dataclass(slots=True, eq=False)
 class Step:
-    """One step's validated inputs and the per-row numbers every stage needs (int64 ``[R]``)."""
+    """One step's validated inputs and the per-row numbers every stage needs (int64 ``[R]``).
 
-    block_table: np.ndarray  # int32 [R, max_pages]
+    Row ``r``'s block ids are ``block_table[r]``, or with ``row_index``
+    ``block_table[row_index[r]]``: a table of more rows than the step's (Model Runner V2's
+    request slots), read where needed instead of copied whole every step.
+    """
+
+    block_table: np.ndarray  # int32 [R, max_pages], or [slots, max_pages] with row_index
     seq_lens: np.ndarray
     query_lens: np.ndarray
     page_size: int
@@ -40,6 +45,22 @@ class Step:
     shareable_bound: np.ndarray  # whole pages before the row's first query token; 0 for padding
     query_start: np.ndarray
     num_tokens: int
+    row_index: np.ndarray | None = None  # int64 [R]: each row's row of block_table
+    _dense: np.ndarray | None = None
+
+    def table_rows(self, rows: np.ndarray) -> np.ndarray:
+        """The rows of ``block_table`` that hold the ids of the step's ``rows``."""
+        return rows if self.row_index is None else self.row_index[rows]
+
+    def dense(self) -> np.ndarray:
+        """int32 ``[R, P]``: the step's rows' ids; with ``row_index`` gathered (once), as many
+        columns as the longest row has pages."""
+        if self.row_index is None:
+            return self.block_table
+        if self._dense is None:
+            width = int(np.maximum.reduce(self.num_pages)) if self.num_pages.size else 0
+            self._dense = self.block_table[self.row_index, :width]
+        return self._dense
 
 
 @dataclass(slots=True, eq=False)
@@ -77,7 +98,8 @@ def shareable_bound(seq: np.ndarray, qry: np.ndarray, active: np.ndarray,
 
 
 def read_step(
-    block_table: np.ndarray, seq_lens: np.ndarray, query_lens: np.ndarray, page_size: int
+    block_table: np.ndarray, seq_lens: np.ndarray, query_lens: np.ndarray, page_size: int,
+    row_index: np.ndarray | None = None,
 ) -> Step:
     """Validate one step's inputs (see :func:`~.planner.plan_cascade`)."""
     table = np.asarray(block_table)
@@ -85,7 +107,16 @@ def read_step(
         table = table.astype(np.int32)
     seq = np.asarray(seq_lens, dtype=np.int64)
     qry = np.asarray(query_lens, dtype=np.int64)
-    if table.ndim != 2 or seq.shape != (table.shape[0],) or qry.shape != seq.shape:
+    index = None
+    if row_index is not None:
+        index = np.asarray(row_index, dtype=np.int64)
+        if table.ndim != 2 or index.shape != seq.shape or (index.size and not (
+                0 <= int(np.minimum.reduce(index))
+                and int(np.maximum.reduce(index)) < table.shape[0])):
+            raise ValueError(f"need row_index [R] = {seq.shape} of rows of the block table's "
+                             f"{table.shape[0] if table.ndim == 2 else 0}, got {index.shape}")
+    rows_given = table.shape[0] if index is None or table.ndim != 2 else len(index)
+    if table.ndim != 2 or seq.shape != (rows_given,) or qry.shape != seq.shape:
         raise ValueError(
             f"need block_table [R, P], seq_lens [R], query_lens [R]; got {table.shape}, "
             f"{seq.shape}, {qry.shape}"
@@ -121,6 +152,7 @@ def read_step(
         shareable_bound=bound,
         query_start=query_start,
         num_tokens=num_tokens,
+        row_index=index,
     )
 
 
@@ -130,7 +162,9 @@ def shareable_pages(step: Step) -> np.ndarray:
     width = int(bound.max(initial=0))
     if width == 0:
         return bound.copy()
-    zero = step.block_table[:, :width] == 0
+    table = step.block_table
+    leading = table[:, :width] if step.row_index is None else table[step.row_index, :width]
+    zero = leading == 0
     first_zero = np.where(zero.any(axis=1), zero.argmax(axis=1), width)
     return np.minimum(bound, first_zero)
 

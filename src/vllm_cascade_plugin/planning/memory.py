@@ -53,7 +53,7 @@ class PlanMemory:
         # no snapshot.
         self._keys = None if keys is None else keys.copy()
         if keys is None:
-            self._copy(step.block_table, structure.shareable)
+            self._copy(step.dense(), structure.shareable)
 
     def _copy(self, table: np.ndarray, shareable: np.ndarray) -> None:
         """Snapshot ``table`` anew, as wide as the longest shareable prefix needs, and then some.
@@ -73,14 +73,17 @@ class PlanMemory:
         ``keys``: int64 ``[R]``, the rows' keys (the module docstring says what they promise).
         On ``None`` the memory may be half updated: the caller builds a new one.
         """
-        table = step.block_table
         if step.page_size != self.page_size or (keys is None) != (self._keys is None):
             return None
+        # With keys, rows are read where needed, through the step's row index if it has one;
+        # without, compared whole with the snapshot.
+        index = step.row_index if keys is not None else None
+        table = step.block_table if keys is not None else step.dense()
         if keys is None and table.shape[1] < self._snapshot.shape[1]:
             return None
         old = self.structure
         trie = old.trie
-        num_rows = table.shape[0]
+        num_rows = len(step.seq_lens)
         same_rows = num_rows == self._num_rows
         source, broken = (None, None) if keys is None else self._rekey(keys)
         if source is not None:  # rows moved: each takes the place its key had
@@ -102,7 +105,8 @@ class PlanMemory:
         longer = (bound > start).nonzero()[0]
         widest = 0  # of the rows that grew: the others are no wider than the snapshot
         if longer.size:  # new pages are shareable up to a block 0
-            grown = first_zero(table, longer, start[longer], bound[longer])
+            grown = first_zero(table, longer if index is None else index[longer],
+                               start[longer], bound[longer])
             shareable[longer] = grown
             widest = int(np.maximum.reduce(grown))
         # A row keeps its node and continuation while it holds its planned ids and still reaches
@@ -128,7 +132,8 @@ class PlanMemory:
                     node[row] = continuation[row] = 0
                     if pages > 0:
                         # One that still holds its node's path is placed from its node on.
-                        where = trie.place(table, row, pages, at if held and pages > depth else 0)
+                        where = trie.place(table, row if index is None else int(index[row]), pages,
+                                           at if held and pages > depth else 0)
                         if where is None:
                             return None
                         node[row], continuation[row] = where

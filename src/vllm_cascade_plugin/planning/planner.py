@@ -53,6 +53,7 @@ def plan_cascade(
     *,
     max_levels: int = 3,
     min_shared_pages: int = 1,
+    row_index: np.ndarray | None = None,
 ) -> CascadePlan:
     """Plan one step from scratch (see the module docstring for the inputs and the contract).
 
@@ -64,6 +65,8 @@ def plan_cascade(
     page_size : tokens per KV page (= vLLM block size).
     max_levels : levels in all, the per-request level included (``>= 2``).
     min_shared_pages : fewest pages a group must own to become a group (``>= 1``).
+    row_index : optional int ``[R]``: row ``r``'s ids are ``block_table[row_index[r]]`` (a
+        table of more rows, read where needed rather than copied whole).
 
     Returns
     -------
@@ -71,7 +74,7 @@ def plan_cascade(
         With no levels at all when every row is padding.
     """
     _check_limits(max_levels, min_shared_pages)
-    step = read_step(block_table, seq_lens, query_lens, page_size)
+    step = read_step(block_table, seq_lens, query_lens, page_size, row_index)
     structure = _build(step, shareable_pages(step), max_levels, min_shared_pages)
     return _assemble(_emit_shared(structure, step), structure, step)
 
@@ -126,6 +129,7 @@ class CascadePlanner:
         query_lens: np.ndarray,
         page_size: int,
         row_keys: np.ndarray | None = None,
+        row_index: np.ndarray | None = None,
     ) -> CascadePlan:
         """Plan one step; arguments as in :func:`plan_cascade`.
 
@@ -137,7 +141,7 @@ class CascadePlanner:
         repeat within a step are trusted at the same place only. A broken promise gives a plan
         of stale ids: :func:`~.invariants.plan_violations` (``CASCADE_DEBUG``) finds it.
         """
-        step = read_step(block_table, seq_lens, query_lens, page_size)
+        step = read_step(block_table, seq_lens, query_lens, page_size, row_index)
         keys = None
         if row_keys is not None:
             keys = np.asarray(row_keys, dtype=np.int64)
@@ -164,7 +168,7 @@ class CascadePlanner:
 
 def _build(step: Step, shareable: np.ndarray, max_levels: int, min_shared_pages: int) -> Structure:
     """The structure of a step from scratch: sort the rows' shareable ids into the prefix trie."""
-    trie, node, continuation = build_trie(step.block_table, shareable, max_levels,
+    trie, node, continuation = build_trie(step.dense(), shareable, max_levels,
                                           min_shared_pages)
     return layout(trie, node, continuation, shareable, step)
 
@@ -284,13 +288,14 @@ def _own_level(structure: Structure, step: Step) -> CascadeLevel:
     counts = num_pages - start
     page_indptr = indptr(counts)
     table = step.block_table
+    where = step.table_rows(rows)
     if table.flags.c_contiguous:  # one flat gather is several times faster than a 2-D one
-        flat = (rows * table.shape[1] + start - page_indptr[:-1]).repeat(counts)
+        flat = (where * table.shape[1] + start - page_indptr[:-1]).repeat(counts)
         flat += np.arange(page_indptr[-1])
         pages = table.reshape(-1).take(flat)
     else:
         cols = (start - page_indptr[:-1]).repeat(counts) + np.arange(page_indptr[-1])
-        pages = table[rows.repeat(counts), cols]
+        pages = table[where.repeat(counts), cols]
     row_indptr = np.arange(len(rows) + 1, dtype=np.int32)
     last_page = seq_lens - 1
     last_page %= step.page_size

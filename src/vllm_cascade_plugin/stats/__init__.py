@@ -209,13 +209,18 @@ def planning() -> Iterator[None]:
     another is part of the outer one's time. For the worker's step thread only."""
     global _planning_depth
     _planning_depth += 1
+    if _planning_depth > 1:  # the outer block times it
+        try:
+            yield
+        finally:
+            _planning_depth -= 1
+        return
     start, cpu = time.perf_counter(), time.thread_time()
     try:
         yield
     finally:
         _planning_depth -= 1
-        if _planning_depth == 0:
-            record_planning(time.perf_counter() - start, time.thread_time() - cpu)
+        record_planning(time.perf_counter() - start, time.thread_time() - cpu)
 
 
 def record_builder(seconds: float, staging_seconds: float = 0.0,
