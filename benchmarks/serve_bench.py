@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         run_id += "x"
     config_json = json.loads((Path(args.model) / "config.json").read_text())
     bench = Bench(args, rates, known, Path(args.work_dir) / run_id, run_id,
-                  f"{run_id}-{commit()}", sw.max_model_len(workloads),
+                  f"{run_id}-{commit()}", sw.max_model_len(workloads, config_json["vocab_size"]),
                   [config_json["bos_token_id"], config_json["eos_token_id"]],
                   config_json["vocab_size"])
     if args.dry_run:

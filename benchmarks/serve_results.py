@@ -180,9 +180,10 @@ def request_times(delta: dict[str, Any]) -> dict[str, float | None]:
     """Where a run's time to first token went, as vLLM's server measured it (means in ms over
     the run's requests; None where vLLM reported none):
 
-    - ``server_ttft_ms_mean``: from the request's arrival in vLLM's frontend (after the HTTP
-      request was read and the prompt tokenized) to its first token; the client's
-      ``ttft_ms_mean`` less this is the frontend's part;
+    - ``server_ttft_ms_mean``: from the moment vLLM's frontend starts rendering the prompt
+      (the HTTP request read; vLLM stamps ``arrival_time`` before it tokenizes) to its first
+      token; the client's ``ttft_ms_mean`` less this is HTTP's part, and this less the next
+      two is tokenizing the prompt and handing the request to the engine core;
     - ``queue_ms_mean``: waiting in the engine's queue until first scheduled;
     - ``prefill_ms_mean``: from first scheduled to the first token (the prompt's steps).
     """

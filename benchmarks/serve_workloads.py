@@ -83,9 +83,20 @@ def _workloads() -> dict[str, Workload]:
 WORKLOADS = _workloads()
 
 
-def max_model_len(workloads: Iterable[Workload], multiple: int = 256) -> int:
-    """Just above the longest request (prompt + output): the next multiple of ``multiple``."""
-    return (max(w.total_len for w in workloads) // multiple + 1) * multiple
+def max_model_len(workloads: Iterable[Workload], vocab_size: int, multiple: int = 256) -> int:
+    """Just above the longest request (prompt + output), rounded up to the next multiple of
+    ``multiple``, and long enough that vLLM's character check lets every prompt through.
+
+    Before tokenizing, vLLM refuses (400 Bad Request) a prompt of more characters than its
+    input token limit (``max_model_len`` less the request's ``max_tokens``) times the longest
+    token of the vocabulary. The word-level tokenizer's words (``w0`` ... ``w<vocab_size - 1>``)
+    are joined by spaces, so a prompt takes up to one character per token more than its longest
+    word: the input limit must exceed the prompt's tokens by that ratio.
+    """
+    word = len(f"w{vocab_size - 1}")
+    need = max(max(w.total_len, w.output_len + -(-w.input_len * (word + 1) // word))
+               for w in workloads)
+    return (need // multiple + 1) * multiple
 
 
 def round_prompts(workload: Workload, n: int) -> int:

@@ -293,9 +293,39 @@ def test_workload_lengths_and_max_model_len():
     assert {w[f"prefix_{k}k_x{g}"].groups for k in (2, 8, 32) for g in (1, 4, 16)} == {1, 4, 16}
     assert w["prefix_32k_x16"].total_len == 32768 + 64 + 256
     assert w["random_8k"].input_len == w["prefix_8k_x1"].input_len == 8192 + 64
-    assert sw.max_model_len([w["prefix_8k_x4"]]) == 8704  # 8512 -> next multiple of 256
-    assert sw.max_model_len([w["prefix_2k_x1"], w["prefix_32k_x1"]]) == 33280
-    assert sw.max_model_len([sw.Workload("a", "random", suffix_len=256, output_len=256)]) == 768
+    # Llama 3's longest word is w128255 (7 characters, 8 with its space): an 8,256-token
+    # prompt may take 66,048 characters, 9,436 tokens' worth by vLLM's character check.
+    assert sw.max_model_len([w["prefix_8k_x4"]], 128256) == 9728  # 9692 -> a multiple of 256
+    assert sw.max_model_len([w["prefix_2k_x1"], w["prefix_32k_x1"]], 128256) == 37888
+    # w31999 (6 characters): 256 tokens take up to 1,792 characters, 299 tokens' worth.
+    assert sw.max_model_len([sw.Workload("a", "random", suffix_len=256, output_len=256)],
+                            32000) == 768
+
+
+@pytest.mark.parametrize("source", [TINY, LLAMA3])
+def test_every_workloads_longest_prompt_passes_vllms_own_length_checks(source, tmp_path):
+    """vLLM refuses, before tokenizing, a prompt of more characters than its input token limit
+    times the vocabulary's longest token (400 Bad Request). The worst prompt of each workload
+    (every word the longest, joined by spaces) passes that check and the token check at the
+    max_model_len the servers get, with the workload's own max_tokens."""
+    pytest.importorskip("vllm")
+    from vllm.exceptions import VLLMValidationError
+    from vllm.renderers.params import TokenizeParams
+    from vllm.tokenizers import get_tokenizer
+
+    tok = get_tokenizer(str(sw.write_model_folder(source, tmp_path / "m")))
+    vocab = json.loads((source / "config.json").read_text())["vocab_size"]
+    longest = f"w{vocab - 1}"
+    for w in sw.WORKLOADS.values():
+        limit = sw.max_model_len([w], vocab)
+        params = TokenizeParams(max_total_tokens=limit, max_output_tokens=w.output_len)
+        prompt = " ".join([longest] * w.input_len)
+        assert params.apply_pre_tokenization(tok, {"prompt": prompt})["prompt"] == prompt
+        assert len(params._token_len_check(tok, tok.encode(prompt))) == w.input_len
+    prompt = " ".join([longest] * (limit + 1))  # the check is real: one that is too long
+    with pytest.raises(VLLMValidationError, match="maximum context length"):
+        TokenizeParams(max_total_tokens=limit, max_output_tokens=256).apply_pre_tokenization(
+            tok, {"prompt": prompt})
 
 
 # --- rates ------------------------------------------------------------------------------------
@@ -822,7 +852,8 @@ def test_whole_loop_writes_rows_after_each_run_and_merges(tmp_path, monkeypatch,
     assert run.startswith(rows[0]["run_id"] + "-") and run == meta_run(out)
     assert (out.parent / "serve.png").is_file() and (out.parent / "logs").is_dir()
     meta = json.loads(out.with_suffix(".meta.json").read_text())
-    assert meta["max_model_len"] == 10752 and meta["vllm"] and meta["gpu"]
+    # tree_2k_4x8k: 10,304 prompt tokens of words up to 6 characters (7 with a space)
+    assert meta["max_model_len"] == 12288 and meta["vllm"] and meta["gpu"]
     assert meta["command"].endswith("--configs cascade,flashinfer --plot")
     assert meta["command"].split()[1].endswith("serve_bench.py")
     assert not _alive(str(tmp_path / "fake_vllm.py")) and not _alive(_engine_core(tmp_path))
