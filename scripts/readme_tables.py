@@ -249,22 +249,34 @@ def block_serve() -> list[str]:
                 return out
             flat, on = of(flat_config), of(plugin_config)
             for spec in sorted(set(flat) & set(on), key=lambda s: _rate_key(flat[s][-1])):
+                # Each run's plugin row with the flat row of its own run (else the latest).
+                runs = []
                 for c in on[spec]:
-                    # The flat row of the plugin row's own run, else the latest one.
                     same = [f for f in flat[spec] if f.get("run_id") == c.get("run_id")]
-                    f = (same or flat[spec])[-1]
-                    rate = (spec if f["request_rate"] == "burst"
-                            else f"{spec} ({f['request_rate']} req/s)")
-                    if len(on[spec]) > 1:  # measured in several runs: name the row's
-                        rate += f", run {c.get('run_id', '?')}"
-                    if f.get("run_id") != c.get("run_id"):
-                        rate, apart = rate + APART, True
-                    fraction = c.get("cascade_step_fraction")
-                    body.append([backend, workload + (f", TP {tp}" if tp != 1 else ""), rate,
-                                 pair(f, c, "output_tok_per_s"), pair(f, c, "ttft_ms_p99"),
-                                 pair(f, c, "tpot_ms_p50", 1), pair(f, c, "tpot_ms_p99", 1),
-                                 f"{100 * fraction:.0f}%" if fraction is not None else DASH,
-                                 _flat_reasons(c), planning(c)])
+                    runs.append(((same or flat[spec])[-1], c))
+                f, c = runs[-1]  # the latest run shown; the others as the ratios' range
+                rate = (spec if f["request_rate"] == "burst"
+                        else f"{spec} ({f['request_rate']} req/s)")
+                if len(runs) > 1:
+                    rate += f", {len(runs)} runs"
+                if any(a.get("run_id") != b.get("run_id") for a, b in runs):
+                    rate, apart = rate + APART, True
+
+                def cell(key: str, digits: int = 0, runs: list[Any] = runs,
+                         f: dict[str, Any] = f, c: dict[str, Any] = c) -> str:
+                    text = pair(f, c, key, digits)
+                    ratios = [b[key] / a[key] for a, b in runs
+                              if a.get(key) and b.get(key) is not None]
+                    if len(ratios) > 1 and text.endswith(")"):
+                        text = f"{text[:-1]}; {min(ratios):.2f}{DASH}{max(ratios):.2f}{TIMES})"
+                    return text
+
+                fraction = c.get("cascade_step_fraction")
+                body.append([backend, workload + (f", TP {tp}" if tp != 1 else ""), rate,
+                             cell("output_tok_per_s"), cell("ttft_ms_p99"),
+                             cell("tpot_ms_p50", 1), cell("tpot_ms_p99", 1),
+                             f"{100 * fraction:.0f}%" if fraction is not None else DASH,
+                             _flat_reasons(c), planning(c)])
     lines = []
     if (H200 / "serve.png").is_file():
         lines += ["![Online serving on an H200](benchmarks/results/h200/serve.png)", ""]
@@ -277,7 +289,10 @@ def block_serve() -> list[str]:
               f"({_source(path)}); latencies in ms, lower is better; the plugin's flat decode "
               "steps as a share of its decode steps, by reason; its planning time per step "
               "in µs (p50 / p99) and its whole host time per step (planning, metadata, graph "
-              "captures); `CASCADE_POLICY=always`: the plugin with cascade on every step that "
+              "captures); a point measured in several runs (request rate: N runs) shows its "
+              "latest run, then the range of every run's ratio (each run's plugin against its "
+              "own flat server); "
+              "`CASCADE_POLICY=always`: the plugin with cascade on every step that "
               "shares, the cost model bypassed:", ""]
     lines += _table(["backend", "workload", "request rate", "output tokens/s", "TTFT p99",
                      "TPOT p50", "TPOT p99", "decode steps as cascade",

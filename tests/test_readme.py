@@ -160,3 +160,25 @@ def test_serve_block_shows_the_plugin_against_flat_per_backend_workload_and_rate
     # measured by two invocations: marked, and the mark explained
     assert f"50% (2.0 req/s){tables.APART} |" in flash_attn
     assert any(line.startswith(tables.APART) for line in lines)
+
+
+def test_a_point_measured_in_several_runs_shows_its_latest_run_and_every_runs_ratio(
+        tmp_path, monkeypatch):
+    """Each run's plugin row is paired with its own run's flat row: the latest run's figures
+    are shown, then the range of the runs' ratios (not ratios across runs)."""
+    rows = [_serve_row("flash_attn", 2.0, "90%", 1.0, run="a"),
+            _serve_row("cascade_flash_attn", 2.0, "90%", 2.0, run="a"),
+            _serve_row("flash_attn", 2.1, "90%", 0.5, run="b"),  # a slower flat server
+            _serve_row("cascade_flash_attn", 2.1, "90%", 1.5, run="b")]
+    (tmp_path / "serve.json").write_text(json.dumps(rows))
+    monkeypatch.setattr(tables, "H200", tmp_path)
+    monkeypatch.setattr(tables, "ROOT", tmp_path.parent)
+    lines = tables.block_serve()
+    [row] = [line for line in lines if "| prefix_8k_x4 |" in line]
+    x = tables.TIMES
+    assert "| 90% (2.1 req/s), 2 runs |" in row  # the latest run's rate
+    # run b: 500 -> 1,500 (3.00x); run a: 2.00x. Never 1,500 / 1,000 (run b over run a's flat).
+    dash = tables.DASH
+    assert f"| 500 → 1,500 (3.00{x}; 2.00{dash}3.00{x}) |" in row
+    assert f"| 40.0 → 13.3 (0.33{x}; 0.33{dash}0.50{x}) |" in row
+    assert tables.APART not in row
