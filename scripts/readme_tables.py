@@ -211,6 +211,18 @@ def _flat_reasons(row: dict[str, Any]) -> str:
     return ", ".join(shown) or DASH
 
 
+TTFT_PARTS = ("ttft_ms_mean", "server_ttft_ms_mean", "queue_ms_mean", "prefill_ms_mean")
+
+
+def _ttft_parts(row: dict[str, Any]) -> str:
+    """A run's mean time to first token and its parts: HTTP (the client's less vLLM's), the
+    frontend's tokenizing and hand-off to the engine (vLLM's less its queue and prefill), the
+    engine's queue and the prefill."""
+    client, server, queue, prefill = (row[k] for k in TTFT_PARTS)
+    return (f"{client:,.0f} ms = HTTP {client - server:,.0f} + tokenizing and hand-off "
+            f"{server - queue - prefill:,.0f} + queue {queue:,.0f} + prefill {prefill:,.0f}")
+
+
 def block_serve() -> list[str]:
     path = H200 / "serve.json"
     if not path.is_file():
@@ -233,7 +245,7 @@ def block_serve() -> list[str]:
         shown = f"{p50:,.0f} / {p99:,.0f}"
         return f"{shown} ({host:,.0f})" if host is not None else shown
 
-    body, apart = [], False
+    body, apart, splits = [], False, []
     keys = dict.fromkeys((r["workload"], r.get("tensor_parallel_size", 1)) for r in rows)
     for flat_config, plugin_config, backend in SERVE_PAIRS:
         for workload, tp in keys:
@@ -271,6 +283,10 @@ def block_serve() -> list[str]:
                         text = f"{text[:-1]}; {min(ratios):.2f}{DASH}{max(ratios):.2f}{TIMES})"
                     return text
 
+                if f["request_rate"] == "burst" and all(
+                        r.get(k) is not None for r in (f, c) for k in TTFT_PARTS):
+                    splits.append(f"{backend} {workload}: flat {_ttft_parts(f)}; plugin "
+                                  f"{_ttft_parts(c)}")
                 fraction = c.get("cascade_step_fraction")
                 body.append([backend, workload + (f", TP {tp}" if tp != 1 else ""), rate,
                              cell("output_tok_per_s"), cell("ttft_ms_p99"),
@@ -297,6 +313,9 @@ def block_serve() -> list[str]:
     lines += _table(["backend", "workload", "request rate", "output tokens/s", "TTFT p99",
                      "TPOT p50", "TPOT p99", "decode steps as cascade",
                      "flat decode steps, why", "planning µs p50 / p99 (host µs per step)"], body)
+    if splits:
+        lines += ["", "Where a burst's time to first token goes (means over its requests, the "
+                  "client's and vLLM's own `/metrics` histograms): " + "; ".join(splits) + "."]
     if apart:
         lines += ["", f"{APART} flat and plugin measured by separate `serve_bench.py` "
                   "invocations (`serve.meta.json` names each run, its machine and its "

@@ -182,3 +182,24 @@ def test_a_point_measured_in_several_runs_shows_its_latest_run_and_every_runs_ra
     assert f"| 500 → 1,500 (3.00{x}; 2.00{dash}3.00{x}) |" in row
     assert f"| 40.0 → 13.3 (0.33{x}; 0.33{dash}0.50{x}) |" in row
     assert tables.APART not in row
+
+
+def test_a_bursts_time_to_first_token_is_split_into_its_parts(tmp_path, monkeypatch):
+    """Below the table, each shown burst pair that carries vLLM's own TTFT histograms: the
+    client's mean = HTTP (client less server) + tokenizing and hand-off (server less queue and
+    prefill) + queue + prefill; a pair without them says nothing."""
+    split = {"ttft_ms_mean": 3000.0, "server_ttft_ms_mean": 2500.0, "queue_ms_mean": 10.0,
+             "prefill_ms_mean": 190.0}
+    rows = [_serve_row("flash_attn", "burst", "burst", 1.0, **split),
+            _serve_row("cascade_flash_attn", "burst", "burst", 2.0,
+                       **{**split, "prefill_ms_mean": 90.0}),
+            _serve_row("flashinfer", "burst", "burst", 1.0),  # no split: no sentence
+            _serve_row("cascade", "burst", "burst", 2.0)]
+    (tmp_path / "serve.json").write_text(json.dumps(rows))
+    monkeypatch.setattr(tables, "H200", tmp_path)
+    monkeypatch.setattr(tables, "ROOT", tmp_path.parent)
+    [line] = [x for x in tables.block_serve() if x.startswith("Where a burst's")]
+    assert ("FLASH_ATTN prefix_8k_x4: flat 3,000 ms = HTTP 500 + tokenizing and hand-off 2,300 "
+            "+ queue 10 + prefill 190; plugin 3,000 ms = HTTP 500 + tokenizing and hand-off "
+            "2,400 + queue 10 + prefill 90.") in line
+    assert "FLASHINFER" not in line
