@@ -7,7 +7,8 @@ server's ``PYTHONPATH``, so every process of that server imports this module at 
 (holding the GIL, as the planner's Python does). The delay is counted in the plugin's planning
 time like the rest of the planning. If TPOT does not move with it, the plugin's host time is
 hidden behind the GPU (vLLM's asynchronous scheduling prepares the next step while the GPU runs
-the current one); if it moves by about the delay, every microsecond of planning counts.
+the current one); if it moves by about the delay, every microsecond of planning counts. It
+shadows any other ``sitecustomize`` module on that server's path.
 """
 
 from __future__ import annotations
