@@ -68,11 +68,12 @@ CONFIGS = {
     # keeps flat would have been faster (its "never slower than flat", checked online).
     "cascade_flash_attn_always": Config("FLASH_ATTN", {"CASCADE_ATTENTION": "1",
                                                        "CASCADE_POLICY": "always"}),
-    # The plugin with 1 ms of busy host time added to the planning of every step
-    # (host_delay/sitecustomize.py): whether its host time per step is on the critical path.
-    "cascade_flash_attn_host_delay_1ms": Config(
-        "FLASH_ATTN", {"CASCADE_ATTENTION": "1", "CASCADE_BENCH_HOST_DELAY_US": "1000"},
-        pythonpath=(str(Path(__file__).resolve().parent / "host_delay"),)),
+    # The plugin with 1 or 4 ms of busy host time added to the planning of every step
+    # (host_delay/sitecustomize.py): whether its host time per step is on the critical path,
+    # and how much host time a step can hide.
+    **{f"cascade_flash_attn_host_delay_{ms}ms": Config(
+        "FLASH_ATTN", {"CASCADE_ATTENTION": "1", "CASCADE_BENCH_HOST_DELAY_US": str(1000 * ms)},
+        pythonpath=(str(Path(__file__).resolve().parent / "host_delay"),)) for ms in (1, 4)},
 }
 # Each backend's flat config: its burst sets the Poisson rates of every config on that backend.
 FLAT = {"FLASHINFER": "flashinfer", "FLASH_ATTN": "flash_attn"}

@@ -178,6 +178,9 @@ part_serve() {
 #   flashinfer         the FlashInfer pair: shared documents and chat.
 #   flashinfer_burst   the FlashInfer pair on shared documents only: a burst and 90% (about
 #                      7 min after the verification parts on the same machine).
+#   host_delay         vLLM's default backend flat, the plugin, and the plugin with 1 and 4 ms
+#                      of host time added to each step's planning, on 8K x 4 at 90% (rates
+#                      from the committed flat burst): how much host time a step hides.
 #   flash_attn_policy  vLLM's default backend flat, the plugin, and the plugin with cascade on
 #                      every step that shares (CASCADE_POLICY=always), at the loads where the
 #                      cost model keeps most decode steps flat; rates from the committed flat
@@ -210,6 +213,9 @@ part_serve_grid() {  # run it detached, alone
     --workloads prefix_8k_x4,chat_1k5_system --rates "burst,90%" --plot
   [[ $grid == *" flashinfer_burst "* ]] && serve_slice flashinfer_burst 900 \
     --configs flashinfer,cascade --workloads prefix_8k_x4 --rates "burst,90%"
+  [[ $grid == *" host_delay "* ]] && serve_slice host_delay 1200 \
+    --configs flash_attn,cascade_flash_attn,cascade_flash_attn_host_delay_1ms,cascade_flash_attn_host_delay_4ms \
+    --workloads prefix_8k_x4 --rates 90%
   [[ $grid == *" flash_attn_policy "* ]] && serve_slice flash_attn_policy 1500 \
     --configs flash_attn,cascade_flash_attn,cascade_flash_attn_always \
     --workloads prefix_8k_x4,chat_1k5_system --rates "prefix_8k_x4=50%,90%;*=90%"

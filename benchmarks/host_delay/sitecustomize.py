@@ -1,8 +1,8 @@
 """Benchmark only: whether the plugin's host time per step is on a served step's critical path.
 
-``serve_bench.py``'s ``cascade_flash_attn_host_delay_1ms`` config puts this folder first on the
-server's ``PYTHONPATH``, so every process of that server imports this module at start-up. With
-``CASCADE_BENCH_HOST_DELAY_US`` set, it wraps the runner hooks' planning of a step
+``serve_bench.py``'s ``cascade_flash_attn_host_delay_1ms`` and ``_4ms`` configs put this folder
+first on the server's ``PYTHONPATH``, so every process of that server imports this module at
+start-up. With ``CASCADE_BENCH_HOST_DELAY_US`` set, it wraps the runner hooks' planning of a step
 (``hooks_dispatch.plan_rows``) so that each call first keeps the CPU busy that many microseconds
 (holding the GIL, as the planner's Python does). The delay is counted in the plugin's planning
 time like the rest of the planning. If TPOT does not move with it, the plugin's host time is

@@ -106,6 +106,8 @@ def test_the_host_delay_config_delays_every_planning_of_its_servers_processes(tm
     plugin's own ``plan_rows`` (which refuses these arguments)."""
     src = Path(__file__).resolve().parents[2] / "src"
     monkeypatch.setenv("PYTHONPATH", str(src))
+    assert sb.CONFIGS["cascade_flash_attn_host_delay_4ms"].env[
+        "CASCADE_BENCH_HOST_DELAY_US"] == "4000"
     config = sb.CONFIGS["cascade_flash_attn_host_delay_1ms"]
     env = sb.server_env(config, tmp_path / "prom")
     assert env["CASCADE_BENCH_HOST_DELAY_US"] == "1000" and config.plugin_on
@@ -984,7 +986,7 @@ def test_the_serving_grid_of_gpu_validate_is_a_valid_bench(tmp_path, capsys):
     slices = re.findall(r'\*" (\w+) "\* \]\] && serve_slice (\w+) \d+ (.*)', body)
     assert {name for name, _, _ in slices} == {"flash_attn_shared", "flash_attn_long",
                                                "flashinfer", "flashinfer_burst",
-                                               "flash_attn_policy"}
+                                               "host_delay", "flash_attn_policy"}
     assert all(name == log for name, log, _ in slices)
     for _, _, args in slices:
         argv = shlex.split(args)
