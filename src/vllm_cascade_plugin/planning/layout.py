@@ -162,9 +162,7 @@ def shareable_pages(step: Step) -> np.ndarray:
     width = int(bound.max(initial=0))
     if width == 0:
         return bound.copy()
-    table = step.block_table
-    leading = table[:, :width] if step.row_index is None else table[step.row_index, :width]
-    zero = leading == 0
+    zero = step.dense()[:, :width] == 0  # a plan from scratch reads the rows gathered once
     first_zero = np.where(zero.any(axis=1), zero.argmax(axis=1), width)
     return np.minimum(bound, first_zero)
 
