@@ -46,18 +46,21 @@ HOST = sw.HOST  # loopback only
 @dataclasses.dataclass(frozen=True)
 class Config:
     """A server configuration: attention backend, extra environment and ``vllm serve`` args;
-    ``pythonpath``: folders put first on the server's ``PYTHONPATH``."""
+    ``pythonpath``: folders put first on the server's ``PYTHONPATH``; ``flat``: the flat config
+    it is compared with, whose burst sets its Poisson rates (None: its backend's, ``FLAT``)."""
 
     backend: str
     env: dict[str, str]
     args: tuple[str, ...] = ()
     pythonpath: tuple[str, ...] = ()
+    flat: str | None = None
 
     @property
     def plugin_on(self) -> bool:
         return self.env.get("CASCADE_ATTENTION") == "1"
 
 
+API_SERVERS_4 = ("--api-server-count", "4")
 CONFIGS = {
     "flashinfer": Config("FLASHINFER", {"CASCADE_ATTENTION": "0"}),
     "cascade": Config("FLASHINFER", {"CASCADE_ATTENTION": "1"}),
@@ -74,13 +77,23 @@ CONFIGS = {
     **{f"cascade_flash_attn_host_delay_{ms}ms": Config(
         "FLASH_ATTN", {"CASCADE_ATTENTION": "1", "CASCADE_BENCH_HOST_DELAY_US": str(1000 * ms)},
         pythonpath=(str(Path(__file__).resolve().parent / "host_delay"),)) for ms in (1, 4)},
+    # Flat and the plugin with 4 API server processes (``--api-server-count 4``): requests are
+    # tokenized and handed to the engine in parallel, so a burst's time to first token is less
+    # the frontend's and more the engine's. Compared with each other, not with one API server.
+    "flash_attn_api_servers_4": Config("FLASH_ATTN", {"CASCADE_ATTENTION": "0"},
+                                       args=API_SERVERS_4, flat="flash_attn_api_servers_4"),
+    "cascade_flash_attn_api_servers_4": Config("FLASH_ATTN", {"CASCADE_ATTENTION": "1"},
+                                               args=API_SERVERS_4,
+                                               flat="flash_attn_api_servers_4"),
 }
-# Each backend's flat config: its burst sets the Poisson rates of every config on that backend.
+# Each backend's flat config: its burst sets the Poisson rates of the configs on that backend
+# that name no flat config of their own (``Config.flat``).
 FLAT = {"FLASHINFER": "flashinfer", "FLASH_ATTN": "flash_attn"}
 
 
 def baseline(config: str) -> str:
-    return FLAT[CONFIGS[config].backend]
+    """The flat config ``config`` is compared with (itself for a flat config)."""
+    return CONFIGS[config].flat or FLAT[CONFIGS[config].backend]
 
 
 def server_command(config: Config, model_dir: Path, port: int, max_len: int,
@@ -236,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(f"--rates names {', '.join(unknown)}, not in --workloads")
     old = [] if args.fresh else sr.load_rows(args.out)
     known = {flat: sr.baseline_rates(old, flat, args.tensor_parallel_size)
-             for flat in FLAT.values()}
+             for flat in sorted({baseline(c) for c in CONFIGS})}
     for flat in sorted({baseline(c) for c in configs} - set(configs)):
         missing = [w.name for w in workloads if w.name not in known[flat] and any(
             sw.base_rate(r).endswith("%") for r in rates.get(w.name, rates.get("*", [])))]

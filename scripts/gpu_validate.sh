@@ -181,6 +181,9 @@ part_serve() {
 #   host_delay         vLLM's default backend flat, the plugin, and the plugin with 1 and 4 ms
 #                      of host time added to each step's planning, on 8K x 4 at 90% (rates
 #                      from the committed flat burst): how much host time a step hides.
+#   api_servers        vLLM's default backend flat and the plugin, each with 4 API server
+#                      processes (--api-server-count 4: prompts tokenized in parallel), on an
+#                      8K x 4 burst: the burst without the single frontend's queue.
 #   flash_attn_policy  vLLM's default backend flat, the plugin, and the plugin with cascade on
 #                      every step that shares (CASCADE_POLICY=always), at the loads where the
 #                      cost model keeps most decode steps flat; rates from the committed flat
@@ -216,6 +219,9 @@ part_serve_grid() {  # run it detached, alone
   [[ $grid == *" host_delay "* ]] && serve_slice host_delay 1200 \
     --configs flash_attn,cascade_flash_attn,cascade_flash_attn_host_delay_1ms,cascade_flash_attn_host_delay_4ms \
     --workloads prefix_8k_x4 --rates 90%
+  [[ $grid == *" api_servers "* ]] && serve_slice api_servers 900 \
+    --configs flash_attn_api_servers_4,cascade_flash_attn_api_servers_4 \
+    --workloads prefix_8k_x4 --rates burst
   [[ $grid == *" flash_attn_policy "* ]] && serve_slice flash_attn_policy 1500 \
     --configs flash_attn,cascade_flash_attn,cascade_flash_attn_always \
     --workloads prefix_8k_x4,chat_1k5_system --rates "prefix_8k_x4=50%,90%;*=90%"

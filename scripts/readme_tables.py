@@ -197,6 +197,8 @@ def _rate_key(row: dict[str, Any]) -> tuple[int, float, str]:
 # with cascade on every step that shares (no cost model) beside the plugin as shipped
 SERVE_PAIRS = (("flash_attn", "cascade_flash_attn", "FLASH_ATTN"),
                ("flash_attn", "cascade_flash_attn_always", "FLASH_ATTN, `CASCADE_POLICY=always`"),
+               ("flash_attn_api_servers_4", "cascade_flash_attn_api_servers_4",
+                "FLASH_ATTN, 4 API servers"),
                ("flashinfer", "cascade", "FLASHINFER"))
 APART = "\u00b9"  # marks a pair measured by separate invocations
 

@@ -986,7 +986,8 @@ def test_the_serving_grid_of_gpu_validate_is_a_valid_bench(tmp_path, capsys):
     slices = re.findall(r'\*" (\w+) "\* \]\] && serve_slice (\w+) \d+ (.*)', body)
     assert {name for name, _, _ in slices} == {"flash_attn_shared", "flash_attn_long",
                                                "flashinfer", "flashinfer_burst",
-                                               "host_delay", "flash_attn_policy"}
+                                               "host_delay", "flash_attn_policy",
+                                               "api_servers"}
     assert all(name == log for name, log, _ in slices)
     for _, _, args in slices:
         argv = shlex.split(args)
@@ -995,9 +996,39 @@ def test_the_serving_grid_of_gpu_validate_is_a_valid_bench(tmp_path, capsys):
             keep += [flag, argv[argv.index(flag) + 1]]
         configs = keep[1].split(",")
         assert len({sb.CONFIGS[c].backend for c in configs}) == 1 and len(configs) >= 2
-        assert sum(not sb.CONFIGS[c].plugin_on for c in configs) == 1  # its backend flat
+        flat = [c for c in configs if not sb.CONFIGS[c].plugin_on]
+        assert len(flat) == 1  # its backend flat, the one every plugin config is compared with
+        assert all(sb.baseline(c) == flat[0] for c in configs)
         assert sb.main(["--dry-run", "--model", str(TINY), "--out", str(tmp_path / "s.json"),
                         "--work-dir", str(tmp_path / "w"), *keep]) == 0
     printed = capsys.readouterr().out
     assert re.search(r"prefix_8k_x4 90%#2: ", printed) and "chat_1k5_system 90%: " in printed
     assert "random_2k 90%: " in printed and "prefix_32k_x1 burst: " in printed
+
+
+def test_api_server_configs_pair_with_each_other_and_take_their_own_flat_rates(tmp_path, capsys):
+    """The 4-API-server plugin config is compared with the 4-API-server flat config: its Poisson
+    rates come from that config's burst, never from one API server's, and both servers get
+    ``--api-server-count 4``."""
+    plugin, flat = "cascade_flash_attn_api_servers_4", "flash_attn_api_servers_4"
+    assert sb.baseline(plugin) == flat and sb.baseline(flat) == flat
+    assert sb.baseline("cascade_flash_attn") == "flash_attn"
+    out = tmp_path / "s.json"
+    # Only a one-API-server flat burst on record: no rate for the 4-API-server configs.
+    out.write_text(json.dumps([{"workload": "prefix_8k_x4", "config": "flash_attn",
+                                "request_rate": "burst", "tensor_parallel_size": 1,
+                                "request_throughput": 13.0}]))
+    assert sb.main(["--dry-run", "--model", str(TINY), "--out", str(out),
+                    "--work-dir", str(tmp_path / "w"), "--configs", plugin,
+                    "--workloads", "prefix_8k_x4", "--rates", "90%"]) == 0
+    printed = capsys.readouterr().out
+    server = next(line for line in printed.splitlines() if line.startswith("# server"))
+    assert "--api-server-count 4" in server
+    assert f"<90% of {flat} burst req/s on prefix_8k_x4>" in printed
+    out.write_text(json.dumps([{"workload": "prefix_8k_x4", "config": flat,
+                                "request_rate": "burst", "tensor_parallel_size": 1,
+                                "request_throughput": 20.0}]))
+    assert sb.main(["--dry-run", "--model", str(TINY), "--out", str(out),
+                    "--work-dir", str(tmp_path / "w"), "--configs", plugin,
+                    "--workloads", "prefix_8k_x4", "--rates", "90%"]) == 0
+    assert "--request-rate 18" in capsys.readouterr().out
