@@ -6,6 +6,9 @@
 #   source .devb/setup_device.sh && CASCADE_COMMIT=<sha> bash scripts/gpu_validate.sh start all
 #   source .devb/setup_device.sh && bash scripts/gpu_validate.sh wait [SECONDS]   # repeat
 #
+# A machine idle for about 30 s between commands is given back with the run on it: `wait` on a
+# fresh machine exits at once with status 3 and says so (issue the next `wait` right away).
+#
 # Each waiting command packs what has finished into $OUT (gv.tar.xz; the compiled-kernel caches
 # once the run is done), so a run cut short keeps its finished parts. `start PART...` runs the
 # named parts one after another instead; `PART` alone runs one in the foreground.
@@ -262,9 +265,18 @@ pack() {  # what has finished, into $OUT
   ls -la "$OUT"
 }
 
+running() {  # whether the detached run started on this machine is still alive
+  local pid
+  pid=$(cat "$res/pipeline.pid" 2>/dev/null) && kill -0 "$pid" 2>/dev/null
+}
+
 wait_parts() {  # until the detached run is done or $1 seconds have passed; packs every 30 s
   local deadline=$((SECONDS + ${1:-540})) packed=$SECONDS
   while [ $SECONDS -lt $deadline ] && [ ! -e "$res/done" ]; do
+    if ! running; then
+      stamp "the detached run ended without finishing (see $res/pipeline.log)"
+      break
+    fi
     sleep 5
     if [ $((SECONDS - packed)) -ge 30 ]; then pack > /dev/null; packed=$SECONDS; fi
   done
@@ -277,18 +289,28 @@ start)
   shift
   rm -f "$res/done"
   restore_caches
+  rm -f "$res/pipeline.pid"
   setsid nohup bash "$0" run "$@" < /dev/null > "$res/pipeline.log" 2>&1 &
+  for _ in 1 2 3 4 5 6 7 8 9 10; do [ -e "$res/pipeline.pid" ] && break; sleep 0.5; done
   stamp "started: $*"
   wait_parts "${GV_WAIT:-520}"
   ;;
 run)  # the detached list (`start`)
   shift
+  echo $$ > "$res/pipeline.pid"
   for p in "$@"; do "part_$p"; done >> "$res/parts.log" 2>&1
   save_caches >> "$res/parts.log" 2>&1
   touch "$res/done"
   exit 0
   ;;
 wait)
+  # A machine left idle (about 30 s between commands) is given back, and the next command gets
+  # a fresh one without the run: say so at once instead of waiting out the seconds.
+  if [ ! -e "$res/pipeline.pid" ]; then
+    echo "gpu_validate: no run was started on this machine (a fresh machine: the one that ran" \
+      "'start' was given back, and its run with it); nothing to wait for: 'start' again" >&2
+    exit 3
+  fi
   wait_parts "${2:-540}"
   ;;
 *)
