@@ -257,6 +257,13 @@ save_caches() {  # for the next fresh machine: .devb/ (see ../shared/device/READ
 
 pack() {  # what has finished, into $OUT
   [ -n "${OUT:-}" ] || return 0
+  # The serve bench's client logs so far (a slice copies them only when it ends; a machine
+  # given back meanwhile would lose them): they say why a request failed.
+  local d
+  for d in /tmp/vllm-cascade-serve-bench/*/client-logs; do
+    [ -d "$d" ] && mkdir -p "$res/client-logs" &&
+      cp -r "$d/." "$res/client-logs/$(basename "$(dirname "$d")")/" 2>/dev/null
+  done
   python3 scripts/gpu_validate_rows.py table "$res/gpu_validate.json" $ORDER \
     --previous benchmarks/results/h200/gpu_validate.json > /dev/null
   tar -C "$res" -cJf "$OUT/gv.tar.xz" --exclude=./engines --exclude=./models --exclude=./caches \
