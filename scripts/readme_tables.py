@@ -109,10 +109,45 @@ def block_summary() -> list[str]:
     grid = [r for r in _load(H200 / "kernel_grid.json") if r["ms"].get("plugin")]
     best = max(grid, key=lambda r: r["ms"]["fi_decode"] / r["ms"]["plugin"])
     return [f"End to end on an {_setup(meta)} (Llama-3-8B shapes, dummy weights), output "
-            f"tokens/s against flat FlashInfer: {'; '.join(parts)}. Per attention layer, up to "
+            f"tokens/s against flat FlashInfer: {'; '.join(parts)}. {serve_headline()}Per "
+            f"attention layer, up to "
             f"{_ratio(best['ms']['fi_decode'] / best['ms']['plugin'])} faster than flat "
             f"FlashInfer decode ({best['B']} requests {TIMES} {best['P']:,} shared tokens). "
             f"Details in [Performance](#performance)."]
+
+
+# The serving headline's workloads (serve_workloads.py): what each is.
+SERVE_HEADLINE = {"prefix_8k_x4": "4 documents of 8K tokens", "prefix_32k_x1": "one of 32K",
+                  "prefix_2k_x16": "16 of 2K"}
+
+
+def serve_headline() -> str:
+    """Served by ``vllm serve`` on vLLM's default backend against it flat (serve.json, the
+    latest run of each point): TPOT p50 at 90% load and a burst's output tokens/s; "" when
+    serve.json has none of it."""
+    path = H200 / "serve.json"
+    rows = _load(path) if path.is_file() else []
+    parts, days = [], set()
+    for workload, what in SERVE_HEADLINE.items():
+        runs = serve_runs(rows, "flash_attn", "cascade_flash_attn", workload)
+        said = []
+        for spec, key, faster in (("90%", "tpot_ms_p50", "lower"),
+                                  ("burst", "output_tok_per_s", "")):
+            if spec not in runs:
+                said.append("not measured")
+                continue
+            f, c = runs[spec][-1]
+            days |= {str(r.get("run_id", ""))[:8] for r in (f, c)}
+            ratio = f[key] / c[key] if faster else c[key] / f[key]
+            said.append(f"{_ratio(ratio)}{' ' + faster if faster else ''}")
+        if said != ["not measured"] * 2:
+            parts.append(f"{' / '.join(said)} with {what}")
+    if not parts:
+        return ""
+    dates = ", ".join(f"{d[:4]}-{d[4:6]}-{d[6:]}" for d in sorted(days) if d.isdigit())
+    return (f"Served by `vllm serve` (vLLM's default `FLASH_ATTN` backend against it flat, "
+            f"{dates}), TPOT p50 at 90% of flat's burst rate / a burst's output tokens/s: "
+            f"{'; '.join(parts)} shared by many requests. ")
 
 
 def block_e2e() -> list[str]:
@@ -225,6 +260,28 @@ def _ttft_parts(row: dict[str, Any]) -> str:
             f"{server - queue - prefill:,.0f} + queue {queue:,.0f} + prefill {prefill:,.0f}")
 
 
+def serve_runs(rows: list[dict[str, Any]], flat_config: str, plugin_config: str, workload: str,
+               tp: int = 1) -> dict[str, list[tuple[dict[str, Any], dict[str, Any]]]]:
+    """Per rate spec (in rate order), every run's (flat row, plugin row) of ``workload``, in
+    file order: each plugin row with the flat row of its own run, else the latest flat row. A
+    run whose every request failed measured nothing and is left out."""
+    def of(config: str) -> dict[str, list[dict[str, Any]]]:
+        out: dict[str, list[dict[str, Any]]] = {}
+        for r in rows:
+            if (r["workload"] == workload and r["config"] == config
+                    and r.get("tensor_parallel_size", 1) == tp and r.get("completed", 1)):
+                out.setdefault(str(r.get("rate_spec", r["request_rate"])), []).append(r)
+        return out
+    flat, on = of(flat_config), of(plugin_config)
+    runs = {}
+    for spec in sorted(set(flat) & set(on), key=lambda s: _rate_key(flat[s][-1])):
+        runs[spec] = []
+        for c in on[spec]:
+            same = [f for f in flat[spec] if f.get("run_id") == c.get("run_id")]
+            runs[spec].append(((same or flat[spec])[-1], c))
+    return runs
+
+
 def block_serve() -> list[str]:
     path = H200 / "serve.json"
     if not path.is_file():
@@ -251,23 +308,7 @@ def block_serve() -> list[str]:
     keys = dict.fromkeys((r["workload"], r.get("tensor_parallel_size", 1)) for r in rows)
     for flat_config, plugin_config, backend in SERVE_PAIRS:
         for workload, tp in keys:
-            def of(config: str, workload: str = workload, tp: int = tp,
-                   ) -> dict[str, list[dict[str, Any]]]:
-                """Rows by rate spec, in file order (a point measured in several runs has a
-                row per run)."""
-                out: dict[str, list[dict[str, Any]]] = {}
-                for r in rows:
-                    if (r["workload"] == workload and r["config"] == config
-                            and r.get("tensor_parallel_size", 1) == tp and r.get("completed", 1)):
-                        out.setdefault(str(r.get("rate_spec", r["request_rate"])), []).append(r)
-                return out
-            flat, on = of(flat_config), of(plugin_config)
-            for spec in sorted(set(flat) & set(on), key=lambda s: _rate_key(flat[s][-1])):
-                # Each run's plugin row with the flat row of its own run (else the latest).
-                runs = []
-                for c in on[spec]:
-                    same = [f for f in flat[spec] if f.get("run_id") == c.get("run_id")]
-                    runs.append(((same or flat[spec])[-1], c))
+            for spec, runs in serve_runs(rows, flat_config, plugin_config, workload, tp).items():
                 f, c = runs[-1]  # the latest run shown; the others as the ratios' range
                 rate = (spec if f["request_rate"] == "burst"
                         else f"{spec} ({f['request_rate']} req/s)")

@@ -203,3 +203,26 @@ def test_a_bursts_time_to_first_token_is_split_into_its_parts(tmp_path, monkeypa
             "+ queue 10 + prefill 190; plugin 3,000 ms = HTTP 500 + tokenizing and hand-off "
             "2,400 + queue 10 + prefill 90.") in line
     assert "FLASHINFER" not in line
+
+
+def test_the_serving_headline_reads_each_points_latest_run_against_its_own_flat_row(
+        tmp_path, monkeypatch):
+    """The summary's serving sentence: TPOT p50 at 90% (flat / plugin) and a burst's output
+    (plugin / flat), the latest run of each point paired with its own run's flat server, "not
+    measured" for a missing point, and nothing at all without serving rows."""
+    monkeypatch.setattr(tables, "H200", tmp_path)
+    assert tables.serve_headline() == ""
+    rows = [_serve_row("flash_attn", 2.0, "90%", 1.0, run="20261201T000000"),
+            _serve_row("cascade_flash_attn", 2.0, "90%", 4.0, run="20261201T000000"),
+            # a later run of the same point, beside a faster flat server: it is the one shown
+            _serve_row("flash_attn", 2.0, "90%", 1.5, run="20261202T000000"),
+            _serve_row("cascade_flash_attn", 2.0, "90%", 3.0, run="20261202T000000"),
+            # another backend's rows are not vLLM's default backend's
+            _serve_row("flashinfer", "burst", "burst", 1.0, run="20261202T000000"),
+            _serve_row("cascade", "burst", "burst", 9.0, run="20261202T000000")]
+    (tmp_path / "serve.json").write_text(json.dumps(rows))
+    x = tables.TIMES
+    said = tables.serve_headline()
+    assert f"2.00{x} lower / not measured with 4 documents of 8K tokens" in said
+    assert "2026-12-02" in said and "2026-12-01" not in said
+    assert "9.00" not in said and "one of 32K" not in said
