@@ -166,9 +166,6 @@ part_serve() {
     ${SERVE_ARGS:---workloads prefix_8k_x4 --configs flashinfer,cascade --duration 30 --plot} \
     --out "$res/serve/serve.json" > "$res/serve/serve.log" 2>&1
   stamp "serve rc=$?"; tail -20 "$res/serve/serve.log"
-  for d in /tmp/vllm-cascade-serve-bench/*/client-logs; do
-    [ -d "$d" ] && cp -r "$d" "$res/serve/client-logs-$(basename "$(dirname "$d")")"
-  done
 }
 
 # The serving grid in slices that each fit one session's 30 minutes of device time (a server
@@ -200,10 +197,6 @@ serve_slice() {  # name, timeout (s), serve_bench.py arguments...
     --duration "${SERVE_DURATION:-20}" --out "$res/serve_grid/serve.json" "$@" \
     > "$res/serve_grid/$name.log" 2>&1
   stamp "serve_grid $name rc=$? in $((SECONDS - start)) s"
-  # The client logs say why a request failed (the server logs only that one did).
-  for d in /tmp/vllm-cascade-serve-bench/*/client-logs; do
-    [ -d "$d" ] && cp -r "$d" "$res/serve_grid/client-logs-$(basename "$(dirname "$d")")"
-  done
 }
 
 part_serve_grid() {  # run it detached, alone
@@ -257,8 +250,8 @@ save_caches() {  # for the next fresh machine: .devb/ (see ../shared/device/READ
 
 pack() {  # what has finished, into $OUT
   [ -n "${OUT:-}" ] || return 0
-  # The serve bench's client logs so far (a slice copies them only when it ends; a machine
-  # given back meanwhile would lose them): they say why a request failed.
+  # The serve bench's client logs so far, under client-logs/<run>/ (every pack: a machine given
+  # back mid-run keeps them): they say why a request failed, the server logs only that one did.
   local d
   for d in /tmp/vllm-cascade-serve-bench/*/client-logs; do
     [ -d "$d" ] && mkdir -p "$res/client-logs" &&
@@ -294,9 +287,8 @@ PARTS="all engine engine_flash_attn engine_flashinfer engine_graphs kernels serv
 case ${1:?"a part ($PARTS), start PARTS..., or wait [SECONDS]"} in
 start)
   shift
-  rm -f "$res/done"
+  rm -f "$res/done" "$res/pipeline.pid"
   restore_caches
-  rm -f "$res/pipeline.pid"
   setsid nohup bash "$0" run "$@" < /dev/null > "$res/pipeline.log" 2>&1 &
   for _ in 1 2 3 4 5 6 7 8 9 10; do [ -e "$res/pipeline.pid" ] && break; sleep 0.5; done
   stamp "started: $*"
