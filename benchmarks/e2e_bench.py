@@ -37,6 +37,9 @@ CONFIGS = {  # name -> (attention backend, plugin environment)
     "cascade_flash_attn": ("FLASH_ATTN", {"CASCADE_ATTENTION": "1"}),
     # Cascade on every step with a shared level, whatever the cost model says.
     "cascade_always": ("FLASHINFER", {"CASCADE_ATTENTION": "1", "CASCADE_POLICY": "always"}),
+    # The same in vLLM's default backend: against flash_attn, what a cascade step costs there.
+    "cascade_flash_attn_always": ("FLASH_ATTN", {"CASCADE_ATTENTION": "1",
+                                                 "CASCADE_POLICY": "always"}),
     # The FA3 executor without the fused decode kernel (A/B of decode_level end to end).
     "cascade_unfused": ("FLASHINFER", {"CASCADE_ATTENTION": "1", "CASCADE_FUSED_DECODE": "0"}),
     # Without the executor's CUDA graphs of decode steps (A/B of CASCADE_CUDA_GRAPHS).
@@ -68,7 +71,23 @@ def workloads() -> dict[str, tuple[list[list[int]], dict]]:
         [tokens(4096) for _ in range(32)],
         {**greedy, "n": 16, "temperature": 0.8, "seed": 0})
     w["no_sharing_256_random_2k"] = ([tokens(2048) for _ in range(256)], greedy)
+    # Batches the size a server decodes at moderate load (SERVING_BATCHES), behind the serving
+    # benchmark's shared prefixes: 16 documents of 2K tokens and 4 of 8K (128 own tokens each,
+    # requests interleaved over the documents), and a chat's one system prompt of 1.5K tokens
+    # with 640 own. Appended last: the workloads above keep their tokens.
+    for name, count, length, own in SERVING_SHAPES:
+        shared = [tokens(length) for _ in range(count)]
+        for rows in SERVING_BATCHES[name]:
+            w[f"{name}_b{rows}"] = ([shared[i % count] + tokens(own) for i in range(rows)],
+                                    greedy)
     return w
+
+
+# (name, shared prefixes, their tokens, own tokens per request) -> SERVING_BATCHES rows each.
+SERVING_SHAPES = (("serving_2k_x16", 16, 2048, 128), ("serving_8k_x4", 4, 8192, 128),
+                  ("serving_chat_1k5", 1, 1536, 640))
+SERVING_BATCHES = {"serving_2k_x16": (32, 64, 128), "serving_8k_x4": (32, 64),
+                   "serving_chat_1k5": (64, 128)}
 
 
 def run_one(model: str, config: str, names: list[str], in_process: bool) -> list[dict]:
@@ -203,6 +222,12 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         rows += json.loads(line[4:])
         tqdm.write(json.dumps(rows[-1]))
+        write_results(out, rows, argv)  # after every engine: a run cut short keeps its rows
+    return 0
+
+
+def write_results(out: Path, rows: list[dict], argv: list[str] | None) -> None:
+    """``e2e.json`` and its provenance, ``e2e.meta.json``."""
     import flashinfer
     import torch
     import vllm
@@ -210,11 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
             "vllm": vllm.__version__, "flashinfer": flashinfer.__version__,
             "torch": torch.__version__, "python": platform.python_version(),
-            "command": " ".join([Path(sys.executable).name, *sys.argv])}
-    out = Path(args.out)
+            "command": " ".join([Path(sys.executable).name, __file__,
+                                 *(sys.argv[1:] if argv is None else argv)])}
     (out / "e2e.json").write_text(json.dumps(rows, indent=1))
     (out / "e2e.meta.json").write_text(json.dumps(meta, indent=1))
-    return 0
 
 
 if __name__ == "__main__":

@@ -60,6 +60,22 @@ def test_no_sharing_256_random_2k_prompts():
     assert len({tuple(p[:16]) for p in prompts}) == 256
 
 
+def test_serving_sized_batches_share_the_serving_benchmarks_prefixes_interleaved():
+    """The batches behind the per-step cost calibration: 2K x 16, 8K x 4 and a chat prompt,
+    each request one of the shared prefixes (in turn) and its own tokens, which share nothing."""
+    module = _module()
+    w = module.workloads()
+    for name, count, length, own in module.SERVING_SHAPES:
+        for rows in module.SERVING_BATCHES[name]:
+            prompts, params = w[f"{name}_b{rows}"]
+            assert len(prompts) == rows and {len(p) for p in prompts} == {length + own}
+            prefixes = [tuple(p[:length]) for p in prompts]
+            assert len(set(prefixes)) == count
+            assert all(prefixes[i] == prefixes[i % count] for i in range(rows))
+            assert len({tuple(p[length:length + 16]) for p in prompts}) == rows
+            assert params["max_tokens"] == 256 and params["ignore_eos"]
+
+
 def test_every_workload_fits_the_engines_max_model_len():
     module = _module()
     for prompts, params in module.workloads().values():
