@@ -184,6 +184,10 @@ part_serve() {
 #   api_servers        vLLM's default backend flat and the plugin, each with 4 API server
 #                      processes (--api-server-count 4: prompts tokenized in parallel), on an
 #                      8K x 4 burst: the burst without the single frontend's queue.
+#   flash_attn_moderate vLLM's default backend flat and the plugin at 90% of flat's burst rate
+#                      on the sharing workloads whose decode batches sit near the cost model's
+#                      break-even (2K x 16, chat, 8K x 4); rates from the committed flat bursts.
+#                      About 9 min on a fresh machine.
 #   flash_attn_policy  vLLM's default backend flat, the plugin, and the plugin with cascade on
 #                      every step that shares (CASCADE_POLICY=always), at the loads where the
 #                      cost model keeps most decode steps flat; rates from the committed flat
@@ -218,6 +222,9 @@ part_serve_grid() {  # run it detached, alone
   [[ $grid == *" api_servers "* ]] && serve_slice api_servers 900 \
     --configs flash_attn_api_servers_4,cascade_flash_attn_api_servers_4 \
     --workloads prefix_8k_x4 --rates burst
+  [[ $grid == *" flash_attn_moderate "* ]] && serve_slice flash_attn_moderate 1200 \
+    --configs flash_attn,cascade_flash_attn \
+    --workloads prefix_2k_x16,chat_1k5_system,prefix_8k_x4 --rates 90%
   [[ $grid == *" flash_attn_policy "* ]] && serve_slice flash_attn_policy 1500 \
     --configs flash_attn,cascade_flash_attn,cascade_flash_attn_always \
     --workloads prefix_8k_x4,chat_1k5_system --rates "prefix_8k_x4=50%,90%;*=90%"

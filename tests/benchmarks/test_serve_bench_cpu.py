@@ -987,7 +987,7 @@ def test_the_serving_grid_of_gpu_validate_is_a_valid_bench(tmp_path, capsys):
     assert {name for name, _, _ in slices} == {"flash_attn_shared", "flash_attn_long",
                                                "flashinfer", "flashinfer_burst",
                                                "host_delay", "flash_attn_policy",
-                                               "api_servers"}
+                                               "flash_attn_moderate", "api_servers"}
     assert all(name == log for name, log, _ in slices)
     for _, _, args in slices:
         argv = shlex.split(args)

@@ -164,9 +164,9 @@ def test_flash_attn_flat_side_raises_flat_and_leaves_the_cascade_estimate(model)
 
 
 def test_flash_attn_flat_side_runs_cascade_where_fa3_flat_decode_is_slower():
-    """64 requests behind a 2K prefix, FA3 with whole-step graphs: flat against FlashInfer's
-    flat decode, cascade against FA3's."""
-    plan = shared_prefix_decode(64, 2048)
+    """32 requests behind a 2K prefix, FA3 with whole-step graphs: flat against FlashInfer's
+    flat decode, cascade against FA3's (whose flat decode is slower)."""
+    plan = shared_prefix_decode(32, 2048)
     assert not decide(plan, H200_LAYER, cost_model_for("fa3")).use_cascade
     assert decide(plan, H200_LAYER, flash_attn_flat(cost_model_for("fa3"))).use_cascade
 
@@ -186,6 +186,30 @@ def test_fa3_model_runs_cascade_where_it_won_end_to_end(workload):
                                                                           groups=8),
              "n16_sampling_32_prompts_4k": lambda: shared_prefix_decode(512, 4096, groups=32)}
     assert decide(plans[workload](), H200_LAYER, COST_MODELS["fa3"]).use_cascade
+
+
+def test_fa3_model_on_flash_attn_picks_cascade_where_it_won_at_serving_sizes():
+    """At the batch sizes a server decodes at, on vLLM's default backend: where cascade on every
+    step beat flat FLASH_ATTN by more than the margin (and a little noise), the shipped model
+    picks cascade; where it won by less, either pick is within the margin; nowhere did it lose
+    (a step it lost at would have to be kept flat)."""
+    import e2e_bench
+
+    rows = json.loads((RESULTS / "e2e_step_cost_fa3_serving.json").read_text())
+    model = flash_attn_flat(COST_MODELS["fa3"])
+    checked = 0
+    for name, count, length, own in e2e_bench.SERVING_SHAPES:
+        for requests in e2e_bench.SERVING_BATCHES[name]:
+            step_s = {r["config"]: r["seconds"] for r in rows
+                      if r["workload"] == f"{name}_b{requests}" and r.get("machine") == "A"}
+            speedup = step_s["flash_attn"] / step_s["cascade_flash_attn_always"]
+            plan = shared_prefix_decode(requests, length, own + 128, groups=count)
+            picks = decide(plan, H200_LAYER, model).use_cascade
+            if speedup > 1 + model.margin + 0.05:
+                assert picks, (name, requests, speedup)
+                checked += 1
+            assert speedup > 1 or not picks, (name, requests, speedup)
+    assert checked >= 5  # the file holds the wins this test is about
 
 
 def test_per_step_cost_reproduces_the_end_to_end_verdicts():
@@ -261,7 +285,8 @@ def test_the_shipped_defaults_are_the_calibration_of_the_committed_measurements(
     import shutil
 
     for name in ("kernel_grid.json", "e2e.json", "e2e_step_cost_fa3.json",
-                 "e2e_step_cost_flashinfer.json", "demo_flashinfer_executor.txt"):
+                 "e2e_step_cost_flashinfer.json", "demo_flashinfer_executor.txt",
+                 "e2e_step_cost_fa3_serving.json"):
         if (RESULTS / name).exists():
             shutil.copy(RESULTS / name, tmp_path / name)
     run_python(str(REPO / "benchmarks" / "calibrate_cost.py"), "--results", str(tmp_path))

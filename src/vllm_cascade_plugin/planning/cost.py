@@ -14,9 +14,9 @@ executor (``CASCADE_KERNEL``). Both are fitted by ``benchmarks/calibrate_cost.py
 terms on the 22 rows of ``benchmarks/results/h200/kernel_grid.json`` (decode, B requests behind P
 shared tokens, 128 own each), the per-step term on end-to-end runs with cascade on every step
 (``e2e_step_cost_fa3.json``, ``e2e_step_cost_flashinfer.json``, ``demo_flashinfer_executor.txt``;
-``benchmarks/README.md`` says what each run is); FA3's flat side on the grid's ``fa3_decode``
-alone. Some rows, per layer without the per-step term (µs; measured / model, from
-``cost_calibration.json``):
+``benchmarks/README.md`` says what each run is; FA3's from ``e2e_step_cost_fa3_serving.json``);
+FA3's flat side on the grid's ``fa3_decode`` alone. Some rows, per layer without the per-step
+term (µs; measured / model, from ``cost_calibration.json``):
 
 =====  =====  ======  ===============  ===========  ===================  ============
 B      P      groups  flat FlashInfer  flat FA3     FlashInfer executor  FA3 executor
@@ -29,13 +29,16 @@ B      P      groups  flat FlashInfer  flat FA3     FlashInfer executor  FA3 exe
 =====  =====  ======  ===============  ===========  ===================  ============
 
 The 16-group row shows what FlashInfer's model misses: many small groups cost more than their
-bytes say. The per-step term (FA3: 1.26 ms, FlashInfer: 3.08 ms over 32 layers) is what a
+bytes say. The per-step term (FA3: 0.45 ms, FlashInfer: 3.08 ms over 32 layers) is what a
 cascade step costs beyond its kernels: attention runs outside vLLM's FULL CUDA graphs, so a
 cascade step's host work sets its pace. The FA3 executor's decode steps replay the plugin's own
-CUDA graph of the whole step (``CASCADE_FULL_GRAPHS``, ``e2e_step_cost_fa3.json``): 1.26 ms.
-Those runs still built vLLM's flat FlashInfer metadata on every cascade step, which on Model
-Runner V2 waits for the previous step's GPU work; it is now built only when a layer falls back,
-so 1.26 ms overstates today's cost, which can only keep a borderline step flat. With a graph
+CUDA graph of the whole step (``CASCADE_FULL_GRAPHS``): against flat FLASH_ATTN at 32 to 128
+requests behind 16 documents of 2K tokens, 4 of 8K or a chat prompt of 1.5K
+(``e2e_step_cost_fa3_serving.json``), a cascade step cost at most 0.45 ms beyond the model's
+kernel saving, on most of them less than nothing (flat FA3 ran slower than its model); the
+largest is the term. (Runs of older code at 128 requests behind 16K and 8 x 8K prefixes, which
+built vLLM's flat metadata on every cascade step, said 1.1 to 1.5 ms against flat FlashInfer:
+``e2e_step_cost_fa3.json``.) With a graph
 per layer inside vLLM's piecewise path instead (``CASCADE_FULL_GRAPHS=0``, or where whole-step
 graphs are not used: tensor parallelism, LoRA, weight offloading, a KV connector) 1.5 ms
 (``FA3_LAYER_GRAPHS_STEP_FIXED_US``, ``e2e_step_cost_fa3_layer_graphs.json``); launched from
@@ -125,7 +128,7 @@ COST_MODELS: dict[str, CostModel] = {
     "flashinfer": CostModel(),
     "fa3": CostModel(flat_fixed_us=17.3, flat_bandwidth=9.09e12, level_fixed_us=11.4,
                      request_us=0.141, flops=790e12, group_bandwidth=3.37e12,
-                     shared_bandwidth=4.8e12, step_fixed_us=1260.0),
+                     shared_bandwidth=4.8e12, step_fixed_us=447.0),
 }
 # The FA3 executor's per-step cost when its decode steps replay a CUDA graph per layer inside
 # vLLM's piecewise path, not a whole-step graph (``CASCADE_FULL_GRAPHS`` off, or an engine that
