@@ -226,3 +226,35 @@ def test_the_serving_headline_reads_each_points_latest_run_against_its_own_flat_
     assert f"2.00{x} lower / not measured with 4 documents of 8K tokens" in said
     assert "2026-12-02" in said and "2026-12-01" not in said
     assert "9.00" not in said and "one of 32K" not in said
+
+
+def test_a_plugin_row_without_its_own_flat_row_pairs_with_the_flat_row_it_was_measured_against(
+        ):
+    """A plugin server run alone (no flat server in its run) is compared with the latest flat
+    row before it in serve.json, not with a flat row a later run added."""
+    rows = [_serve_row("flash_attn", 2.0, "90%", 1.0, run="a"),
+            _serve_row("cascade_flash_attn", 2.0, "90%", 4.0, run="b"),  # alone, after run a
+            _serve_row("flash_attn", 2.0, "90%", 2.0, run="c"),
+            _serve_row("cascade_flash_attn", 2.0, "90%", 3.0, run="c")]
+    runs = tables.serve_runs(rows, "flash_attn", "cascade_flash_attn", "prefix_8k_x4")["90%"]
+    assert [(f["run_id"], c["run_id"]) for f, c in runs] == [("a", "b"), ("c", "c")]
+    # No flat row before it: the first one after.
+    runs = tables.serve_runs(rows[1:], "flash_attn", "cascade_flash_attn", "prefix_8k_x4")["90%"]
+    assert [(f["run_id"], c["run_id"]) for f, c in runs] == [("c", "b"), ("c", "c")]
+
+
+def test_the_serving_headline_adds_the_burst_with_four_api_servers(tmp_path, monkeypatch):
+    """Where the 4-API-server pair measured the burst, the headline gives its output ratio
+    beside the one-API-server burst's."""
+    monkeypatch.setattr(tables, "H200", tmp_path)
+    rows = [_serve_row("flash_attn", "burst", "burst", 1.0, run="20261202T000000"),
+            _serve_row("cascade_flash_attn", "burst", "burst", 1.5, run="20261202T000000"),
+            _serve_row("flash_attn_api_servers_4", "burst", "burst", 2.0, run="20261203T000000"),
+            _serve_row("cascade_flash_attn_api_servers_4", "burst", "burst", 5.0,
+                       run="20261203T000000")]
+    (tmp_path / "serve.json").write_text(json.dumps(rows))
+    x = tables.TIMES
+    said = tables.serve_headline()
+    assert (f"not measured / 1.50{x} (2.50{x} with `--api-server-count 4`) with 4 documents"
+            in said)
+    assert "2026-12-02, 2026-12-03" in said
