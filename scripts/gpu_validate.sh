@@ -169,7 +169,8 @@ part_serve() {
 }
 
 # The serving grid in slices that each fit one session's 30 minutes of device time (a server
-# start is ~1.5 min once compiled, ~4 min on a fresh machine; a run ~1 min): SERVE_GRID picks.
+# start is ~1.5 min once compiled, ~4 min on a fresh machine; a run ~1 min): SERVE_GRID names
+# them, run in its order.
 #   flash_attn_shared  vLLM's default backend: shared documents at two loads (90% twice: the
 #                      spread) and a burst; a chat service. About 22 min (measured: 8K x 4
 #                      took 9.5 min on a fresh machine's first server, 5.7 on the next; the chat
@@ -203,31 +204,36 @@ serve_slice() {  # name, timeout (s), serve_bench.py arguments...
   stamp "serve_grid $name rc=$? in $((SECONDS - start)) s"
 }
 
-part_serve_grid() {  # run it detached, alone
-  local grid=" ${SERVE_GRID:-flash_attn_shared} "
+part_serve_grid() {  # run it detached, alone; the slices in SERVE_GRID's order
+  local slice
   mkdir -p "$res/serve_grid"
-  [[ $grid == *" flash_attn_shared "* ]] && serve_slice flash_attn_shared 1500 \
-    --configs flash_attn,cascade_flash_attn --workloads prefix_8k_x4,chat_1k5_system \
-    --rates "prefix_8k_x4=burst,50%,90%*2;*=burst,90%"
-  [[ $grid == *" flash_attn_long "* ]] && serve_slice flash_attn_long 1500 \
-    --configs flash_attn,cascade_flash_attn --workloads prefix_32k_x1,prefix_2k_x16,random_2k \
-    --rates "burst,90%"
-  [[ $grid == *" flashinfer "* ]] && serve_slice flashinfer 1200 --configs flashinfer,cascade \
-    --workloads prefix_8k_x4,chat_1k5_system --rates "burst,90%" --plot
-  [[ $grid == *" flashinfer_burst "* ]] && serve_slice flashinfer_burst 900 \
-    --configs flashinfer,cascade --workloads prefix_8k_x4 --rates "burst,90%"
-  [[ $grid == *" host_delay "* ]] && serve_slice host_delay 1200 \
-    --configs flash_attn,cascade_flash_attn,cascade_flash_attn_host_delay_1ms,cascade_flash_attn_host_delay_4ms \
-    --workloads prefix_8k_x4 --rates 90%
-  [[ $grid == *" api_servers "* ]] && serve_slice api_servers 900 \
-    --configs flash_attn_api_servers_4,cascade_flash_attn_api_servers_4 \
-    --workloads prefix_8k_x4 --rates burst
-  [[ $grid == *" flash_attn_moderate "* ]] && serve_slice flash_attn_moderate 1200 \
-    --configs flash_attn,cascade_flash_attn \
-    --workloads prefix_2k_x16,chat_1k5_system,prefix_8k_x4 --rates 90%
-  [[ $grid == *" flash_attn_policy "* ]] && serve_slice flash_attn_policy 1500 \
-    --configs flash_attn,cascade_flash_attn,cascade_flash_attn_always \
-    --workloads prefix_8k_x4,chat_1k5_system --rates "prefix_8k_x4=50%,90%;*=90%"
+  for slice in ${SERVE_GRID:-flash_attn_shared}; do
+    case $slice in
+    flash_attn_shared) serve_slice flash_attn_shared 1500 \
+      --configs flash_attn,cascade_flash_attn --workloads prefix_8k_x4,chat_1k5_system \
+      --rates "prefix_8k_x4=burst,50%,90%*2;*=burst,90%" ;;
+    flash_attn_long) serve_slice flash_attn_long 1500 \
+      --configs flash_attn,cascade_flash_attn --workloads prefix_32k_x1,prefix_2k_x16,random_2k \
+      --rates "burst,90%" ;;
+    flashinfer) serve_slice flashinfer 1200 --configs flashinfer,cascade \
+      --workloads prefix_8k_x4,chat_1k5_system --rates "burst,90%" --plot ;;
+    flashinfer_burst) serve_slice flashinfer_burst 900 \
+      --configs flashinfer,cascade --workloads prefix_8k_x4 --rates "burst,90%" ;;
+    host_delay) serve_slice host_delay 1200 \
+      --configs flash_attn,cascade_flash_attn,cascade_flash_attn_host_delay_1ms,cascade_flash_attn_host_delay_4ms \
+      --workloads prefix_8k_x4 --rates 90% ;;
+    api_servers) serve_slice api_servers 900 \
+      --configs flash_attn_api_servers_4,cascade_flash_attn_api_servers_4 \
+      --workloads prefix_8k_x4 --rates burst ;;
+    flash_attn_moderate) serve_slice flash_attn_moderate 1200 \
+      --configs flash_attn,cascade_flash_attn \
+      --workloads prefix_2k_x16,chat_1k5_system,prefix_8k_x4 --rates 90% ;;
+    flash_attn_policy) serve_slice flash_attn_policy 1500 \
+      --configs flash_attn,cascade_flash_attn,cascade_flash_attn_always \
+      --workloads prefix_8k_x4,chat_1k5_system --rates "prefix_8k_x4=50%,90%;*=90%" ;;
+    *) stamp "serve_grid: no slice named $slice (see the list above part_serve_grid)"; return 1 ;;
+    esac
+  done
   return 0
 }
 

@@ -54,3 +54,34 @@ def test_wait_keeps_waiting_while_the_run_is_alive(tmp_path):
     finally:
         alive.kill()
         alive.wait()
+
+
+def _serve_grid(tmp_path: Path, grid: str) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+    """``gpu_validate.sh serve_grid`` with ``SERVE_GRID=grid`` and a ``python3`` that only
+    records which slice's serve bench it was asked to run (its ``--configs``)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls"
+    fake = bin_dir / "python3"
+    fake.write_text(f'#!/bin/sh\necho "$*" >> {calls}\n')
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    env.update(CASCADE_GV_DIR=str(tmp_path / "gv"), SERVE_GRID=grid,
+               PATH=f"{bin_dir}{os.pathsep}{env['PATH']}")
+    done = subprocess.run(["bash", str(ROOT / "scripts/gpu_validate.sh"), "serve_grid"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    lines = calls.read_text().splitlines() if calls.exists() else []
+    return done, [x.split("--configs ")[1].split()[0] for x in lines if "serve_bench.py" in x]
+
+
+def test_serve_grid_runs_the_slices_in_the_order_named(tmp_path):
+    done, configs = _serve_grid(tmp_path, "flash_attn_moderate api_servers")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert configs == ["flash_attn,cascade_flash_attn",
+                       "flash_attn_api_servers_4,cascade_flash_attn_api_servers_4"]
+
+
+def test_serve_grid_stops_at_a_slice_it_does_not_know(tmp_path):
+    done, configs = _serve_grid(tmp_path, "api_servers flash_attn_moderat flashinfer")
+    assert "no slice named flash_attn_moderat" in done.stdout
+    assert configs == ["flash_attn_api_servers_4,cascade_flash_attn_api_servers_4"]

@@ -983,7 +983,7 @@ def test_the_serving_grid_of_gpu_validate_is_a_valid_bench(tmp_path, capsys):
     script = (ROOT / "scripts/gpu_validate.sh").read_text()
     body = script[script.index("part_serve_grid() {"):]
     body = body[:body.index("\n}\n")].replace("\\\n", " ")
-    slices = re.findall(r'\*" (\w+) "\* \]\] && serve_slice (\w+) \d+ (.*)', body)
+    slices = re.findall(r'^ +(\w+)\) serve_slice (\w+) \d+ (.*) ;;$', body, re.M)
     assert {name for name, _, _ in slices} == {"flash_attn_shared", "flash_attn_long",
                                                "flashinfer", "flashinfer_burst",
                                                "host_delay", "flash_attn_policy",
