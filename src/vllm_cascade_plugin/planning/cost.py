@@ -100,10 +100,10 @@ class CostModel:
     step_fixed_us : what a cascade step costs beyond its kernels, once per step (spread over
         ``AttentionShape.num_layers``): planning every level on the host and running attention
         outside FULL CUDA graphs. Measured end to end: the gap between the step times of flat
-        FlashInfer and cascade-on-every-step runs and the model's kernel saving over 32 layers
-        (FlashInfer's executor: 3.3 ms at 64 requests, 2.9 ms at 128; FA3's with whole-step
-        graphs: 1.5 ms behind one 16K prefix, 1.1 ms behind 8 interleaved 8K prefixes, 128
-        requests each; Llama-3-8B shape, H200; ``cost_calibration.json``, ``end_to_end``).
+        and cascade-on-every-step runs and the model's kernel saving over 32 layers
+        (FlashInfer's executor against flat FlashInfer: 3.3 ms at 64 requests, 2.9 ms at 128;
+        FA3's with whole-step graphs against flat FLASH_ATTN at 32 to 128 requests: at most
+        0.45 ms; Llama-3-8B shape, H200; ``cost_calibration.json``, ``end_to_end``).
     margin : the cascade must be faster by this fraction to be chosen (model error, noise).
     """
 
