@@ -128,24 +128,26 @@ def serve_headline() -> str:
     path = H200 / "serve.json"
     rows = _load(path) if path.is_file() else []
     parts, days = [], set()
+
+    def plugin_over_flat(workload: str, spec: str, key: str, servers: str = "") -> float | None:
+        """The latest run's plugin ÷ flat ``key`` at ``spec``; None where not measured."""
+        runs = serve_runs(rows, f"flash_attn{servers}", f"cascade_flash_attn{servers}",
+                          workload).get(spec)
+        if not runs:
+            return None
+        f, c = runs[-1]
+        days.update(str(r.get("run_id", ""))[:8] for r in (f, c))
+        return c[key] / f[key]
+
     for workload, what in SERVE_HEADLINE.items():
-        runs = serve_runs(rows, "flash_attn", "cascade_flash_attn", workload)
-        said = []
-        for spec, key in (("90%", "tpot_ms_p50"), ("burst", "output_tok_per_s")):
-            if spec not in runs:
-                said.append("not measured")
-                continue
-            f, c = runs[spec][-1]
-            days |= {str(r.get("run_id", ""))[:8] for r in (f, c)}
-            said.append(f"{_ratio(f[key] / c[key])} lower" if spec == "90%"
-                        else _ratio(c[key] / f[key]))
-        servers = serve_runs(rows, "flash_attn_api_servers_4", "cascade_flash_attn_api_servers_4",
-                             workload).get("burst")
-        if servers:  # the burst again with prompts tokenized by 4 API server processes
-            f, c = servers[-1]
-            days |= {str(r.get("run_id", ""))[:8] for r in (f, c)}
-            said[-1] += (f" ({_ratio(c['output_tok_per_s'] / f['output_tok_per_s'])} with "
-                         f"`--api-server-count 4`)")
+        tpot = plugin_over_flat(workload, "90%", "tpot_ms_p50")
+        burst = plugin_over_flat(workload, "burst", "output_tok_per_s")
+        said = ["not measured" if tpot is None else f"{_ratio(1 / tpot)} lower",
+                "not measured" if burst is None else _ratio(burst)]
+        # The burst again with prompts tokenized by 4 API server processes.
+        servers = plugin_over_flat(workload, "burst", "output_tok_per_s", "_api_servers_4")
+        if servers is not None:
+            said[-1] += f" ({_ratio(servers)} with `--api-server-count 4`)"
         if said != ["not measured"] * 2:
             parts.append(f"{' / '.join(said)} with {what}")
     if not parts:
