@@ -100,7 +100,7 @@ def run_case(case: Case, gpu: Gpu, timer: Timer, rng: np.random.Generator, seed:
         runs["fi_cascade"] = lambda: gpu.fi_cascade.run(q, (k, v))
         outputs["fi_cascade"] = runs["fi_cascade"]()
 
-    # The plugin, as step.py (policy auto) and backend.py run it for a decode step.
+    # The plugin, as the step session (policy auto) and backend.py run it for a decode step.
     def plugin() -> None:
         query_lens = np.ones(case.B, np.int32)
         args = (layout.block_table, layout.seq_lens, query_lens, PAGE)

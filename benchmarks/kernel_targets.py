@@ -131,7 +131,7 @@ def summary_lines(rows: Sequence[dict[str, Any]], targets: Sequence[dict[str, An
 
 
 def record_choice(row: dict[str, Any], plan: Any, kernel: str) -> str:
-    """The plugin's flat/cascade choice for ``plan`` as ``step.py`` makes it (policy auto, the
+    """The plugin's flat/cascade choice for ``plan`` as the step session makes it (policy auto, the
     shipped model of ``kernel``'s executor, Llama-3-8B's layers), written into ``row``."""
     from vllm_cascade_plugin.planning.cost import COST_MODELS, AttentionShape, decide
 

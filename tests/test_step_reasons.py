@@ -25,12 +25,14 @@ def counters():
     stats.reset()
 
 
-def fa3_session(capture_sizes=(32, 64, 128), **config) -> StepSession:
+def fa3_session(capture_sizes=(32, 64, 128), split_cost_model=None, **config) -> StepSession:
     """Planned like the FA3 executor with per-layer graphs: the eager per-step cost, and the
-    graphed one for a decode step whose graph layout was planned before."""
+    graphed one for a decode step whose graph layout was planned before (``split_cost_model``:
+    mixed steps split at that cost)."""
     session = StepSession()
     session.configure(CascadeConfig(enabled=True, **config), H200_LAYER, 16, None,
-                      cost_model=EAGER, steady_cost_model=GRAPHED, capture_sizes=capture_sizes)
+                      cost_model=EAGER, steady_cost_model=GRAPHED, capture_sizes=capture_sizes,
+                      split_cost_model=split_cost_model)
     return session
 
 
@@ -171,3 +173,68 @@ def test_a_step_the_cost_models_floor_keeps_flat_is_never_planned(monkeypatch):
     assert not session.cannot_win(seq_big, np.ones(64, np.int32))
     debug = fa3_session(debug=True)
     assert not debug.cannot_win(seq, np.ones(4, np.int32))
+
+
+SPLIT = cost_model_for("fa3", split=True)
+
+
+def mixed_rows(decode_rows: int, prefill_tokens: int = 150, prefix_pages: int = 512):
+    """``decode_rows`` requests decoding behind an 8K-token document and, in the middle of the
+    batch, one new request's prefill chunk on the same document: (table, seq_lens, query_lens)."""
+    table, seq = prefix_rows(decode_rows + 1, prefix_pages)
+    q = np.ones(decode_rows + 1, np.int32)
+    at = decode_rows // 2
+    q[at] = prefill_tokens
+    seq[at] = prefix_pages * 16 + prefill_tokens
+    return table, seq, q
+
+
+def test_a_mixed_step_is_planned_for_its_decode_rows_alone_and_charged_the_split_cost():
+    """Where the executor splits mixed steps, the prefill row is padding to the planner, the
+    plan covers the decode rows in batch order, and the verdict is decide() on that plan with
+    the split cost; the step plan still describes the whole batch (its rows, tokens, lengths)."""
+    table, seq, q = mixed_rows(48)
+    session = fa3_session(split_cost_model=SPLIT)
+    step = session.plan_step(table, seq, q)
+    decode = q == 1
+    assert step is not None and step.decode_rows is not None and not step.decode
+    assert np.array_equal(step.decode_rows, decode)
+    want = plan_cascade(table, seq, decode.astype(np.int32), 16)
+    assert step.plan.stats == want.stats and step.plan.stats.num_tokens == 48
+    assert step.decision == decide(want, H200_LAYER, SPLIT) and step.decision.use_cascade
+    qsl = np.concatenate([[0], np.cumsum(q)])
+    assert step.matches(qsl, int(q.sum()), seq)  # the whole batch, prefill row included
+    assert not decide(step.plan, H200_LAYER, EAGER).use_cascade  # only the split wins here
+
+
+@pytest.mark.parametrize(("split", "capture_sizes", "rows"),
+                         [(False, (32, 64, 128), 48), (True, (8, 16, 32), 48),
+                          (True, (32, 64, 128), 4)],
+                         ids=["no split cost", "decode rows above the largest capture size",
+                              "too few rows to repay it"])
+def test_a_mixed_step_the_executor_cannot_or_need_not_split_stays_flat_as_mixed(
+        split, capture_sizes, rows):
+    """Without a split cost (FlashInfer's executor, no graphs) the step is planned whole at the
+    eager cost; above vLLM's largest capture size its decode rows would launch eagerly, so it
+    is not split either; a few decode rows never repay the split's per-step cost. Each runs
+    flat, counted as a mixed step, and the runner hooks' floor (cannot_win) agrees."""
+    table, seq, q = mixed_rows(rows)
+    session = fa3_session(capture_sizes, split_cost_model=SPLIT if split else None)
+    skipped = session.cannot_win(seq, q)
+    step = session.plan_step(table, seq, q)
+    assert step is not None and not step.decision.use_cascade
+    whole = split is False or capture_sizes[-1] < rows
+    assert (step.decode_rows is None) is whole
+    assert step.plan.stats.num_tokens == (int(q.sum()) if whole else rows)
+    session.end_step()
+    assert stats.snapshot().flat_reasons[c.MIXED] == 1 + skipped
+    if not whole:  # the floor saw the decode rows alone, at the split cost
+        assert skipped
+
+
+def test_graphs_lost_split_no_more_mixed_steps():
+    table, seq, q = mixed_rows(48)
+    session = fa3_session(split_cost_model=SPLIT)
+    session.graphs_lost()
+    step = session.plan_step(table, seq, q)
+    assert step is not None and step.decode_rows is None and not step.decision.use_cascade

@@ -213,8 +213,8 @@ def _count_verification_steps(drafts: int) -> None:
     real = step.StepSession.plan_step
 
     @functools.wraps(real)
-    def counted(self, block_table, seq_lens, query_lens):
-        planned = real(self, block_table, seq_lens, query_lens)
+    def counted(self, block_table, seq_lens, query_lens, *rest, **named):
+        planned = real(self, block_table, seq_lens, query_lens, *rest, **named)
         if int(query_lens.max()) > 1 and int(query_lens.max()) <= 1 + drafts:
             VERIFICATION["steps"] += 1
             VERIFICATION["cascade"] += bool(planned is not None and planned.decision.use_cascade)

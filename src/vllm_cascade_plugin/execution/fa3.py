@@ -17,9 +17,10 @@ from .. import stats
 from ..graphs.capture import LayerGraphs
 from ..planning import graph_layout
 from ..planning.plan import CascadeLevel, CascadePlan
-from . import decode_level, vllm_kernels
+from . import decode_level, fa3_split, vllm_kernels
 from .common import EXECUTORS, FP8_KV_DTYPE, LOG2_E, KvScales, Scratch, check_plan, quantise_fp8
-from .fa3_levels import FaLevel, upload_levels, write_static
+from .fa3_levels import FaLevel, gather_rows, upload_levels, write_static
+from .fa3_split import FlatRows
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class _FaStep:
     # One query per request: shared levels first, then the per-request level and the last
     # merge in one Triton kernel (``decode_level``) instead of an FA3 call and a merge.
     fused_decode: bool
-    rows: int  # query rows run() takes: the plan's tokens, or a graphed step's padded rows
+    rows: int  # query rows the levels run: the plan's tokens, or a graphed step's padded rows
     # FP8 cache: where a 16-bit query is quantised for FA3 (FA3 takes q, K and V in one dtype;
     # vLLM's FlashAttention layers hand an FP8 query already). None: a 16-bit cache.
     q_fp8: torch.Tensor | None
@@ -51,6 +52,9 @@ class _FaStep:
     # eager.
     graph_key: tuple[Any, ...] | None = None
     layout_key: tuple[Any, ...] | None = None  # of graph_key: the bucketed level sizes alone
+    # A mixed step (:mod:`.fa3_split`): its other rows flat, and the buffers the decode rows'
+    # queries are gathered into and their output comes from ([rows, heads, head_dim] each).
+    split: tuple[FlatRows, torch.Tensor, torch.Tensor] | None = None
 
 
 class FlashAttnCascadeExecutor:
@@ -76,23 +80,13 @@ class FlashAttnCascadeExecutor:
     tensors, then replayed: one launch per layer instead of several from Python, for every step
     with that layout however the batch changed.
 
-    Parameters
-    ----------
-    kv_layout : str
-        Must be ``"NHD"`` (FlashAttention's paged layout).
-    max_levels : int
-        The most levels a plan may have.
-    fused_decode : bool
-        Run decode steps' per-request level with ``decode_level`` (where Triton runs and the
-        head shape suits it); False: FA3 and a merge, as for every other step.
-    cuda_graphs : bool
-        Capture and replay the fused decode steps' layers (on a GPU).
-
-    Raises
-    ------
-    RuntimeError
-        When this vLLM build or GPU cannot run FlashAttention 3 (from
-        :func:`~vllm_cascade_plugin.execution.vllm_kernels.fa3_kernels`), or for an HND cache.
+    Parameters: ``kv_layout`` must be ``"NHD"`` (FlashAttention's paged layout);
+    ``max_levels``, the most levels a plan may have; ``fused_decode``, run decode steps'
+    per-request level with ``decode_level`` (where Triton runs and the head shape suits it;
+    False: FA3 and a merge, as for every other step); ``cuda_graphs``, capture and replay the
+    fused decode steps' layers (on a GPU). Raises RuntimeError where this vLLM build or GPU cannot
+    run FlashAttention 3 (:func:`~vllm_cascade_plugin.execution.vllm_kernels.fa3_kernels`), or
+    for an HND cache. Mixed prefill+decode steps: :mod:`.fa3_split`.
     """
 
     kernel = "fa3"
@@ -129,7 +123,8 @@ class FlashAttnCascadeExecutor:
         """Query rows the planned step's :meth:`run` takes (a graphed step's padded rows)."""
         if self._step is None:
             raise RuntimeError("no plan yet")
-        return self._step.rows
+        split = self._step.split
+        return self._step.rows if split is None else split[0].num_tokens
 
     def plan(
         self,
@@ -146,17 +141,21 @@ class FlashAttnCascadeExecutor:
         device: torch.device,
         padded_rows: int = 0,
         graphs: bool = True,
+        split: FlatRows | None = None,
     ) -> None:
         """Same contract as :meth:`FlashInferCascadeExecutor.plan`; ``padded_rows``: the rows of
         the step's query and output tensors (vLLM's CUDA-graph padding), which a graphed decode
         step runs whole (:attr:`rows`); ``graphs``: False runs the step without graphs (vLLM
         does not pad it: above its largest capture size). With an FP8 ``kv_dtype`` (e4m3)
         ``q_dtype`` is the output's, which FA3 writes in bf16 only for FP8 input; :meth:`run`
-        then needs the layer's scales."""
+        then needs the layer's scales. ``split``: a mixed step, ``plan`` its decode rows alone
+        (:mod:`.fa3_split`; ``padded_rows`` then theirs, a 16-bit cache only)."""
         self._step = None
         self._graphed_counted = False
         check_plan(plan, page_size, self._max_levels)
         fp8 = kv_dtype == FP8_KV_DTYPE
+        if split is not None and (fp8 or split.num_decode != plan.stats.num_tokens):
+            raise ValueError("a split step takes a 16-bit cache and a plan of its decode rows")
         if fp8 and q_dtype != torch.bfloat16:
             raise RuntimeError(f"FlashAttention 3 writes FP8 attention's output in bf16, not "
                                f"{q_dtype}")
@@ -215,6 +214,8 @@ class FlashAttnCascadeExecutor:
             for fl in shared)
         spare = view("fa_state", last.rows) if identity_merges else None
         q_fp8 = view("q_fp8", rows, FP8_KV_DTYPE) if fp8 else None
+        split_step = None if split is None else (split, view("split_q", rows),
+                                                 view("split_out", rows))
         self._sm_scale = float(sm_scale)
         self._softcap = float(logits_soft_cap or 0.0)
         key = None
@@ -226,7 +227,8 @@ class FlashAttnCascadeExecutor:
                    *((ptr(s.out), ptr(s.gather_q), ptr(s.gather_out)) for s in fa_shared))
         self._step = _FaStep(last=last, shared=fa_shared, spare=spare,
                              start_in_spare=identity_merges % 2 == 1, fused_decode=fused,
-                             rows=rows, q_fp8=q_fp8, graph_key=key, layout_key=layout_key)
+                             rows=rows, q_fp8=q_fp8, graph_key=key, layout_key=layout_key,
+                             split=split_step)
 
     def _upload_changed(self, plan: CascadePlan, page_size: int,
                         device: torch.device) -> tuple[FaLevel, ...]:
@@ -271,15 +273,17 @@ class FlashAttnCascadeExecutor:
             out: torch.Tensor, scales: KvScales | None = None) -> None:
         """Same contract as :meth:`FlashInferCascadeExecutor.run` (NHD caches only), with
         :attr:`rows` query rows (more than the plan's tokens in a padded graphed step: the
-        extra rows' output is written and meaningless). An FP8 cache (planned so) takes the
+        extra rows' output is written and meaningless; a split step's LSE: its decode rows',
+        in their order). An FP8 cache (planned so) takes the
         layer's ``scales`` and an FP8 query (as vLLM's FlashAttention layers hand it, ``q *
         scales.q`` its value) or a 16-bit one, quantised here with ``scales.q`` as vLLM's
         FlashAttention layers would."""
         step = self._step
         if step is None:
             raise RuntimeError("run() before plan()")
-        if q.shape[0] != step.rows or out.shape[0] != step.rows:
-            raise ValueError(f"planned for {step.rows} query rows, given {q.shape[0]}")
+        rows = self.rows
+        if q.shape[0] != rows or out.shape[0] != rows:
+            raise ValueError(f"planned for {rows} query rows, given {q.shape[0]}")
         if (step.q_fp8 is not None) != (scales is not None) or (
                 step.q_fp8 is not None and k_cache.dtype != FP8_KV_DTYPE):
             raise ValueError(f"planned for {'an FP8' if step.q_fp8 is not None else 'a 16-bit'}"
@@ -287,6 +291,21 @@ class FlashAttnCascadeExecutor:
                              f"{'no ' if scales is None else ''}scales")
         self._scales = scales
         self.runs += 1
+        if step.split is None:
+            self._run_levels(q, k_cache, v_cache, out, step)
+            return
+        flat, split_q, split_out = step.split  # a mixed step: see fa3_split
+        fa3_split.run_flat(self._attention, flat, q, k_cache, v_cache, out, self._sm_scale,
+                           self._softcap)
+        fa3_split.gather(flat, q, split_q)
+        self._run_levels(split_q, k_cache, v_cache, split_out, step)
+        fa3_split.scatter(flat, split_out, out)
+
+    def _run_levels(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    out: torch.Tensor, step: _FaStep) -> None:
+        """The plan's levels on ``step.rows`` query rows (from the layer's CUDA graph where the
+        step is graphed); the merged LSE in ``_lse``."""
+        scales = self._scales
         if step.graph_key is not None and self.graphs is not None:
             key = (step.graph_key, q.data_ptr(), q.shape, q.stride(), q.dtype,
                    k_cache.data_ptr(), k_cache.stride(), v_cache.data_ptr(), v_cache.stride(),
@@ -295,7 +314,8 @@ class FlashAttnCascadeExecutor:
             replays = self.graphs.replays
             self._lse = self.graphs.run(
                 key, lambda: self._run_fused(q, k_cache, v_cache, out, step))
-            if self.graphs.replays > replays and not self._graphed_counted:
+            if (self.graphs.replays > replays and not self._graphed_counted
+                    and step.split is None):
                 self._graphed_counted = True  # the step's first layer replayed: a graphed step
                 stats.record_graphed_step()
             return
@@ -348,7 +368,7 @@ class FlashAttnCascadeExecutor:
                     # first level always): attend in group order and scatter back, no state to
                     # merge with yet.
                     assert fl.index is not None
-                    _gather_rows(q, fl.index, sh.gather_q)
+                    gather_rows(q, fl.index, sh.gather_q)
                     level_lse = self._attend(sh.gather_q, k_cache, v_cache, fl, sh.out,
                                              causal=False)
                     out.index_copy_(0, fl.index, sh.out)
@@ -370,7 +390,7 @@ class FlashAttnCascadeExecutor:
                 state, lse = target, merged
                 continue
             assert fl.index is not None
-            _gather_rows(q, fl.index, sh.gather_q)
+            gather_rows(q, fl.index, sh.gather_q)
             level_lse = self._attend(sh.gather_q, k_cache, v_cache, fl, sh.out, causal=False)
             torch.index_select(state, 0, fl.index, out=sh.gather_out)
             merged_out = torch.empty_like(sh.gather_out)
@@ -382,20 +402,3 @@ class FlashAttnCascadeExecutor:
         assert state is not None and lse is not None
         return state, lse
 
-
-def _gather_rows(q: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
-    """``out[i] = q[index[i]]``; an FP8 query moved as its bytes (a copy, exact)."""
-    if q.dtype == FP8_KV_DTYPE:
-        q, out = q.view(torch.uint8), out.view(torch.uint8)
-    torch.index_select(q, 0, index, out=out)
-
-
-def fa3_unsupported_reason(kv_layout: str) -> str | None:
-    """Why :class:`FlashAttnCascadeExecutor` cannot run here, or None."""
-    if kv_layout != "NHD":
-        return f"the KV cache layout is {kv_layout}; FlashAttention reads NHD"
-    try:
-        vllm_kernels.fa3_kernels()
-    except RuntimeError as exc:
-        return str(exc)
-    return None

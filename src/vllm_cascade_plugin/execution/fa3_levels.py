@@ -15,7 +15,7 @@ import torch
 
 from ..planning.graph_layout import LevelLayout
 from ..planning.plan import CascadeLevel
-from .common import Scratch, copy_to_device, upload
+from .common import FP8_KV_DTYPE, Scratch, copy_to_device, upload
 
 
 @dataclass(frozen=True, eq=False)
@@ -131,3 +131,10 @@ def _static_views(layouts: tuple[LevelLayout, ...], dev32: torch.Tensor, dev64: 
                               max_q=layout.max_q, max_k=layout.max_k, index=index,
                               rows=layout.rows))
     return tuple(levels)
+
+
+def gather_rows(q: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[i] = q[index[i]]``; an FP8 query moved as its bytes (a copy, exact)."""
+    if q.dtype == FP8_KV_DTYPE:
+        q, out = q.view(torch.uint8), out.view(torch.uint8)
+    torch.index_select(q, 0, index, out=out)

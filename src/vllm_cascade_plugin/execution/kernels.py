@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .common import EXECUTORS, KERNELS, unsupported_reason
-from .fa3 import FlashAttnCascadeExecutor, fa3_unsupported_reason
+from .fa3 import FlashAttnCascadeExecutor
+from .vllm_kernels import fa3_unsupported_reason
 
 if TYPE_CHECKING:
     from .flashinfer import FlashInferCascadeExecutor

@@ -37,3 +37,14 @@ def fa3_kernels() -> tuple[Callable[..., Any], Callable[..., Any]]:
     if not supported:
         raise RuntimeError(f"FlashAttention 3 is not supported here ({reason})")
     return flash_attn_varlen_func, merge_attn_states
+
+
+def fa3_unsupported_reason(kv_layout: str) -> str | None:
+    """Why the FA3 executor cannot run here, or None."""
+    if kv_layout != "NHD":
+        return f"the KV cache layout is {kv_layout}; FlashAttention reads NHD"
+    try:
+        fa3_kernels()
+    except RuntimeError as exc:
+        return str(exc)
+    return None

@@ -207,6 +207,11 @@ class CascadeBuilder:
         return (cost_model_for(kernel, decode_graphs=False),
                 cost_model_for(kernel, graphs, full))
 
+    def _split_cost_model(self, graphs: bool, args: KernelArgs) -> CostModel | None:
+        """The executor's cost of a mixed step run split (its decode rows as cascade, the others
+        flat), or None where it does not split mixed steps."""
+        return None
+
     def _setup_cascade(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any,
                        args: KernelArgs, reason: str | None) -> None:
         """Decide whether cascade can serve these layers, with which executor, and register
@@ -215,6 +220,7 @@ class CascadeBuilder:
         self._cascade_kernel = self.default_kernel
         config = load_config()
         steady: CostModel | None = None
+        split: CostModel | None = None
         eager, page_bytes = CostModel(), 0
         capture_sizes: tuple[int, ...] = ()
         try:
@@ -226,6 +232,7 @@ class CascadeBuilder:
             graphs = self._cuda_graphs and config.fused_decode
             full = config.full_graphs and full_graphs_reason(vllm_config) is None
             eager, steady = self._cost_models(self._cascade_kernel, graphs, full)
+            split = None if reason is not None else self._split_cost_model(graphs, args)
             page_bytes = kv_cache_spec.page_size_bytes * len(layer_names)
             capture_sizes = compat.cudagraph_capture_sizes(vllm_config)
         except Exception as exc:  # never fail the engine's start over the plugin's setup
@@ -236,7 +243,8 @@ class CascadeBuilder:
         # KV-cache group, e.g. sliding-window ones) may differ in any of them.
         self._settings = BuilderSettings(
             config, shape, args.page_size, reason, cost_model=eager, steady_cost_model=steady,
-            capture_sizes=capture_sizes, page_bytes=page_bytes, backend=self.backend_name)
+            capture_sizes=capture_sizes, page_bytes=page_bytes, backend=self.backend_name,
+            split_cost_model=split)
         session.register(layer_names, self._settings)
 
     def _pick_kernel(self, config: CascadeConfig, args: KernelArgs,
@@ -274,21 +282,31 @@ class CascadeBuilder:
         return session.step_for(self._settings, cm.query_start_loc_cpu.numpy(),
                                 cm.num_actual_tokens, compat.host_seq_lens(cm))
 
-    def _cascade_fields(self, step: StepPlan) -> dict[str, Any] | None:
-        """The cascade fields of this step's metadata, the executor planned; None: the step
-        runs flat (counted)."""
+    def _split_rows(self, step: StepPlan, metadata: Any) -> Any:
+        """A mixed step's rows of several query tokens, for an executor that runs them flat
+        beside its decode rows' cascade (``execution.fa3_split``), from vLLM's ``metadata``."""
+        raise NotImplementedError(f"the {self.backend_name} backend does not split mixed steps")
+
+    def _cascade_fields(self, step: StepPlan, metadata: Any = None) -> dict[str, Any] | None:
+        """The cascade fields of this step's metadata (``metadata``: vLLM's, built), the
+        executor planned; None: the step runs flat (counted)."""
         args = self._kernel_args
         start, cpu = time.perf_counter(), time.thread_time()
         staged, launched = STAGING.seconds, STAGING.launch_seconds
         try:
             executor = self._executor()
+            tokens = step.plan.stats.num_tokens
+            split = None if step.decode_rows is None else self._split_rows(step, metadata)
+            # A split step's cascade runs its decode rows alone, padded as a decode step of as
+            # many rows would be.
+            padded = session.padded_tokens if split is None else session.padded(tokens)
+            extra = {} if split is None else {"split": split}
             executor.plan(step.plan, num_qo_heads=args.num_qo_heads,
                           num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
                           page_size=args.page_size, sm_scale=args.sm_scale,
                           logits_soft_cap=args.logits_soft_cap, q_dtype=args.q_dtype,
                           kv_dtype=args.kv_dtype, device=self.device,
-                          padded_rows=session.padded_tokens,
-                          graphs=session.graphable(step.plan.stats.num_tokens))
+                          padded_rows=padded, graphs=session.graphable(tokens), **extra)
         except Exception as exc:
             stats.record_fallback("kernel planning error", f"{type(exc).__name__}: {exc}")
             return None

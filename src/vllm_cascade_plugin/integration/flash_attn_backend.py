@@ -26,7 +26,8 @@ from vllm.v1.attention.backends.flash_attn import (
 
 from .. import stats
 from ..config import CascadeConfig
-from ..planning.cost import CostModel, flash_attn_flat
+from ..planning.cost import CostModel, cost_model_for, flash_attn_flat
+from ..step import StepPlan
 from . import compat, hooks
 from .builder import (
     CascadeBuilder,
@@ -116,6 +117,13 @@ class CascadeFlashAttentionMetadataBuilder(CascadeBuilder, FlashAttentionMetadat
         eager, steady = super()._cost_models(kernel, graphs, full)
         return flash_attn_flat(eager), flash_attn_flat(steady)
 
+    def _split_cost_model(self, graphs: bool, args: KernelArgs) -> CostModel | None:
+        # Mixed steps split where the decode rows' cascade replays its per-layer graphs: the
+        # FA3 executor with fused decode and CUDA graphs, on a 16-bit cache (fa3_split).
+        if self._cascade_kernel != "fa3" or not graphs or args.kv_dtype != args.q_dtype:
+            return None
+        return flash_attn_flat(cost_model_for("fa3", split=True))
+
     @override
     def build(self, *args: Any, **kwargs: Any) -> FlashAttentionMetadata:
         common_prefix_len, cm, fast_build = compat.build_arguments(args, kwargs)
@@ -127,12 +135,20 @@ class CascadeFlashAttentionMetadataBuilder(CascadeBuilder, FlashAttentionMetadat
                 is not None or getattr(metadata, "mm_prefix_query_range_tensor", None) is not None:
             stats.record_fallback("batch not causal throughout")
             return metadata
-        cascade = self._cascade_fields(step)
+        cascade = self._cascade_fields(step, metadata)
         if cascade is None:
             return metadata
         values = {f.name: getattr(metadata, f.name) for f in dataclasses.fields(metadata)
                   if f.init}
         return CascadeFlashAttentionMetadata(**values, **cascade)
+
+    def _split_rows(self, step: StepPlan, metadata: Any) -> Any:
+        from ..execution.fa3_split import flat_rows
+
+        assert step.decode_rows is not None
+        return flat_rows(metadata.query_start_loc, metadata.block_table, metadata.max_query_len,
+                         metadata.max_seq_len, step.query_start_loc, step.seq_lens,
+                         step.decode_rows, self.device)
 
     @override
     def update_block_table(self, metadata: Any, blk_table: Any, slot_mapping: Any) -> Any:

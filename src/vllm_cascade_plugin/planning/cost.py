@@ -140,6 +140,15 @@ FA3_LAYER_GRAPHS_STEP_FIXED_US = 1500.0
 # above vLLM's largest capture size): the same calibration on runs without the plugin's CUDA
 # graphs (``e2e_step_cost_fa3_eager.json``, checked the same way).
 FA3_EAGER_STEP_FIXED_US = 7570.0
+# The FA3 executor's per-step cost of a mixed prefill+decode step run split
+# (``execution.fa3_split``), charged to the decode rows' plan against their flat attention. Not
+# fitted on its own runs yet: the terms it is made of, each an upper bound. The decode rows'
+# cascade replays a CUDA graph per layer inside vLLM's piecewise path, as a decode step with
+# per-layer graphs does (FA3_LAYER_GRAPHS_STEP_FIXED_US); per layer, their queries are copied
+# in and their output out (two small kernels), and the flat estimate of the decode rows counts a
+# launch that the step's one flat call pays anyway: FlashAttention 3's flat launch
+# (FLASH_ATTN_FLAT) for each of the three, over 32 layers.
+FA3_SPLIT_STEP_FIXED_US = FA3_LAYER_GRAPHS_STEP_FIXED_US + 3 * 16.9 * 32
 # The flat side with vLLM's FLASH_ATTN backend: FlashAttention 3's flat decode, ~25% slower than
 # FlashInfer's at large batches. Fitted alone by ``benchmarks/calibrate_cost.py`` on the same
 # H200 grid (``kernel_grid.json``, column ``fa3_decode``; ``cost_calibration.json``,
@@ -160,12 +169,17 @@ def flash_attn_flat(model: CostModel) -> CostModel:
 
 
 def cost_model_for(kernel: str, decode_graphs: bool = True,
-                   full_graphs: bool = True) -> CostModel:
+                   full_graphs: bool = True, split: bool = False) -> CostModel:
     """The calibration of ``kernel``'s executor (``COST_MODELS``, whole-step graphs for FA3);
     for FA3 with per-layer graphs only, :data:`FA3_LAYER_GRAPHS_STEP_FIXED_US` as its per-step
-    cost; without decode-step CUDA graphs, :data:`FA3_EAGER_STEP_FIXED_US`."""
+    cost; without decode-step CUDA graphs, :data:`FA3_EAGER_STEP_FIXED_US`; ``split``: a mixed
+    step's decode rows run split from the rest, :data:`FA3_SPLIT_STEP_FIXED_US`."""
     model = COST_MODELS[kernel]
-    if kernel == "fa3" and not decode_graphs:
+    if kernel == "fa3" and split:
+        if not decode_graphs:
+            raise ValueError("split mixed steps need the FA3 executor's decode-step graphs")
+        model = replace(model, step_fixed_us=FA3_SPLIT_STEP_FIXED_US)
+    elif kernel == "fa3" and not decode_graphs:
         model = replace(model, step_fixed_us=FA3_EAGER_STEP_FIXED_US)
     elif kernel == "fa3" and not full_graphs:
         model = replace(model, step_fixed_us=FA3_LAYER_GRAPHS_STEP_FIXED_US)

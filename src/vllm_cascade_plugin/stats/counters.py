@@ -15,7 +15,7 @@ from typing import Any
 
 from .histogram import BOUNDS_S
 
-# The reasons a planned step runs flat that the step session decides (``step.py``). A step that
+# The reasons a planned step runs flat that the step session decides (``step``). A step that
 # falls back runs flat for the reason of its first fallback (``record_fallback``), e.g.
 # "planner error", "kernel planning error", "plan does not match the batch".
 NO_SHARED = "no shared level"  # no two rows share a page (min_shared_pages of them)
@@ -39,7 +39,7 @@ class Counters:
     graph_capture_failures: int = 0  # CUDA-graph captures that failed (each turns graphs off)
     graph_captures: int = 0  # CUDA graphs the plugin captured (whole steps or single layers)
     graph_capture_s: float = 0.0  # host time those captures took: the steps they delayed
-    planning_s: float = 0.0  # host time planning the planned steps took (see step.py)
+    planning_s: float = 0.0  # host time planning the planned steps took (see the ``step`` package)
     # Of that, the time the planning thread ran on a CPU: the rest it waited (for the GIL,
     # which vLLM's other threads in the process hold meanwhile, or for the CPU itself).
     planning_cpu_s: float = 0.0

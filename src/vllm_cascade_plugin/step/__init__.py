@@ -9,7 +9,9 @@ full-attention ones, say). Each builder registers its own :class:`BuilderSetting
 plans with the first builder's that can run cascade, and each builder's ``build()``, later in the
 same step, takes the plan only if its own layers can run cascade, the plan was made for their
 page size and shape, and it describes exactly the batch it is given (rows, tokens and sequence
-lengths). Any other builder builds vLLM's flat metadata. numpy only: no vLLM import here.
+lengths). Any other builder builds vLLM's flat metadata. A mixed prefill+decode step is planned
+for its decode rows alone where the executor splits such steps (``split_cost_model``: the decode
+rows run as cascade, the others flat). numpy only: no vLLM import here.
 """
 
 from __future__ import annotations
@@ -17,72 +19,20 @@ from __future__ import annotations
 import bisect
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import stats
-from .config import CascadeConfig
-from .planning.cost import AttentionShape, CostModel, Decision, decide, flat_floor
-from .planning.graph_layout import graph_shape
-from .planning.invariants import plan_violations
-from .planning.plan import CascadePlan
-from .planning.planner import CascadePlanner, nothing_shared
-from .stats.counters import COST_MODEL, MIXED, MULTI_TOKEN, NO_SHARED, NOT_CAPTURED
+from .. import stats
+from ..config import CascadeConfig
+from ..planning.cost import AttentionShape, CostModel, Decision, decide, flat_floor
+from ..planning.graph_layout import graph_shape
+from ..planning.invariants import plan_violations
+from ..planning.plan import CascadePlan
+from ..planning.planner import CascadePlanner, nothing_shared
+from ..stats.counters import COST_MODEL, MIXED, MULTI_TOKEN, NO_SHARED, NOT_CAPTURED
+from .plan import BuilderSettings, StepPlan, flat_attention
 
-
-@dataclass(frozen=True, eq=False)
-class StepPlan:
-    plan: CascadePlan
-    decision: Decision
-    query_start_loc: np.ndarray  # int32 [num_reqs + 1], the batch this plan is for
-    decode: bool  # every row has one query token
-    seq_lens: np.ndarray  # int32 [num_reqs], each row's tokens after this step, as planned
-    page_size: int  # of the block ids the plan reads
-    shape: AttentionShape  # of the layers whose cost decided cascade or flat
-
-    @property
-    def num_reqs(self) -> int:
-        return len(self.query_start_loc) - 1
-
-    def matches(self, query_start_loc: np.ndarray, num_actual_tokens: int,
-                seq_lens: np.ndarray) -> bool:
-        """Same rows, tokens and sequence lengths (rows past ours may only be padding with no
-        tokens, whatever their length: they attend to nothing)."""
-        n = self.num_reqs
-        qsl = np.asarray(query_start_loc)
-        lens = np.asarray(seq_lens)
-        total = int(self.query_start_loc[-1])
-        return (len(qsl) >= n + 1 and len(lens) >= n and num_actual_tokens == total
-                and np.array_equal(qsl[: n + 1], self.query_start_loc)
-                and bool(np.all(qsl[n + 1:] == total))
-                and np.array_equal(lens[:n], self.seq_lens))
-
-    def planned_for(self, settings: BuilderSettings) -> bool:
-        """Whether the plan was made for layers like ``settings``': its pages are numbered in
-        their page size and its cascade-or-flat decision was costed for their shape."""
-        return self.page_size == settings.page_size and self.shape == settings.shape
-
-
-@dataclass(frozen=True)
-class BuilderSettings:
-    """What one metadata builder (one attention group's layers) brings to the session."""
-
-    config: CascadeConfig
-    shape: AttentionShape
-    page_size: int
-    unsupported: str | None  # why cascade cannot serve these layers; None: it can
-    # The calibrations of the executor the builder runs (see StepSession.configure).
-    cost_model: CostModel = field(default_factory=CostModel)
-    steady_cost_model: CostModel | None = None
-    capture_sizes: tuple[int, ...] = ()
-    page_bytes: int = 0  # one KV page over these layers, K and V (the log line's saving)
-    backend: str = "FLASHINFER"  # the vLLM backend whose flat attention these layers run
-
-
-def flat_attention(backend: str) -> str:
-    """How the log lines name what a layer runs instead of cascade."""
-    return f"vLLM's flat {backend} attention"
+__all__ = ["BuilderSettings", "StepPlan", "StepSession", "session"]
 
 
 MAX_LAYOUTS = 4096  # graph layouts remembered (then forgotten all at once)
@@ -111,6 +61,7 @@ class StepSession:
         self.disabled_reason: str | None = "no cascade metadata builder yet"
         self.cost_model = CostModel()
         self.steady_cost_model: CostModel | None = None
+        self.split_cost_model: CostModel | None = None
         self.current: StepPlan | None = None
         # vLLM's padded token count of the current step (its CUDA-graph capture size), set by
         # the runner hooks once vLLM has dispatched the step; 0: not known.
@@ -151,7 +102,8 @@ class StepSession:
     def configure(self, config: CascadeConfig, shape: AttentionShape, page_size: int,
                   disabled_reason: str | None, cost_model: CostModel | None = None,
                   steady_cost_model: CostModel | None = None,
-                  capture_sizes: Sequence[int] = ()) -> None:
+                  capture_sizes: Sequence[int] = (),
+                  split_cost_model: CostModel | None = None) -> None:
         """Plan steps for attention of this shape and page size, or not at all (a reason).
 
         What :meth:`register` does with a builder's settings; for a session without builders
@@ -161,11 +113,12 @@ class StepSession:
         (:func:`~vllm_cascade_plugin.planning.graph_layout.graph_shape`, the key of the executor's
         graphs) an earlier planned step had: the executor captures a layout's graphs the first
         time it runs one (None: ``cost_model`` for every step). ``capture_sizes``: vLLM's
-        CUDA-graph capture sizes, to which it pads a step's tokens.
+        CUDA-graph capture sizes, to which it pads a step's tokens. ``split_cost_model``: the
+        executor's cost of a mixed step run split (None: it does not split them).
         """
         self._apply(BuilderSettings(config, shape, page_size, disabled_reason,
                                     cost_model or CostModel(), steady_cost_model,
-                                    tuple(capture_sizes)))
+                                    tuple(capture_sizes), split_cost_model=split_cost_model))
         if disabled_reason is not None:
             stats.log_once(f"disabled:{disabled_reason}",
                            "vllm-cascade-plugin: cascade attention is off for this model: %s; "
@@ -177,6 +130,7 @@ class StepSession:
         self.config, self.shape, self.page_size = config, settings.shape, settings.page_size
         self.cost_model = settings.cost_model
         self.steady_cost_model = settings.steady_cost_model
+        self.split_cost_model = settings.split_cost_model
         self._capture_sizes = tuple(sorted(settings.capture_sizes))
         self._layouts_seen = set()
         self.disabled_reason = settings.unsupported
@@ -223,10 +177,14 @@ class StepSession:
             try:
                 query = np.asarray(query_lens)
                 decode = bool(np.all(query == 1))
-                steady = self.steady_cost_model
+                steady, split = self.steady_cost_model, self._split_lens(query)
                 model = (steady if decode and steady is not None
                          and self.graphable(int(query.sum())) else self.cost_model)
-                floor = flat_floor(seq_lens, query, self.page_size, self.shape, model)
+                if split is not None:  # the decode rows' cascade against their flat attention
+                    assert self.split_cost_model is not None
+                    model = self.split_cost_model
+                floor = flat_floor(seq_lens, query if split is None else split,
+                                   self.page_size, self.shape, model)
             except Exception as exc:  # the full planner decides instead
                 stats.record_fallback("planner error", f"{type(exc).__name__}: {exc}")
                 return False
@@ -236,6 +194,19 @@ class StepSession:
         reason = _flat_reason(decode, query)
         stats.flat_decision(reason, floor.cascade_us / floor.flat_us)
         return True
+
+    def _split_lens(self, query_lens: np.ndarray) -> np.ndarray | None:
+        """For a mixed step the executor splits: the query lengths its plan covers, 1 for each
+        row of one query token and 0 (padding, to the planner) for the others, which run flat;
+        None where the step is planned as it is (not mixed, no split cost, or more decode rows
+        than vLLM's largest CUDA-graph capture size: the decode rows would run eagerly)."""
+        if self.split_cost_model is None:
+            return None
+        one = np.asarray(query_lens) == 1
+        decode_rows = int(np.count_nonzero(one))
+        if not decode_rows or decode_rows == len(one) or not self.graphable(decode_rows):
+            return None
+        return one.astype(np.int32)
 
     def flat_step(self, reason: str, query_lens: np.ndarray) -> None:
         """Count a real step the runner hooks cannot plan (``reason``, counted as a fallback)
@@ -266,20 +237,22 @@ class StepSession:
             stats.record_planned(decode)
             try:
                 table = block_table
-                plan = self._planner.plan(table, seq_lens, query_lens, self.page_size,
+                split = self._split_lens(query_lens)  # a mixed step: its decode rows alone
+                planned = query_lens if split is None else split
+                plan = self._planner.plan(table, seq_lens, planned, self.page_size,
                                           row_keys, row_index)
                 if self.config.debug:
                     if row_index is not None:
                         table = table[row_index]
-                    broken = plan_violations(plan, table, seq_lens, query_lens)
+                    broken = plan_violations(plan, table, seq_lens, planned)
                     if (plan.num_levels > 1 and table.shape[1] > 0
-                            and nothing_shared(table[:, 0], seq_lens, query_lens,
+                            and nothing_shared(table[:, 0], seq_lens, planned,
                                                self.page_size)):
                         broken.append("nothing_shared() would have skipped a step with sharing")
                     if broken:
                         stats.record_fallback("plan invariant violated", "; ".join(broken[:3]))
                         return None
-                decision = self._decide(plan, query_lens, decode)
+                decision = self._decide(plan, query_lens, decode, split is not None)
             except Exception as exc:  # the engine must never fail because of the planner
                 stats.record_fallback("planner error", f"{type(exc).__name__}: {exc}")
                 return None
@@ -287,7 +260,7 @@ class StepSession:
             np.cumsum(query_lens, out=qsl[1:])
             self.current = StepPlan(plan, decision, qsl, decode,
                                     np.array(seq_lens, dtype=np.int32), self.page_size,
-                                    self.shape)
+                                    self.shape, None if split is None else split.astype(bool))
         if stats.logger.isEnabledFor(logging.DEBUG):
             stats.logger.debug(
                 "cascade step: %s (%s); %d levels, groups %s, pages %d flat -> %d; totals %s",
@@ -296,9 +269,11 @@ class StepSession:
                 stats.snapshot())
         return self.current
 
-    def _decide(self, plan: CascadePlan, query_lens: np.ndarray, decode: bool) -> Decision:
+    def _decide(self, plan: CascadePlan, query_lens: np.ndarray, decode: bool,
+                split: bool = False) -> Decision:
         """Cascade or flat for ``plan``; a flat step's reason (and the cascade/flat time the
-        cost model predicted) goes to the step's counters.
+        cost model predicted) goes to the step's counters. ``split``: ``plan`` is a mixed
+        step's decode rows alone, charged the split cost (``split_cost_model``).
 
         A decode step that could run from graphs is first charged the graphed cost, the least
         it can cost: flat even then, it is flat without its graph layout being worked out (most
@@ -313,7 +288,13 @@ class StepSession:
         steady = self.steady_cost_model
         graphable = (decode and steady is not None
                      and self.graphable(plan.stats.num_tokens))
-        if graphable:
+        if split:
+            assert self.split_cost_model is not None
+            decision = decide(plan, self.shape, self.split_cost_model)
+            if decision.use_cascade:
+                return decision
+            reason = MIXED
+        elif graphable:
             assert steady is not None
             decision = decide(plan, self.shape, steady)
             if decision.use_cascade and self._graph_state(plan) == STEADY:
@@ -370,8 +351,9 @@ class StepSession:
 
     def graphs_lost(self) -> None:
         """The executor's graphs are off from now on (a capture failed): charge every step
-        the eager cost."""
+        the eager cost, and split no mixed step (its decode rows would launch eagerly)."""
         self.steady_cost_model = None
+        self.split_cost_model = None
 
     def step_for(self, settings: BuilderSettings, query_start_loc: np.ndarray,
                  num_actual_tokens: int, seq_lens: np.ndarray | None) -> StepPlan | None:
