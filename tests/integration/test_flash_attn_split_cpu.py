@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 
-import pytest
 import torch
 
-from test_flash_attn_cpu import fa_config, fa_engine, run_layers  # noqa: F401  (fixtures)
+from test_flash_attn_cpu import (  # noqa: F401  (fixtures; restored_session: autouse)
+    fa_config,
+    fa_engine,
+    restored_session,
+    run_layers,
+)
 from test_integration_cpu import batch, common_metadata
 from vllm_cascade_plugin import stats
 from vllm_cascade_plugin.execution import kernels
@@ -18,15 +22,6 @@ from vllm_cascade_plugin.planning.cost import cost_model_for, flash_attn_flat
 from vllm_cascade_plugin.step import session
 
 SPLIT = flash_attn_flat(cost_model_for("fa3", split=True))
-
-
-@pytest.fixture(autouse=True)
-def restored_session():
-    saved = dict(vars(session))
-    stats.reset()
-    yield
-    vars(session).update(saved)
-    session.end_step()
 
 
 def test_a_mixed_step_runs_its_decode_rows_as_cascade_and_the_rest_flat(
