@@ -77,6 +77,12 @@ CONFIGS = {
     **{f"cascade_flash_attn_host_delay_{ms}ms": Config(
         "FLASH_ATTN", {"CASCADE_ATTENTION": "1", "CASCADE_BENCH_HOST_DELAY_US": str(1000 * ms)},
         pythonpath=(str(Path(__file__).resolve().parent / "host_delay"),)) for ms in (1, 4)},
+    # The plugin with the cost model's per-step term of a split mixed step set to 0
+    # (split_cost/sitecustomize.py): every mixed step whose decode rows' cascade wins on its
+    # kernels runs split, against the plugin as shipped, which keeps most of them flat.
+    "cascade_flash_attn_split_free": Config(
+        "FLASH_ATTN", {"CASCADE_ATTENTION": "1", "CASCADE_BENCH_SPLIT_STEP_US": "0"},
+        pythonpath=(str(Path(__file__).resolve().parent / "split_cost"),)),
     # Flat and the plugin with 4 API server processes (``--api-server-count 4``): requests are
     # tokenized and handed to the engine in parallel, so a burst's time to first token is less
     # the frontend's and more the engine's. Compared with each other, not with one API server.

@@ -41,7 +41,8 @@
 # parts a run did not run keep their rows of benchmarks/results/h200/gpu_validate.json, so a run
 # of some parts (GV_SIDE_BY_SIDE, GV_ALONE: the lists to run) completes the committed table.
 # Logs and result JSON go to /tmp/gv/<part>/: benchmarks/results/h200/gpu_validate/<part>/.
-# Other parts, each alone: e2e, e2e_fa (offline end-to-end tables), serve (the serving
+# Other parts, each alone: e2e, e2e_fa (offline end-to-end tables), split_bench (a mixed
+# prefill+decode step's attention split vs flat: benchmarks/split_bench.py), serve (the serving
 # benchmark once, SERVE_ARGS its arguments), serve_grid (the serving grid: each backend's
 # plugin against the same backend flat, `vllm serve` driven by `vllm bench serve`;
 # SERVE_DURATION seconds of Poisson arrivals per run; SERVE_GRID names the slices to run, each
@@ -145,6 +146,13 @@ part_examples() {  # each example as its docstring says to run it, on the tiny m
   stamp "examples: $passed passed, $failed failed"
 }
 
+part_split_bench() {  # a mixed step's attention run split vs flat, all layers (cost model)
+  mkdir -p "$res/split_bench"
+  timeout 400 python3 benchmarks/split_bench.py --out "$res/split_bench/split_step.json" \
+    > "$res/split_bench/split_bench.log" 2>&1
+  stamp "split_bench rc=$?"; tail -3 "$res/split_bench/split_bench.log" | cut -c1-200
+}
+
 part_e2e() {
   mkdir -p "$res/e2e"
   timeout 560 python3 benchmarks/e2e_bench.py --out "$res/e2e" --configs \
@@ -195,6 +203,10 @@ part_serve() {
 #                      every step that shares (CASCADE_POLICY=always), at the loads where the
 #                      cost model keeps most decode steps flat; rates from the committed flat
 #                      bursts (the slices start from benchmarks/results/h200/serve.json).
+#   split              vLLM's default backend flat, the plugin, and the plugin with every mixed
+#                      prefill+decode step split where its decode rows' cascade wins on its
+#                      kernels (cascade_flash_attn_split_free), on 8K x 4 and 2K x 16 at 90%;
+#                      rates from the committed flat bursts.
 serve_slice() {  # name, timeout (s), serve_bench.py arguments...
   local name=$1 limit=$2 start=$SECONDS
   shift 2
@@ -233,6 +245,9 @@ part_serve_grid() {  # run it detached, alone; the slices in SERVE_GRID's order
     flash_attn_policy) serve_slice flash_attn_policy 1500 \
       --configs flash_attn,cascade_flash_attn,cascade_flash_attn_always \
       --workloads prefix_8k_x4,chat_1k5_system --rates "prefix_8k_x4=50%,90%;*=90%" ;;
+    split) serve_slice split 1200 \
+      --configs flash_attn,cascade_flash_attn,cascade_flash_attn_split_free \
+      --workloads prefix_8k_x4,prefix_2k_x16 --rates 90% ;;
     *) stamp "serve_grid: no slice named $slice (see the list above part_serve_grid)"; return 1 ;;
     esac
   done
@@ -298,7 +313,7 @@ wait_parts() {  # until the detached run is done or $1 seconds have passed; pack
   grep -h "gpu_validate\|\"part\"" "$res/parts.log" 2>/dev/null | tail -40
 }
 
-PARTS="all engine engine_flash_attn engine_flashinfer engine_graphs kernels serving serving_memory fp8 speculative sliding soak demo examples tp e2e e2e_fa serve serve_grid"
+PARTS="all engine engine_flash_attn engine_flashinfer engine_graphs kernels serving serving_memory fp8 speculative sliding soak demo examples tp e2e e2e_fa split_bench serve serve_grid"
 case ${1:?"a part ($PARTS), start PARTS..., or wait [SECONDS]"} in
 start)
   shift

@@ -127,6 +127,27 @@ def test_the_host_delay_config_delays_every_planning_of_its_servers_processes(tm
     assert plain[0] == "plan_rows"
 
 
+def test_the_split_free_config_sets_the_split_steps_per_step_term_in_its_servers(tmp_path,
+                                                                                 monkeypatch):
+    """Its servers' processes start with the cost model's per-step term of a split mixed step
+    at 0 (benchmarks/split_cost/sitecustomize.py), so the FLASH_ATTN builder's split cost model
+    built after start-up has it; the shipped config's processes keep the shipped term."""
+    src = Path(__file__).resolve().parents[2] / "src"
+    monkeypatch.setenv("PYTHONPATH", str(src))
+    probe = ("from vllm_cascade_plugin.planning import cost\n"
+             "print(cost.cost_model_for('fa3', split=True).step_fixed_us)\n")
+    config = sb.CONFIGS["cascade_flash_attn_split_free"]
+    assert config.plugin_on and config.backend == "FLASH_ATTN"
+    out = subprocess.run([sys.executable, "-c", probe], env=sb.server_env(config, tmp_path),
+                         capture_output=True, text=True, check=True).stdout
+    assert float(out) == 0.0
+    plain = subprocess.run([sys.executable, "-c", probe],
+                           env=sb.server_env(sb.CONFIGS["cascade_flash_attn"], tmp_path),
+                           capture_output=True, text=True, check=True).stdout
+    from vllm_cascade_plugin.planning import cost
+    assert float(plain) == cost.FA3_SPLIT_STEP_FIXED_US > 0
+
+
 def _client(workload: str, rate, n=64, data=None, result=("/r", "x.json")):
     w = sw.WORKLOADS[workload]
     return sw.client_command(w, Path("/m"), 9000, rate, n, 5, data, result)
@@ -987,7 +1008,7 @@ def test_the_serving_grid_of_gpu_validate_is_a_valid_bench(tmp_path, capsys):
     assert {name for name, _, _ in slices} == {"flash_attn_shared", "flash_attn_long",
                                                "flashinfer", "flashinfer_burst",
                                                "host_delay", "flash_attn_policy",
-                                               "flash_attn_moderate", "api_servers"}
+                                               "flash_attn_moderate", "api_servers", "split"}
     assert all(name == log for name, log, _ in slices)
     for _, _, args in slices:
         argv = shlex.split(args)
