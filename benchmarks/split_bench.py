@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import command_line, commit, use_checkout, version
+from bench_common import command_line, commit, error_text, use_checkout, version
 
 PAGE = 16
 LAYERS = 32  # Llama-3-8B
@@ -241,7 +241,10 @@ def main() -> None:
     cases = CASES[:2] if args.quick else CASES
     rows = []
     for case in cases:
-        row = run_case(case, torch, 5 if args.quick else args.reps)
+        try:
+            row = run_case(case, torch, 5 if args.quick else args.reps)
+        except Exception as exc:  # one case's failure must not lose the others' rows
+            row = {"case": case.label, **dataclasses.asdict(case), "error": error_text(exc)}
         print(json.dumps(row), flush=True)
         rows.append(row)
         torch.cuda.empty_cache()
