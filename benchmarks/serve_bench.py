@@ -77,12 +77,15 @@ CONFIGS = {
     **{f"cascade_flash_attn_host_delay_{ms}ms": Config(
         "FLASH_ATTN", {"CASCADE_ATTENTION": "1", "CASCADE_BENCH_HOST_DELAY_US": str(1000 * ms)},
         pythonpath=(str(Path(__file__).resolve().parent / "host_delay"),)) for ms in (1, 4)},
-    # The plugin with the cost model's per-step term of a split mixed step set to 0
-    # (split_cost/sitecustomize.py): every mixed step whose decode rows' cascade wins on its
-    # kernels runs split, against the plugin as shipped, which keeps most of them flat.
-    "cascade_flash_attn_split_free": Config(
-        "FLASH_ATTN", {"CASCADE_ATTENTION": "1", "CASCADE_BENCH_SPLIT_STEP_US": "0"},
-        pythonpath=(str(Path(__file__).resolve().parent / "split_cost"),)),
+    # The plugin with the cost model's per-step term of a split mixed step changed
+    # (split_cost/sitecustomize.py): "split_off", so large that every mixed step runs flat (the
+    # plugin without the split), and "split_free", 0: every mixed step whose decode rows'
+    # cascade wins on its kernels runs split. Against the plugin as shipped: what the split
+    # gains, and whether its term is right.
+    **{f"cascade_flash_attn_{name}": Config(
+        "FLASH_ATTN", {"CASCADE_ATTENTION": "1", "CASCADE_BENCH_SPLIT_STEP_US": us},
+        pythonpath=(str(Path(__file__).resolve().parent / "split_cost"),))
+       for name, us in (("split_off", "1e12"), ("split_free", "0"))},
     # Flat and the plugin with 4 API server processes (``--api-server-count 4``): requests are
     # tokenized and handed to the engine in parallel, so a burst's time to first token is less
     # the frontend's and more the engine's. Compared with each other, not with one API server.

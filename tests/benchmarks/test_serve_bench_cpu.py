@@ -127,20 +127,22 @@ def test_the_host_delay_config_delays_every_planning_of_its_servers_processes(tm
     assert plain[0] == "plan_rows"
 
 
-def test_the_split_free_config_sets_the_split_steps_per_step_term_in_its_servers(tmp_path,
-                                                                                 monkeypatch):
-    """Its servers' processes start with the cost model's per-step term of a split mixed step
-    at 0 (benchmarks/split_cost/sitecustomize.py), so the FLASH_ATTN builder's split cost model
-    built after start-up has it; the shipped config's processes keep the shipped term."""
+@pytest.mark.parametrize(("config", "term"), [("cascade_flash_attn_split_off", 1e12),
+                                             ("cascade_flash_attn_split_free", 0.0)])
+def test_the_split_configs_set_the_split_steps_per_step_term_in_their_servers(
+        tmp_path, monkeypatch, config, term):
+    """Their servers' processes start with the cost model's per-step term of a split mixed step
+    changed (benchmarks/split_cost/sitecustomize.py), so the FLASH_ATTN builder's split cost
+    model built after start-up has it; the shipped config's processes keep the shipped term."""
     src = Path(__file__).resolve().parents[2] / "src"
     monkeypatch.setenv("PYTHONPATH", str(src))
     probe = ("from vllm_cascade_plugin.planning import cost\n"
              "print(cost.cost_model_for('fa3', split=True).step_fixed_us)\n")
-    config = sb.CONFIGS["cascade_flash_attn_split_free"]
-    assert config.plugin_on and config.backend == "FLASH_ATTN"
-    out = subprocess.run([sys.executable, "-c", probe], env=sb.server_env(config, tmp_path),
+    changed = sb.CONFIGS[config]
+    assert changed.plugin_on and changed.backend == "FLASH_ATTN"
+    out = subprocess.run([sys.executable, "-c", probe], env=sb.server_env(changed, tmp_path),
                          capture_output=True, text=True, check=True).stdout
-    assert float(out) == 0.0
+    assert float(out) == term
     plain = subprocess.run([sys.executable, "-c", probe],
                            env=sb.server_env(sb.CONFIGS["cascade_flash_attn"], tmp_path),
                            capture_output=True, text=True, check=True).stdout
