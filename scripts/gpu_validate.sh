@@ -203,10 +203,10 @@ part_serve() {
 #                      every step that shares (CASCADE_POLICY=always), at the loads where the
 #                      cost model keeps most decode steps flat; rates from the committed flat
 #                      bursts (the slices start from benchmarks/results/h200/serve.json).
-#   split              vLLM's default backend flat, the plugin, and the plugin with every mixed
-#                      prefill+decode step flat (cascade_flash_attn_split_off: without the
-#                      split), on 8K x 4 and 2K x 16 at 90%; rates from the committed flat
-#                      bursts.
+#   split              vLLM's default backend flat, the plugin with every mixed prefill+decode
+#                      step flat (cascade_flash_attn_split_off: without the split) and with
+#                      every one split where its decode rows' kernels win (_split_free), on
+#                      8K x 4 and 2K x 16 at 90%; rates from the committed flat bursts.
 serve_slice() {  # name, timeout (s), serve_bench.py arguments...
   local name=$1 limit=$2 start=$SECONDS
   shift 2
@@ -246,7 +246,7 @@ part_serve_grid() {  # run it detached, alone; the slices in SERVE_GRID's order
       --configs flash_attn,cascade_flash_attn,cascade_flash_attn_always \
       --workloads prefix_8k_x4,chat_1k5_system --rates "prefix_8k_x4=50%,90%;*=90%" ;;
     split) serve_slice split 1200 \
-      --configs flash_attn,cascade_flash_attn,cascade_flash_attn_split_off \
+      --configs flash_attn,cascade_flash_attn_split_off,cascade_flash_attn_split_free \
       --workloads prefix_8k_x4,prefix_2k_x16 --rates 90% ;;
     *) stamp "serve_grid: no slice named $slice (see the list above part_serve_grid)"; return 1 ;;
     esac
