@@ -212,3 +212,31 @@ def test_v2_slot_keys_change_on_overwrite_only(state):
     tables.append_block_ids(2, ([11, 12],), overwrite=True)  # the slot reused: a new key
     again = row_keys.v2_rows(tables, index)
     assert again[1] == first[1] and again[0] not in first
+
+
+def test_v1_steady_decode_skips_the_pre_checks_and_plans_as_fresh(planner_calls, monkeypatch):
+    """A step of the last step's requests, each one token longer, continues it: the runner
+    hooks ask neither pre-check (sharing from first block ids, the cost model's floor), and
+    its plan is still a fresh plan's (``run_step`` checks); a step with a new request asks."""
+    asked: list[str] = []
+    for name in ("skip_unshared", "cannot_win"):
+        real = getattr(session, name)
+        monkeypatch.setattr(session, name, lambda *a, _n=name, _r=real: asked.append(_n) or
+                            _r(*a))
+    batch = V1Batch()
+    batch.req_ids, batch.rows, batch.seq = ["a", "b"], [[5, 6, 9], [5, 6, 8]], [40, 41]
+    run_step(batch, planner_calls, new=["a", "b"])
+    assert asked == ["skip_unshared", "cannot_win"]
+    for _ in range(9):  # into a new page on the way: 48 -> 49 tokens
+        batch.seq = [s + 1 for s in batch.seq]
+        if batch.seq[0] == 49:
+            batch.rows[0].append(20)
+        if batch.seq[1] == 49:
+            batch.rows[1].append(21)
+        run_step(batch, planner_calls)
+    assert asked == ["skip_unshared", "cannot_win"]
+    batch.req_ids.append("c")
+    batch.rows.append([5, 6, 30])
+    batch.seq.append(35)
+    run_step(batch, planner_calls, new=["c"])
+    assert asked == ["skip_unshared", "cannot_win"] * 2

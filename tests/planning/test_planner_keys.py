@@ -7,19 +7,22 @@ of keys), and a key that breaks its promise must show in ``plan_violations``.
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from test_planner import (
     Batch,
     assert_same_plan,
+    batches,
     churn_steps,
     count_builds,
     interleaved_decode_batch,
     limits,
+    make_batch,
     row_pages,
 )
 from vllm_cascade_plugin.planning import memory as memory_module
@@ -252,3 +255,94 @@ def test_a_row_index_of_another_shape_or_past_the_table_is_refused():
         with pytest.raises(ValueError, match="row_index"):
             CascadePlanner().plan(batch.block_table, batch.seq_lens, batch.query_lens,
                                   batch.page_size, row_index=index)
+
+
+# ---- steady decode continued from the last step ---------------------------------------------
+
+
+@st.composite
+def steady_decode_steps(draw: st.DrawFn) -> list[Batch]:
+    """A batch of decode rows (every row one query token), then steps in which every row grows
+    by one token; a row entering a new page gets a fresh block there, or the null block (a
+    sliding-window layer's page dropped)."""
+    drawn = draw(batches())
+    live = drawn.seq_lens > 0  # rows with a token (the others would be padding)
+    assume(np.count_nonzero(live))
+    first = Batch(np.pad(drawn.block_table[live], ((0, 0), (0, 24))), drawn.seq_lens[live],
+                  np.ones(int(np.count_nonzero(live)), np.int32), drawn.page_size)
+    steps = [first]
+    fresh = itertools.count(first.num_blocks + 100)
+    for _ in range(draw(st.integers(1, 12))):
+        batch = steps[-1]
+        table, seq = batch.block_table.copy(), batch.seq_lens.copy()
+        for r in range(len(seq)):
+            if seq[r] % batch.page_size == 0:
+                if seq[r] // batch.page_size >= table.shape[1]:
+                    return steps  # a row as long as the table: the sequence ends
+                table[r, seq[r] // batch.page_size] = draw(st.sampled_from([next(fresh), 0]))
+        steps.append(replace(batch, block_table=table, seq_lens=seq + 1))
+    return steps
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=steady_decode_steps(), limits=limits, index=st.booleans())
+def test_steady_decode_continued_from_the_last_step_equals_a_fresh_plan(steps, limits, index):
+    """Keyed steps that continue the last one are planned from it (``continue_decode``); each
+    plan is the fresh plan of its step, rows read directly or through a row index."""
+    planner = CascadePlanner(**limits)
+    keys = np.arange(len(steps[0].seq_lens), dtype=np.int64) + 7
+    for batch in steps:
+        table, row_index = batch.block_table, None
+        if index:  # the rows in slots of a larger table, as Model Runner V2 keeps them
+            row_index = np.arange(len(batch.seq_lens), dtype=np.int64)[::-1] * 2
+            table = np.zeros((2 * len(batch.seq_lens), batch.block_table.shape[1]), np.int32)
+            table[row_index] = batch.block_table
+        plan = planner.plan(table, batch.seq_lens, batch.query_lens, batch.page_size,
+                            row_keys=keys, row_index=row_index)
+        assert_same_plan(plan, batch.plan(**limits))
+        assert plan_violations(plan, batch.block_table, batch.seq_lens, batch.query_lens) == []
+
+
+def test_steady_keyed_decode_is_continued_from_the_last_step(monkeypatch):
+    """Every step after the first continues the last one: no step is read or followed anew,
+    and the runner hooks' pre-checks may be skipped (``continues``) while its rows share."""
+    batch = interleaved_decode_batch(groups=3, per_group=4, shared=6)
+    planner, keys = planned_with_keys(batch)
+    followed = []
+    original = memory_module.PlanMemory.follow
+    monkeypatch.setattr(memory_module.PlanMemory, "follow",
+                        lambda self, *a: followed.append(1) or original(self, *a))
+    seq, table = batch.seq_lens.copy(), batch.block_table.copy()
+    fresh = itertools.count(int(table.max()) + 1)
+    for _ in range(9):
+        for r in range(len(seq)):
+            if seq[r] % batch.page_size == 0:
+                table[r, seq[r] // batch.page_size] = next(fresh)
+        seq += 1
+        assert planner.continues(seq, batch.query_lens, keys)
+        step = Batch(table.copy(), seq.copy(), batch.query_lens, batch.page_size)
+        plan = planner.plan(step.block_table, step.seq_lens, step.query_lens, step.page_size,
+                            row_keys=keys)
+        assert_same_plan(plan, step.plan())
+    assert followed == []
+
+
+def test_a_step_that_does_not_continue_the_last_one_is_planned_anew():
+    batch = interleaved_decode_batch(groups=2, per_group=3, shared=4)
+    planner, keys = planned_with_keys(batch)
+    seq, query = batch.seq_lens + 1, batch.query_lens
+    assert planner.continues(seq, query, keys)
+    other_keys = keys.copy()
+    other_keys[2] = 99  # a new request in row 2
+    two_tokens = query.copy()
+    two_tokens[0] = 2  # a verification step, or a chunk
+    assert not planner.continues(seq, query, other_keys)
+    assert not planner.continues(seq + 1, query, keys)  # a step was missed
+    assert not planner.continues(seq + two_tokens - 1, two_tokens, keys)
+    assert not planner.continues(seq, query, None)
+    assert not planner.continues(seq, query, keys, np.arange(len(seq)))  # now through an index
+    assert not planner.continues(seq[:-1], query[:-1], keys[:-1])  # a row finished
+    # Without a shared level there is nothing to continue: the pre-checks decide.
+    lone = make_batch([[1, 2], [3, 4]], [6, 7], [1, 1], 4, width=8)
+    planner, keys = planned_with_keys(lone)
+    assert not planner.continues(lone.seq_lens + 1, lone.query_lens, keys)

@@ -33,24 +33,37 @@ def plan_rows(first_pages: np.ndarray, block_table: np.ndarray, num_blocks: np.n
 
     ``block_table``: the rows' block ids; with ``row_index``, row ``r``'s are
     ``block_table[row_index[r]]`` (the planner reads the rows it needs, nothing is copied
-    whole). ``keys`` (the rows' keys: :mod:`.row_keys`) are read only when the rows' first
-    block ids leave sharing possible and the rows' lengths leave cascade a chance to beat flat
-    (the cost model's floor).
+    whole). ``keys`` (the rows' keys: :mod:`.row_keys`) are read, with
+    ``CASCADE_PLAN_FROM_CHANGES``, once a step is to be planned or may continue the last one
+    (its lengths do). The pre-checks (the rows' first block ids leave sharing
+    possible, their lengths leave cascade a chance to beat flat: the cost model's floor) are
+    skipped for a step that continues the last one
+    (:meth:`~.planning.planner.CascadePlanner.continues`).
     """
     needed = -(-seq_lens // max(session.page_size, 1))
     if np.any(num_blocks < needed):
         session.flat_step("block table shorter than the sequence", query_lens)
         return False
-    if session.skip_unshared(first_pages, seq_lens, query_lens):
-        return False
-    if session.cannot_win(seq_lens, query_lens):  # no plan of these rows could beat flat
-        return False
     config = session.config
-    row_keys = keys() if config is not None and config.plan_from_changes else None
-    if row_keys is not None:
+    read: list[np.ndarray | None] = []  # the rows' keys once read (at most once)
+
+    def row_keys() -> np.ndarray | None:
+        if not read:
+            read.append(keys())
+        return read[0]
+
+    keyed = config is not None and config.plan_from_changes
+    # The last step's decode rows one token longer: it shares and may win as that one did.
+    if not session.continues(seq_lens, query_lens, row_keys if keyed else None, row_index):
+        if session.skip_unshared(first_pages, seq_lens, query_lens):
+            return False
+        if session.cannot_win(seq_lens, query_lens):  # no plan of these rows could beat flat
+            return False
+    keys_read = row_keys() if keyed else None
+    if keys_read is not None:
         stats.log_once("planned from changes", "vllm-cascade-plugin: steps are planned from "
                        "the rows vLLM changed (CASCADE_PLAN_FROM_CHANGES).")
-    step = session.plan_step(block_table, seq_lens, query_lens, row_keys, row_index)
+    step = session.plan_step(block_table, seq_lens, query_lens, keys_read, row_index)
     return step is not None and step.decision.use_cascade
 
 

@@ -19,10 +19,14 @@ by request, so a request that finishes moves every row after it, and its rows of
 tokens (prefills, chunks) go behind the decode rows, so a request that goes from one to the
 other moves too. Keys that repeat within a step promise nothing beyond their place. No
 snapshot is kept then; a step planned without keys after one planned with them is planned from
-scratch.
+scratch. A keyed step of the last step's decode rows, each one token longer, is steady decode:
+its inputs and structure are the last step's with each row's new page, if it started one
+(:meth:`PlanMemory.continue_decode`), without reading or checking the rows again.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 
@@ -54,6 +58,81 @@ class PlanMemory:
         self._keys = None if keys is None else keys.copy()
         if keys is None:
             self._copy(step.dense(), structure.shareable)
+        self._decode_step: Step | None = None  # see continue_decode
+        self._seq_next = np.empty(0, np.int64)
+        self._remember(step, keys)
+
+    def _remember(self, step: Step, keys: np.ndarray | None) -> None:
+        """Keep ``step`` for :meth:`continue_decode` when it was a keyed step of decode rows
+        only (every row one query token, no padding)."""
+        decode = keys is not None and step.all_active and step.num_tokens == len(step.seq_lens)
+        self._decode_step = step if decode else None
+        if decode:
+            self._seq_next = step.seq_lens + 1
+
+    def continues(self, seq_lens: np.ndarray, query_lens: np.ndarray,
+                  keys: np.ndarray | Callable[[], np.ndarray | None] | None,
+                  row_index: np.ndarray | None) -> bool:
+        """Whether a step is the last step's decode rows, each one token longer: the same rows
+        (their keys, and rows of the table, unchanged) of one query token each, after a step
+        planned with keys that was that too. ``keys`` may be a function that reads them: called
+        only where the lengths match."""
+        last = self._decode_step
+        if (last is None or keys is None or self._keys is None
+                or not np.array_equal(seq_lens, self._seq_next)
+                or not np.array_equal(query_lens, last.query_lens)):
+            return False
+        if callable(keys):
+            keys = keys()
+        return (keys is not None and np.array_equal(keys, self._keys)
+                and (row_index is None if last.row_index is None
+                     else row_index is not None and np.array_equal(row_index, last.row_index)))
+
+    def continue_decode(self, block_table: np.ndarray, seq_lens: np.ndarray,
+                        query_lens: np.ndarray, keys: np.ndarray | None,
+                        row_index: np.ndarray | None) -> tuple[Step, Structure] | None:
+        """The step and its structure where it :meth:`continues` the last one, else None.
+
+        What :func:`~.layout.read_step` and :meth:`follow` give such a step, found from the last
+        step: a row's new token starts a new page where its position is a multiple of the page
+        size, and then its last full page may be shareable (up to a block 0, read as
+        :meth:`follow` reads it). The rows keep their nodes, and the structure its layout, unless
+        a row that ended at its node grew past it: then None, and :meth:`follow` places it.
+        """
+        table = np.asarray(block_table)
+        last = self._decode_step
+        if (last is None or table.dtype != np.int32 or table.ndim != 2
+                or not self.continues(seq_lens, query_lens, keys, row_index)):
+            return None
+        seq = self._seq_next
+        crossed = (seq - 1) % self.page_size == 0
+        num_pages, bound = last.num_pages, last.shareable_bound
+        if np.count_nonzero(crossed):
+            num_pages, bound = num_pages + crossed, bound + crossed
+            if int(np.maximum.reduce(num_pages)) > table.shape[1]:
+                return None  # read_step refuses it
+        step = Step(block_table=table, seq_lens=seq, query_lens=last.query_lens,
+                    page_size=self.page_size, active=last.active, all_active=True,
+                    rows=last.rows, num_pages=num_pages, shareable_bound=bound,
+                    query_start=last.query_start, num_tokens=last.num_tokens,
+                    row_index=last.row_index)
+        old = self.structure
+        shareable = old.shareable
+        longer = (bound > shareable).nonzero()[0]
+        if longer.size:  # as follow: new pages are shareable up to a block 0
+            index = last.row_index
+            grown = first_zero(table, longer if index is None else index[longer],
+                               shareable[longer], bound[longer])
+            moved = longer[grown != shareable[longer]]
+            if moved.size:
+                if np.count_nonzero(old.continuation[moved] == 0):
+                    return None  # it ended at its node and now goes on: placed anew
+                shareable = shareable.copy()
+                shareable[longer] = grown
+        self.structure = Structure(old.trie, shareable, old.node, old.continuation,
+                                   old.own_start, old.order, old.order_is_batch, old.levels)
+        self._decode_step, self._seq_next = step, seq + 1
+        return step, self.structure
 
     def _copy(self, table: np.ndarray, shareable: np.ndarray) -> None:
         """Snapshot ``table`` anew, as wide as the longest shareable prefix needs, and then some.
@@ -154,6 +233,7 @@ class PlanMemory:
         self.structure = structure
         self._active, self._all_active = step.active, step.all_active
         self._num_rows = num_rows
+        self._remember(step, keys)
         return structure
 
     def _rekey(self, keys: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:

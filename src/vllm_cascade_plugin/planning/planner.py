@@ -32,6 +32,7 @@ one step to the next :mod:`.memory`, and the contract's check (``CASCADE_DEBUG``
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -105,7 +106,9 @@ class CascadePlanner:
     frees and reuses block ids) keeps its place; a new, moved or changed row is looked up in the
     trie. As long as the rows form the same trie, only the layout of the groups is redone (and
     while every row keeps its place, not even that); when they do not (a new shared prefix, a
-    group left with one row, many rows moved), the planner plans from scratch. ``plan``
+    group left with one row, many rows moved), the planner plans from scratch. A keyed step of
+    the last step's decode rows, each one token longer (steady decode), is not even read: its
+    inputs and structure follow from the last step's (:meth:`.PlanMemory.continue_decode`). ``plan``
     therefore returns exactly what :func:`plan_cascade` returns for the same arguments.
 
     While the structure and the query lengths stay the same, consecutive plans hold the very same
@@ -141,18 +144,29 @@ class CascadePlanner:
         repeat within a step are trusted at the same place only. A broken promise gives a plan
         of stale ids: :func:`~.invariants.plan_violations` (``CASCADE_DEBUG``) finds it.
         """
-        step = read_step(block_table, seq_lens, query_lens, page_size, row_index)
-        keys = None
-        if row_keys is not None:
-            keys = np.asarray(row_keys, dtype=np.int64)
-            if keys.shape != step.seq_lens.shape:
-                raise ValueError(f"need row_keys [R] = {step.seq_lens.shape}, got {keys.shape}")
         # Held out while it is updated: a step that fails half way leaves no memory behind.
         memory, self._memory = self._memory, None
-        structure = None if memory is None else memory.follow(step, keys)
-        if structure is None:
-            structure = _build(step, shareable_pages(step), self.max_levels, self.min_shared_pages)
-            memory = PlanMemory(step, structure, keys)
+        continued = None
+        if memory is not None and row_keys is not None and page_size == memory.page_size:
+            # Steady decode: each row one token longer, read from the last step's inputs.
+            continued = memory.continue_decode(block_table, seq_lens, query_lens, row_keys,
+                                               row_index)
+        if continued is not None:
+            step, structure = continued
+        else:
+            step = read_step(block_table, seq_lens, query_lens, page_size, row_index)
+            keys = None
+            if row_keys is not None:
+                keys = np.asarray(row_keys, dtype=np.int64)
+                if keys.shape != step.seq_lens.shape:
+                    raise ValueError(
+                        f"need row_keys [R] = {step.seq_lens.shape}, got {keys.shape}")
+            followed = None if memory is None else memory.follow(step, keys)
+            if followed is None:
+                followed = _build(step, shareable_pages(step), self.max_levels,
+                                  self.min_shared_pages)
+                memory = PlanMemory(step, followed, keys)
+            structure = followed
         self._memory = memory
         # A structure carried over unchanged keeps its order array: the shared levels emitted
         # for it still hold while the query lengths do.
@@ -164,6 +178,19 @@ class CascadePlanner:
             self._shared_order = structure.order
             self._shared_query_lens = step.query_lens.copy()  # callers update theirs in place
         return _assemble(self._shared, structure, step)
+
+
+    def continues(self, seq_lens: np.ndarray, query_lens: np.ndarray,
+                  row_keys: np.ndarray | Callable[[], np.ndarray | None] | None,
+                  row_index: np.ndarray | None = None) -> bool:
+        """Whether a step (arguments as :meth:`plan`'s; ``row_keys`` may be a function that
+        reads them, called only where the lengths match) is the last planned step's decode rows,
+        each one token longer, with a shared level: it still shares (its rows hold the ids they
+        shared), and the cost model's floor, which only flat attention's estimate moves, grew
+        no more favourable to flat. The runner hooks then skip their pre-checks."""
+        memory = self._memory
+        return (memory is not None and bool(memory.structure.levels)
+                and memory.continues(seq_lens, query_lens, row_keys, row_index))
 
 
 def _build(step: Step, shareable: np.ndarray, max_levels: int, min_shared_pages: int) -> Structure:

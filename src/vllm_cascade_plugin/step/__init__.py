@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import bisect
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -162,6 +162,16 @@ class StepSession:
             stats.record_planned(bool(np.all(np.asarray(query_lens) == 1)))
             stats.flat_decision(NO_SHARED)
         return True
+
+    def continues(self, seq_lens: np.ndarray, query_lens: np.ndarray,
+                  row_keys: np.ndarray | Callable[[], np.ndarray | None] | None,
+                  row_index: np.ndarray | None) -> bool:
+        """Whether the step is the last planned step's decode rows one token longer, which
+        shared (:meth:`~.planning.planner.CascadePlanner.continues`; ``row_keys`` may be a
+        function that reads them): :meth:`skip_unshared` and :meth:`cannot_win` would both
+        answer False, and are not asked."""
+        return (self.active and row_keys is not None and self._planner is not None
+                and self._planner.continues(seq_lens, query_lens, row_keys, row_index))
 
     def cannot_win(self, seq_lens: np.ndarray, query_lens: np.ndarray) -> bool:
         """Count a real step no plan of which could run as cascade (the cost model's floor,
