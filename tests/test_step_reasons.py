@@ -192,19 +192,29 @@ def mixed_rows(decode_rows: int, prefill_tokens: int = 150, prefix_pages: int = 
 def test_a_mixed_step_is_planned_for_its_decode_rows_alone_and_charged_the_split_cost():
     """Where the executor splits mixed steps, the prefill row is padding to the planner, the
     plan covers the decode rows in batch order, and the verdict is decide() on that plan with
-    the split cost; the step plan still describes the whole batch (its rows, tokens, lengths)."""
-    table, seq, q = mixed_rows(48)
+    the split cost; the step plan still describes the whole batch (its rows, tokens, lengths).
+    The first mixed step of a decode layout runs flat (its per-layer graphs not captured),
+    counted so; the next one of that layout splits."""
     session = fa3_session(split_cost_model=SPLIT)
-    step = session.plan_step(table, seq, q)
-    decode = q == 1
-    assert step is not None and step.decode_rows is not None and not step.decode
-    assert np.array_equal(step.decode_rows, decode)
-    want = plan_cascade(table, seq, decode.astype(np.int32), 16)
-    assert step.plan.stats == want.stats and step.plan.stats.num_tokens == 48
-    assert step.decision == decide(want, H200_LAYER, SPLIT) and step.decision.use_cascade
-    qsl = np.concatenate([[0], np.cumsum(q)])
-    assert step.matches(qsl, int(q.sum()), seq)  # the whole batch, prefill row included
-    assert not decide(step.plan, H200_LAYER, EAGER).use_cascade  # only the split wins here
+    decode = mixed_rows(48)[2] == 1
+    for first in (True, False):
+        table, seq, q = mixed_rows(48)
+        seq[decode] += 0 if first else 1  # a step later: the decode rows one token longer
+        step = session.plan_step(table, seq, q)
+        assert step is not None and step.decode_rows is not None and not step.decode
+        assert np.array_equal(step.decode_rows, decode)
+        want = plan_cascade(table, seq, decode.astype(np.int32), 16)
+        assert step.plan.stats == want.stats and step.plan.stats.num_tokens == 48
+        wins = decide(want, H200_LAYER, SPLIT)
+        assert wins.use_cascade and step.decision.use_cascade is not first
+        assert (step.decision.flat_us, step.decision.cascade_us) == (wins.flat_us,
+                                                                     wins.cascade_us)
+        qsl = np.concatenate([[0], np.cumsum(q)])
+        assert step.matches(qsl, int(q.sum()), seq)  # the whole batch, prefill row included
+        assert not decide(step.plan, H200_LAYER, EAGER).use_cascade  # only the split wins
+        session.end_step()
+        if first:
+            assert stats.snapshot().flat_reasons == {c.NOT_CAPTURED: 1}
 
 
 @pytest.mark.parametrize(("split", "capture_sizes", "rows"),

@@ -19,6 +19,8 @@ from __future__ import annotations
 import bisect
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
 
 import numpy as np
 
@@ -301,9 +303,13 @@ class StepSession:
         if split:
             assert self.split_cost_model is not None
             decision = decide(plan, self.shape, self.split_cost_model)
-            if decision.use_cascade:
+            if decision.use_cascade and self._graph_state(plan, split=True) == STEADY:
                 return decision
             reason = MIXED
+            if decision.use_cascade:  # a new layout of decode rows: its graphs not captured
+                reason = NOT_CAPTURED
+                decision = replace(decision, use_cascade=False,
+                                   reason=f"{decision.reason}; a new split layout")
         elif graphable:
             assert steady is not None
             decision = decide(plan, self.shape, steady)
@@ -346,12 +352,16 @@ class StepSession:
         none either; tests) every size is."""
         return not self._capture_sizes or num_tokens <= self._capture_sizes[-1]
 
-    def _graph_state(self, plan: CascadePlan) -> str:
+    def _graph_state(self, plan: CascadePlan, split: bool = False) -> str:
         """How a graphable decode step with a shared level runs as cascade: :data:`STEADY`, a
         layout an earlier step that won with graphs had, whose graphs replay (or are captured
         now); :data:`FIRST`, a new layout (recorded now), whose graphs are captured the first
-        time it runs."""
-        key = graph_shape(plan, self.padded(plan.stats.num_tokens))
+        time it runs. ``split``: the decode rows of a mixed step run split, whose per-layer
+        graphs are their own (a split step of a new layout runs flat, the next one splits:
+        a layout seen once never costs a capture of every layer)."""
+        key: tuple[Any, ...] = graph_shape(plan, self.padded(plan.stats.num_tokens))
+        if split:
+            key = ("split", key)
         if key in self._layouts_seen:
             return STEADY
         if len(self._layouts_seen) >= MAX_LAYOUTS:
