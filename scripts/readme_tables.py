@@ -240,7 +240,6 @@ def _rate_key(row: dict[str, Any]) -> tuple[int, float, str]:
 # with cascade on every step that shares (no cost model) beside the plugin as shipped
 SERVE_PAIRS = (("flash_attn", "cascade_flash_attn", "FLASH_ATTN"),
                ("flash_attn", "cascade_flash_attn_always", "FLASH_ATTN, `CASCADE_POLICY=always`"),
-               ("flash_attn", "cascade_flash_attn_split_off", "FLASH_ATTN, mixed steps flat"),
                ("flash_attn", "cascade_flash_attn_split_free",
                 "FLASH_ATTN, mixed steps split, no step cost"),
                ("flash_attn_api_servers_4", "cascade_flash_attn_api_servers_4",
@@ -365,10 +364,9 @@ def block_serve() -> list[str]:
               "latest run, then the range of every run's ratio (each run's plugin against its "
               "own flat server); "
               "`CASCADE_POLICY=always`: the plugin with cascade on every step that "
-              "shares, the cost model bypassed; mixed steps flat: the plugin without "
-              "splitting mixed prefill+decode steps (every such step flat); mixed steps "
-              "split, no step cost: every mixed step split whose decode rows' kernels win "
-              "(the split's per-step term `cost.FA3_SPLIT_STEP_FIXED_US` 0):", ""]
+              "shares, the cost model bypassed; mixed steps split, no step cost: every mixed "
+              "prefill+decode step split whose decode rows' kernels win (the split's "
+              "per-step term `cost.FA3_SPLIT_STEP_FIXED_US` 0):", ""]
     lines += _table(["backend", "workload", "request rate", "output tokens/s", "TTFT p99",
                      "TPOT p50", "TPOT p99", "decode steps as cascade",
                      "flat decode steps, why", "planning µs p50 / p99 (host µs per step)"], body)

@@ -141,13 +141,16 @@ FA3_LAYER_GRAPHS_STEP_FIXED_US = 1500.0
 # graphs (``e2e_step_cost_fa3_eager.json``, checked the same way).
 FA3_EAGER_STEP_FIXED_US = 7570.0
 # The FA3 executor's per-step cost of a mixed prefill+decode step run split
-# (``execution.fa3_split``), charged to the decode rows' plan against their flat attention. Not
-# fitted on its own runs yet: the terms it is made of, each an upper bound. The decode rows'
-# cascade replays a CUDA graph per layer inside vLLM's piecewise path, as a decode step with
-# per-layer graphs does (FA3_LAYER_GRAPHS_STEP_FIXED_US); per layer, their queries are copied
-# in and their output out (two small kernels), and the flat estimate of the decode rows counts a
-# launch that the step's one flat call pays anyway: FlashAttention 3's flat launch
-# (FLASH_ATTN_FLAT) for each of the three, over 32 layers.
+# (``execution.fa3_split``), charged to the decode rows' plan against their flat attention: the
+# per-layer graphs' term (FA3_LAYER_GRAPHS_STEP_FIXED_US) and three FlashAttention 3 launches per
+# layer over 32 layers, 3.1 ms. Measured (``benchmarks/split_bench.py``, ``split_step.json``:
+# 16-128 decode rows behind 4 documents of 8K or 16 of 2K tokens and one prefill row, 32
+# layers, H200): on the GPU the split costs what the model says or less (at most 1.2 ms more),
+# 0.20-0.98x flat's attention time behind 8K documents; but it launches 0.45-3.1 ms more host
+# work per step (median 1.3 ms), which a mixed step, launched piecewise, pays where the host sets
+# its pace. Served at 90% load (``serve.json``, run 20261203T072428), splitting at no per-step
+# cost was slower than not splitting: TPOT p50 12.9 against 9.3 ms behind 2K documents (flat
+# 11.7), 7.8 against 7.3 ms behind 8K ones. So the term stays at the host's upper bound.
 FA3_SPLIT_STEP_FIXED_US = FA3_LAYER_GRAPHS_STEP_FIXED_US + 3 * 16.9 * 32
 # The flat side with vLLM's FLASH_ATTN backend: FlashAttention 3's flat decode, ~25% slower than
 # FlashInfer's at large batches. Fitted alone by ``benchmarks/calibrate_cost.py`` on the same
