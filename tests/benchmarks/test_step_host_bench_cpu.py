@@ -90,3 +90,17 @@ def test_parts_time_the_planner_and_the_decision_inside_each_timed_step():
     # Churn steps of 32 rows are mixed steps the cost model's floor keeps flat unplanned.
     assert row["churn_planner_p50_us"] == 0 and row["churn_rest_p50_us"] > 0
     assert "steady_planner_p50_us" not in shb.measure(shb.CASES[1], 3, 1, check=False)
+
+
+def test_the_toggle_bench_runs_both_ways_with_the_same_decisions():
+    """``step_host_toggle.py``: the continuation off (every step read and pre-checked) and on,
+    over the same steps; every variant makes the same cascade-or-flat decisions both ways (its
+    steps are ``step_host_bench``'s, whose plans the tests above check against fresh ones), and
+    each figure has its rounds' ratio."""
+    toggle = importlib.import_module("step_host_toggle")
+    row = toggle.measure(shb.CASES[1], steps=12, rounds=2)
+    for name, _, _ in toggle.VARIANTS:
+        assert row[f"{name}_off_cascade_steps"] == row[f"{name}_on_cascade_steps"]
+        median, low, high = row[f"{name}_p50_off_over_on"]
+        assert 0 < low <= median <= high
+    assert row["steady_on_cascade_steps"] == "12 of 12"

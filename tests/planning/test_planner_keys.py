@@ -346,3 +346,32 @@ def test_a_step_that_does_not_continue_the_last_one_is_planned_anew():
     lone = make_batch([[1, 2], [3, 4]], [6, 7], [1, 1], 4, width=8)
     planner, keys = planned_with_keys(lone)
     assert not planner.continues(lone.seq_lens + 1, lone.query_lens, keys)
+
+
+def test_arrays_a_caller_updates_in_place_are_not_trusted_as_the_last_steps():
+    """vLLM keeps its arrays and writes each step into them: a planner that kept the caller's
+    query lengths or row index (not copies) would compare them with themselves. Here the
+    caller's int64 arrays are planned, then changed in place: two query tokens in a row, other
+    slots for the rows; each step's plan is still the fresh plan."""
+    batch = interleaved_decode_batch(groups=2, per_group=3, shared=4)
+    n = len(batch.seq_lens)
+    seq = batch.seq_lens.astype(np.int64)
+    query = np.ones(n, np.int64)
+    index = np.arange(n, dtype=np.int64)
+    table = np.zeros((2 * n, batch.block_table.shape[1]), np.int32)
+    table[:n] = batch.block_table
+    table[n:] = batch.block_table
+    keys = np.arange(n, dtype=np.int64)
+    planner = CascadePlanner()
+    planner.plan(table, seq, query, batch.page_size, row_keys=keys, row_index=index)
+    seq += 1
+    query[0] = 2  # in place: the same array object, now a two-token row
+    assert not planner.continues(seq, query, keys, index)
+    plan = planner.plan(table, seq, query, batch.page_size, row_keys=keys, row_index=index)
+    assert_same_plan(plan, Batch(batch.block_table, seq.astype(np.int32),
+                                 query.astype(np.int32), batch.page_size).plan())
+    query[0] = 1
+    plan = planner.plan(table, seq + 1, query, batch.page_size, row_keys=keys, row_index=index)
+    seq += 1
+    index += n  # in place: the rows now read from the table's other copy
+    assert not planner.continues(seq + 1, query, keys, index)

@@ -60,6 +60,8 @@ class PlanMemory:
             self._copy(step.dense(), structure.shareable)
         self._decode_step: Step | None = None  # see continue_decode
         self._seq_next = np.empty(0, np.int64)
+        self._query = np.empty(0, np.int64)
+        self._index: np.ndarray | None = None
         self._remember(step, keys)
 
     def _remember(self, step: Step, keys: np.ndarray | None) -> None:
@@ -67,8 +69,10 @@ class PlanMemory:
         only (every row one query token, no padding)."""
         decode = keys is not None and step.all_active and step.num_tokens == len(step.seq_lens)
         self._decode_step = step if decode else None
-        if decode:
+        if decode:  # copies: a caller may update its arrays in place for the next step
             self._seq_next = step.seq_lens + 1
+            self._query = step.query_lens.copy()
+            self._index = None if step.row_index is None else step.row_index.copy()
 
     def continues(self, seq_lens: np.ndarray, query_lens: np.ndarray,
                   keys: np.ndarray | Callable[[], np.ndarray | None] | None,
@@ -80,13 +84,13 @@ class PlanMemory:
         last = self._decode_step
         if (last is None or keys is None or self._keys is None
                 or not np.array_equal(seq_lens, self._seq_next)
-                or not np.array_equal(query_lens, last.query_lens)):
+                or not np.array_equal(query_lens, self._query)):
             return False
         if callable(keys):
             keys = keys()
         return (keys is not None and np.array_equal(keys, self._keys)
-                and (row_index is None if last.row_index is None
-                     else row_index is not None and np.array_equal(row_index, last.row_index)))
+                and (row_index is None if self._index is None
+                     else row_index is not None and np.array_equal(row_index, self._index)))
 
     def continue_decode(self, block_table: np.ndarray, seq_lens: np.ndarray,
                         query_lens: np.ndarray, keys: np.ndarray | None,
@@ -111,16 +115,16 @@ class PlanMemory:
             num_pages, bound = num_pages + crossed, bound + crossed
             if int(np.maximum.reduce(num_pages)) > table.shape[1]:
                 return None  # read_step refuses it
-        step = Step(block_table=table, seq_lens=seq, query_lens=last.query_lens,
+        step = Step(block_table=table, seq_lens=seq, query_lens=self._query,
                     page_size=self.page_size, active=last.active, all_active=True,
                     rows=last.rows, num_pages=num_pages, shareable_bound=bound,
                     query_start=last.query_start, num_tokens=last.num_tokens,
-                    row_index=last.row_index)
+                    row_index=self._index)
         old = self.structure
         shareable = old.shareable
         longer = (bound > shareable).nonzero()[0]
         if longer.size:  # as follow: new pages are shareable up to a block 0
-            index = last.row_index
+            index = self._index
             grown = first_zero(table, longer if index is None else index[longer],
                                shareable[longer], bound[longer])
             moved = longer[grown != shareable[longer]]

@@ -179,7 +179,6 @@ class CascadePlanner:
             self._shared_query_lens = step.query_lens.copy()  # callers update theirs in place
         return _assemble(self._shared, structure, step)
 
-
     def continues(self, seq_lens: np.ndarray, query_lens: np.ndarray,
                   row_keys: np.ndarray | Callable[[], np.ndarray | None] | None,
                   row_index: np.ndarray | None = None) -> bool:
