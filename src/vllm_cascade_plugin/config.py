@@ -95,8 +95,9 @@ KNOBS: tuple[Knob, ...] = (
     Knob("CASCADE_PLAN_FROM_CHANGES", "plan_from_changes", True, _bool,
          "1/true/on or 0/false/off",
          "Plan each step from the rows vLLM changed (requests new, resumed or moved), as the "
-         "runner learns them from the scheduler (on), or by comparing every row's block ids "
-         "with the last step's (off)."),
+         "runner learns them from the scheduler, and a step of the same requests one token "
+         "longer from the last step's plan (on), or by comparing every row's block ids with "
+         "the last step's (off)."),
     Knob("CASCADE_MAX_LEVELS", "max_levels", 3, _int_at_least(2), "an integer >= 2",
          "Most attention levels per step, the per-request level included (2 = one shared level)."),
     Knob("CASCADE_MIN_SHARED_PAGES", "min_shared_pages", 1, _int_at_least(1), "an integer >= 1",
