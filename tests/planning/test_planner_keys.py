@@ -158,13 +158,18 @@ def test_repeated_keys_are_trusted_only_at_their_place(monkeypatch, moved_rows):
 
 def test_steady_keyed_decode_reads_no_column_it_planned(monkeypatch):
     """With every key kept, a decode step never compares the table: only rows that grew a page
-    are read (their new columns), and the structure is carried over."""
+    are read (their new columns), and the structure is carried over. Every step after the first
+    continues the last one (``continue_decode``): none is followed anew, and the runner hooks'
+    pre-checks may be skipped (``continues``) while its rows share."""
     builds = count_builds(monkeypatch)
     batch = interleaved_decode_batch(groups=3, per_group=4, shared=6)
     planner, keys = planned_with_keys(batch)
-    compared = []
+    compared, followed = [], []
     monkeypatch.setattr(memory_module.PlanMemory, "_refresh",
                         lambda self, *a: compared.append(a) or np.empty(0, np.int64))
+    original = memory_module.PlanMemory.follow
+    monkeypatch.setattr(memory_module.PlanMemory, "follow",
+                        lambda self, *a: followed.append(1) or original(self, *a))
     seq = batch.seq_lens.copy()
     table = batch.block_table.copy()
     fresh = itertools.count(int(table.max()) + 1)
@@ -173,13 +178,14 @@ def test_steady_keyed_decode_reads_no_column_it_planned(monkeypatch):
             if seq[r] % batch.page_size == 0:
                 table[r, seq[r] // batch.page_size] = next(fresh)
         seq += 1
+        assert planner.continues(seq, batch.query_lens, keys)
         step = Batch(table.copy(), seq.copy(), batch.query_lens, batch.page_size)
         plan = planner.plan(step.block_table, step.seq_lens, step.query_lens, step.page_size,
                             row_keys=keys)
         builds.counting = False
         assert_same_plan(plan, step.plan())
         builds.counting = True
-    assert compared == []
+    assert compared == [] and followed == []
     assert builds.count == 1
 
 
@@ -301,30 +307,6 @@ def test_steady_decode_continued_from_the_last_step_equals_a_fresh_plan(steps, l
                             row_keys=keys, row_index=row_index)
         assert_same_plan(plan, batch.plan(**limits))
         assert plan_violations(plan, batch.block_table, batch.seq_lens, batch.query_lens) == []
-
-
-def test_steady_keyed_decode_is_continued_from_the_last_step(monkeypatch):
-    """Every step after the first continues the last one: no step is read or followed anew,
-    and the runner hooks' pre-checks may be skipped (``continues``) while its rows share."""
-    batch = interleaved_decode_batch(groups=3, per_group=4, shared=6)
-    planner, keys = planned_with_keys(batch)
-    followed = []
-    original = memory_module.PlanMemory.follow
-    monkeypatch.setattr(memory_module.PlanMemory, "follow",
-                        lambda self, *a: followed.append(1) or original(self, *a))
-    seq, table = batch.seq_lens.copy(), batch.block_table.copy()
-    fresh = itertools.count(int(table.max()) + 1)
-    for _ in range(9):
-        for r in range(len(seq)):
-            if seq[r] % batch.page_size == 0:
-                table[r, seq[r] // batch.page_size] = next(fresh)
-        seq += 1
-        assert planner.continues(seq, batch.query_lens, keys)
-        step = Batch(table.copy(), seq.copy(), batch.query_lens, batch.page_size)
-        plan = planner.plan(step.block_table, step.seq_lens, step.query_lens, step.page_size,
-                            row_keys=keys)
-        assert_same_plan(plan, step.plan())
-    assert followed == []
 
 
 def test_a_step_that_does_not_continue_the_last_one_is_planned_anew():
