@@ -62,6 +62,9 @@ class PlanMemory:
         self._seq_next = np.empty(0, np.int64)
         self._query = np.empty(0, np.int64)
         self._index: np.ndarray | None = None
+        # The arguments :meth:`continues` last said yes to, which the next continue_decode
+        # takes without comparing them again (the runner hooks ask both of the same arrays).
+        self._confirmed: tuple[object, ...] | None = None
         self._remember(step, keys)
 
     def _remember(self, step: Step, keys: np.ndarray | None) -> None:
@@ -69,6 +72,7 @@ class PlanMemory:
         only (every row one query token, no padding)."""
         decode = keys is not None and step.all_active and step.num_tokens == len(step.seq_lens)
         self._decode_step = step if decode else None
+        self._confirmed = None
         if decode:  # copies: a caller may update its arrays in place for the next step
             self._seq_next = step.seq_lens + 1
             self._query = step.query_lens.copy()
@@ -80,7 +84,9 @@ class PlanMemory:
         """Whether a step is the last step's decode rows, each one token longer: the same rows
         (their keys, and rows of the table, unchanged) of one query token each, after a step
         planned with keys that was that too. ``keys`` may be a function that reads them: called
-        only where the lengths match."""
+        only where the lengths match. A yes holds for :meth:`continue_decode` of the very same
+        arrays, unchanged, next."""
+        self._confirmed = None
         last = self._decode_step
         if (last is None or keys is None or self._keys is None
                 or not np.array_equal(seq_lens, self._seq_next)
@@ -88,9 +94,12 @@ class PlanMemory:
             return False
         if callable(keys):
             keys = keys()
-        return (keys is not None and np.array_equal(keys, self._keys)
+        if not (keys is not None and np.array_equal(keys, self._keys)
                 and (row_index is None if self._index is None
-                     else row_index is not None and np.array_equal(row_index, self._index)))
+                     else row_index is not None and np.array_equal(row_index, self._index))):
+            return False
+        self._confirmed = (seq_lens, query_lens, keys, row_index)
+        return True
 
     def continue_decode(self, block_table: np.ndarray, seq_lens: np.ndarray,
                         query_lens: np.ndarray, keys: np.ndarray | None,
@@ -105,8 +114,13 @@ class PlanMemory:
         """
         table = np.asarray(block_table)
         last = self._decode_step
-        if (last is None or table.dtype != np.int32 or table.ndim != 2
-                or not self.continues(seq_lens, query_lens, keys, row_index)):
+        confirmed, self._confirmed = self._confirmed, None
+        if last is None or table.dtype != np.int32 or table.ndim != 2:
+            return None
+        asked = (seq_lens, query_lens, keys, row_index)
+        trusted = confirmed is not None and all(
+            a is b for a, b in zip(confirmed, asked, strict=True))
+        if not (trusted or self.continues(*asked)):
             return None
         seq = self._seq_next
         crossed = (seq - 1) % self.page_size == 0
