@@ -699,15 +699,19 @@ def test_row_schema_and_values():
     json.dumps(row)
 
 
-def test_new_rows_replace_only_their_own_workload_and_config(tmp_path):
-    def row(w, c, rate, tp=1):
-        return {"workload": w, "config": c, "request_rate": rate, "tensor_parallel_size": tp}
+def test_new_rows_join_the_earlier_runs_and_replace_only_their_own_run(tmp_path):
+    def row(w, c, rate, run, tp=1):
+        return {"workload": w, "config": c, "request_rate": rate, "tensor_parallel_size": tp,
+                "run_id": run}
 
-    old = [row("a", "flashinfer", "burst"), row("a", "cascade", "burst"),
-           row("a", "cascade", 4.0), row("b", "cascade", "burst"), row("a", "cascade", 3, 2)]
-    new = [row("a", "cascade", "burst")]
-    merged = sr.merge_rows(old, new)
-    assert merged == [old[0], old[3], old[4], new[0]]
+    old = [row("a", "flashinfer", "burst", "0"), row("a", "cascade", "burst", "0"),
+           row("a", "cascade", 4.0, "0"), row("b", "cascade", "burst", "0"),
+           row("a", "cascade", 3, "0", 2)]
+    first = [row("a", "cascade", "burst", "1")]
+    merged = sr.merge_rows(old, first)
+    assert merged == [*old, first[0]]  # the same point again: a second run of it
+    second = [*first, row("a", "cascade", 4.0, "1")]  # the invocation's rows so far
+    assert sr.merge_rows(merged, second) == [*old, *second]
     out = tmp_path / "h200" / "serve.json"
     sr.write_results(out, merged, {"run_id": "1", "command": "first"})
     sr.write_results(out, merged, {"run_id": "2", "command": "second"})
@@ -882,16 +886,18 @@ def test_whole_loop_writes_rows_after_each_run_and_merges(tmp_path, monkeypatch,
     assert meta["command"].endswith("--configs cascade,flashinfer --plot")
     assert meta["command"].split()[1].endswith("serve_bench.py")
     assert not _alive(str(tmp_path / "fake_vllm.py")) and not _alive(_engine_core(tmp_path))
-    # Later: cascade alone, its rates from the file's flashinfer bursts; flashinfer rows kept.
+    # Later: cascade alone, its rates from the file's flashinfer bursts; every earlier row
+    # kept, the cascade points measured again become their second runs.
     assert sb.main([*common, "--configs", "cascade", "--rates", "burst,50%"]) == 0
     again = json.loads(out.read_text())
-    key = [(r["config"], r["workload"], r["request_rate"]) for r in again]
-    assert key == [(r["config"], r["workload"], r["request_rate"]) for r in rows[:6]] + [
-        ("cascade", w, r) for w in ("prefix_2k_x4", "tree_2k_4x8k") for r in ("burst", 4.0)]
+    assert again[:len(rows)] == rows
+    key = [(r["config"], r["workload"], r["request_rate"]) for r in again[len(rows):]]
+    assert key == [("cascade", w, r) for w in ("prefix_2k_x4", "tree_2k_4x8k")
+                   for r in ("burst", 4.0)]
     assert len(json.loads(out.with_suffix(".meta.json").read_text())["runs"]) == 2
-    later = {r["run"] for r in again if r["config"] == "cascade"}
+    later = {r["run"] for r in again[len(rows):]}
     assert len(later) == 1 and later != {run} and later == {meta_run(out)}
-    assert {r["run"] for r in again if r["config"] == "flashinfer"} == {run}  # rows kept
+    assert {r["run"] for r in again if r["config"] == "flashinfer"} == {run}
     capsys.readouterr()
 
 
@@ -1010,7 +1016,8 @@ def test_the_serving_grid_of_gpu_validate_is_a_valid_bench(tmp_path, capsys):
     assert {name for name, _, _ in slices} == {"flash_attn_shared", "flash_attn_long",
                                                "flashinfer", "flashinfer_burst",
                                                "host_delay", "flash_attn_policy",
-                                               "flash_attn_moderate", "api_servers", "split"}
+                                               "flash_attn_moderate", "api_servers", "split",
+                                               "split_gated"}
     assert all(name == log for name, log, _ in slices)
     for _, _, args in slices:
         argv = shlex.split(args)
