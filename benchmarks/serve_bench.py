@@ -77,13 +77,18 @@ CONFIGS = {
     **{f"cascade_flash_attn_host_delay_{ms}ms": Config(
         "FLASH_ATTN", {"CASCADE_ATTENTION": "1", "CASCADE_BENCH_HOST_DELAY_US": str(1000 * ms)},
         pythonpath=(str(Path(__file__).resolve().parent / "host_delay"),)) for ms in (1, 4)},
-    # The plugin with the cost model's per-step term of a split mixed step changed
-    # (split_cost/sitecustomize.py): "split_off", so large that every mixed step runs flat (the
-    # plugin without the split), and "split_free", 0: every mixed step whose decode rows'
-    # cascade wins on its kernels runs split. Against the plugin as shipped: what the split
-    # gains, and whether its term is right.
+    # The plugin with mixed prefill+decode steps split (CASCADE_SPLIT_MIXED=1): their decode
+    # rows as cascade where the cost model, its per-step host term included, says so.
+    "cascade_flash_attn_split_mixed": Config("FLASH_ATTN", {"CASCADE_ATTENTION": "1",
+                                                            "CASCADE_SPLIT_MIXED": "1"}),
+    # The same with the cost model's per-step term of a split step changed
+    # (split_cost/sitecustomize.py): "split_off", so large that every mixed step runs flat
+    # (what CASCADE_SPLIT_MIXED=0 does), and "split_free", 0: every mixed step whose decode
+    # rows' cascade wins on its kernels runs split. What the split gains, and whether its term
+    # is right.
     **{f"cascade_flash_attn_{name}": Config(
-        "FLASH_ATTN", {"CASCADE_ATTENTION": "1", "CASCADE_BENCH_SPLIT_STEP_US": us},
+        "FLASH_ATTN", {"CASCADE_ATTENTION": "1", "CASCADE_SPLIT_MIXED": "1",
+                       "CASCADE_BENCH_SPLIT_STEP_US": us},
         pythonpath=(str(Path(__file__).resolve().parent / "split_cost"),))
        for name, us in (("split_off", "1e12"), ("split_free", "0"))},
     # Flat and the plugin with 4 API server processes (``--api-server-count 4``): requests are

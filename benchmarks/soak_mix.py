@@ -39,7 +39,9 @@ ENGINE = {"skip_tokenizer_init": True, "attention_backend": "FLASHINFER",
           # (scripts/gpu_validate.sh), and vLLM skips its memory profiling, which that work
           # would disturb. --num-gpu-blocks sets the cache's size within these bytes.
           "gpu_memory_utilization": 0.05, "kv_cache_memory_bytes": 1 << 30}
-PLUGIN_ENV = {"CASCADE_ATTENTION": "1", "CASCADE_POLICY": "always", "CASCADE_DEBUG": "1"}
+# Every cascade path, mixed steps split included (off by default), each plan checked.
+PLUGIN_ENV = {"CASCADE_ATTENTION": "1", "CASCADE_POLICY": "always", "CASCADE_SPLIT_MIXED": "1",
+              "CASCADE_DEBUG": "1"}
 BASELINE_S = 60.0  # memory baseline after this much of the mix (or a quarter of --duration)
 
 

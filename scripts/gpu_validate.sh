@@ -207,10 +207,11 @@ part_serve() {
 #                      step flat (cascade_flash_attn_split_off: without the split) and with
 #                      every one split where its decode rows' kernels win (_split_free), on
 #                      8K x 4 and 2K x 16 at 90%; rates from the committed flat bursts.
-#   split_gated        vLLM's default backend flat, the plugin as it ships (a mixed step split
-#                      where the cost model, host term included, says so and its layout was
-#                      seen before) and the plugin without the split, on 8K x 4 in a burst and
-#                      at 90%: whether splitting helps a burst's mixed steps. About 13 min.
+#   split_gated        vLLM's default backend flat, the plugin (mixed steps flat) and the
+#                      plugin with them split (CASCADE_SPLIT_MIXED=1: where the cost model, its
+#                      host term included, says so and the layout came before), on 8K x 4 in
+#                      a burst and at 90%: whether splitting helps a burst's mixed steps.
+#                      About 10 min after the verification parts on the same machine.
 serve_slice() {  # name, timeout (s), serve_bench.py arguments...
   local name=$1 limit=$2 start=$SECONDS
   shift 2
@@ -253,7 +254,7 @@ part_serve_grid() {  # run it detached, alone; the slices in SERVE_GRID's order
       --configs flash_attn,cascade_flash_attn_split_off,cascade_flash_attn_split_free \
       --workloads prefix_8k_x4,prefix_2k_x16 --rates 90% ;;
     split_gated) serve_slice split_gated 1200 \
-      --configs flash_attn,cascade_flash_attn,cascade_flash_attn_split_off \
+      --configs flash_attn,cascade_flash_attn,cascade_flash_attn_split_mixed \
       --workloads prefix_8k_x4 --rates burst,90% ;;
     *) stamp "serve_grid: no slice named $slice (see the list above part_serve_grid)"; return 1 ;;
     esac

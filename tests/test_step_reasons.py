@@ -194,8 +194,8 @@ def test_a_mixed_step_is_planned_for_its_decode_rows_alone_and_charged_the_split
     plan covers the decode rows in batch order, and the verdict is decide() on that plan with
     the split cost; the step plan still describes the whole batch (its rows, tokens, lengths).
     The first mixed step of a decode layout runs flat (its per-layer graphs not captured),
-    counted so; the next one of that layout splits."""
-    session = fa3_session(split_cost_model=SPLIT)
+    counted so; the next one of that layout splits (CASCADE_SPLIT_MIXED on)."""
+    session = fa3_session(split_cost_model=SPLIT, split_mixed=True)
     decode = mixed_rows(48)[2] == 1
     for first in (True, False):
         table, seq, q = mixed_rows(48)
@@ -229,7 +229,8 @@ def test_a_mixed_step_the_executor_cannot_or_need_not_split_stays_flat_as_mixed(
     is not split either; a few decode rows never repay the split's per-step cost. Each runs
     flat, counted as a mixed step, and the runner hooks' floor (cannot_win) agrees."""
     table, seq, q = mixed_rows(rows)
-    session = fa3_session(capture_sizes, split_cost_model=SPLIT if split else None)
+    session = fa3_session(capture_sizes, split_cost_model=SPLIT if split else None,
+                          split_mixed=True)
     skipped = session.cannot_win(seq, q)
     step = session.plan_step(table, seq, q)
     assert step is not None and not step.decision.use_cascade
@@ -242,9 +243,35 @@ def test_a_mixed_step_the_executor_cannot_or_need_not_split_stays_flat_as_mixed(
         assert skipped
 
 
+@pytest.mark.parametrize("policy", ["auto", "always"])
+def test_without_split_mixed_a_mixed_step_the_split_would_win_runs_flat(policy):
+    """CASCADE_SPLIT_MIXED off (the default): a mixed step the executor could split, whose
+    split wins on the cost model (the step above, a layout seen before), runs flat as a mixed
+    step; the runner hooks' pre-check says so before any plan (not with
+    CASCADE_POLICY=always, whose planned step is flat all the same). Decode steps still run
+    cascade."""
+    session = fa3_session(split_cost_model=SPLIT, policy=policy)
+    for later in (0, 1):
+        table, seq, q = mixed_rows(48)
+        seq[q == 1] += later
+        assert session.cannot_win(seq, q) is (policy == "auto")
+        session.end_step()
+        step = session.plan_step(table, seq, q)
+        assert step is not None and not step.decision.use_cascade
+        assert decide(step.plan, H200_LAYER, SPLIT).use_cascade  # the split would have won
+        session.end_step()
+    reasons = stats.snapshot().flat_reasons
+    assert reasons == {c.MIXED: 2 + 2 * (policy == "auto")}
+    table, seq = prefix_rows(48)  # decode steps of the same documents
+    for _ in range(2):  # the second one of its layout: the graphed cost
+        step = session.plan_step(table, seq, np.ones(48, np.int32))
+        session.end_step()
+    assert step is not None and step.decision.use_cascade
+
+
 def test_graphs_lost_split_no_more_mixed_steps():
     table, seq, q = mixed_rows(48)
-    session = fa3_session(split_cost_model=SPLIT)
+    session = fa3_session(split_cost_model=SPLIT, split_mixed=True)
     session.graphs_lost()
     step = session.plan_step(table, seq, q)
     assert step is not None and step.decode_rows is None and not step.decision.use_cascade

@@ -98,6 +98,11 @@ KNOBS: tuple[Knob, ...] = (
          "runner learns them from the scheduler, and a step of the same requests one token "
          "longer from the last step's plan (on), or by comparing every row's block ids with "
          "the last step's (off)."),
+    Knob("CASCADE_SPLIT_MIXED", "split_mixed", False, _bool, "1/true/on or 0/false/off",
+         "Mixed prefill+decode steps on FlashAttention 3: their decode rows as cascade, split "
+         "from the other rows (which run flat), where the cost model says it wins and a step of "
+         "the same layout came before (on), or the whole step flat (off). Served, the split "
+         "cost more host time and CUDA-graph captures than it saved (README, Limits)."),
     Knob("CASCADE_MAX_LEVELS", "max_levels", 3, _int_at_least(2), "an integer >= 2",
          "Most attention levels per step, the per-request level included (2 = one shared level)."),
     Knob("CASCADE_MIN_SHARED_PAGES", "min_shared_pages", 1, _int_at_least(1), "an integer >= 1",
@@ -127,6 +132,7 @@ class CascadeConfig:
     cuda_graphs: bool = True
     full_graphs: bool = True
     plan_from_changes: bool = True
+    split_mixed: bool = False
     max_levels: int = 3
     min_shared_pages: int = 1
     log_interval_s: float = 60.0

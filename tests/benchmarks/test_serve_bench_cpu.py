@@ -128,26 +128,33 @@ def test_the_host_delay_config_delays_every_planning_of_its_servers_processes(tm
 
 
 @pytest.mark.parametrize(("config", "term"), [("cascade_flash_attn_split_off", 1e12),
-                                             ("cascade_flash_attn_split_free", 0.0)])
-def test_the_split_configs_set_the_split_steps_per_step_term_in_their_servers(
+                                             ("cascade_flash_attn_split_free", 0.0),
+                                             ("cascade_flash_attn_split_mixed", None)])
+def test_the_split_configs_split_mixed_steps_at_their_per_step_term(
         tmp_path, monkeypatch, config, term):
-    """Their servers' processes start with the cost model's per-step term of a split mixed step
-    changed (benchmarks/split_cost/sitecustomize.py), so the FLASH_ATTN builder's split cost
-    model built after start-up has it; the shipped config's processes keep the shipped term."""
+    """Their servers' processes split mixed steps (CASCADE_SPLIT_MIXED on), with the cost
+    model's per-step term of a split step changed where they say so
+    (benchmarks/split_cost/sitecustomize.py), so the FLASH_ATTN builder's split cost model
+    built after start-up has it; the plugin's plain config's processes keep the shipped term
+    and leave mixed steps flat."""
+    from vllm_cascade_plugin.planning import cost
+
     src = Path(__file__).resolve().parents[2] / "src"
     monkeypatch.setenv("PYTHONPATH", str(src))
     probe = ("from vllm_cascade_plugin.planning import cost\n"
-             "print(cost.cost_model_for('fa3', split=True).step_fixed_us)\n")
+             "from vllm_cascade_plugin.config import load_config\n"
+             "print(cost.cost_model_for('fa3', split=True).step_fixed_us)\n"
+             "print(load_config().split_mixed)\n")
     changed = sb.CONFIGS[config]
     assert changed.plugin_on and changed.backend == "FLASH_ATTN"
     out = subprocess.run([sys.executable, "-c", probe], env=sb.server_env(changed, tmp_path),
-                         capture_output=True, text=True, check=True).stdout
-    assert float(out) == term
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == [str(cost.FA3_SPLIT_STEP_FIXED_US if term is None else float(term)), "True"]
     plain = subprocess.run([sys.executable, "-c", probe],
                            env=sb.server_env(sb.CONFIGS["cascade_flash_attn"], tmp_path),
-                           capture_output=True, text=True, check=True).stdout
-    from vllm_cascade_plugin.planning import cost
-    assert float(plain) == cost.FA3_SPLIT_STEP_FIXED_US > 0
+                           capture_output=True, text=True, check=True).stdout.split()
+    assert plain == [str(cost.FA3_SPLIT_STEP_FIXED_US), "False"]
+    assert cost.FA3_SPLIT_STEP_FIXED_US > 0
 
 
 def _client(workload: str, rate, n=64, data=None, result=("/r", "x.json")):

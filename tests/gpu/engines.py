@@ -79,7 +79,9 @@ class Engine:
         env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0",
                    VLLM_USE_V2_MODEL_RUNNER="1" if self.runner == "v2" else "0")
         if self.plugin:
-            env.update(CASCADE_ATTENTION="1", CASCADE_POLICY="always", **dict(self.knobs))
+            # Every cascade path the plugin has: mixed steps split too (off by default).
+            env.update(CASCADE_ATTENTION="1", CASCADE_POLICY="always", CASCADE_SPLIT_MIXED="1",
+                       **dict(self.knobs))
             if self.kernel:
                 env["CASCADE_KERNEL"] = self.kernel
         return env

@@ -42,7 +42,8 @@ def serve(model_dir: str, out: Path, plugin: bool, runner: str, requests: int,
                VLLM_ALLOW_INSECURE_SERIALIZATION="1")  # the counters' collective_rpc
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default: the engine core apart
     if plugin:
-        env.update(CASCADE_ATTENTION="1", CASCADE_POLICY="always")
+        # Every step that shares as cascade, mixed steps split (off by default).
+        env.update(CASCADE_ATTENTION="1", CASCADE_POLICY="always", CASCADE_SPLIT_MIXED="1")
     sizing = (["--gpu-memory-utilization", str(memory)] if memory is not None else
               ["--gpu-memory-utilization", "0.05", "--kv-cache-memory-bytes", str(1 << 30)])
     proc = subprocess.run([sys.executable, str(HERE / "serving_driver.py"), model_dir, str(out),

@@ -31,6 +31,7 @@ def test_a_mixed_step_runs_its_decode_rows_as_cascade_and_the_rest_flat(
     locations and block table for the flat call, and the output of every row is attention."""
     _config, builder, layers = fa_engine
     monkeypatch.setattr(session, "split_cost_model", SPLIT)  # what a graphed engine registers
+    monkeypatch.setattr(session, "config", dataclasses.replace(session.config, split_mixed=True))
     # The decode rows' levels on the FA3 stand-in: the fused decode kernel's bf16 is wrong under
     # Triton's CPU interpreter (test_fa3_executor_cpu; test_fa3_split_cpu runs it in fp32).
     builder._cascade_executor = kernels.FlashAttnCascadeExecutor("NHD", fused_decode=False)

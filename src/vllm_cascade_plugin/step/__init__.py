@@ -179,7 +179,9 @@ class StepSession:
         """Count a real step no plan of which could run as cascade (the cost model's floor,
         :func:`~.planning.cost.flat_floor`, charged as :meth:`_decide` charges first) as planned
         and flat, for the reason :meth:`_decide` would give; True if so. Not with
-        ``CASCADE_DEBUG`` (every step is planned and checked) or ``CASCADE_POLICY=always``."""
+        ``CASCADE_DEBUG`` (every step is planned and checked) or ``CASCADE_POLICY=always``.
+        A mixed step the executor would split is flat at once while ``CASCADE_SPLIT_MIXED``
+        is off."""
         self.current = None
         config = self.config
         if (not self.active or config is None or config.debug or config.policy == "always"
@@ -190,6 +192,10 @@ class StepSession:
                 query = np.asarray(query_lens)
                 decode = bool(np.all(query == 1))
                 steady, split = self.steady_cost_model, self._split_lens(query)
+                if split is not None and not config.split_mixed:  # a mixed step: flat
+                    stats.record_planned(decode)
+                    stats.flat_decision(MIXED)
+                    return True
                 model = (steady if decode and steady is not None
                          and self.graphable(int(query.sum())) else self.cost_model)
                 if split is not None:  # the decode rows' cascade against their flat attention
@@ -292,6 +298,9 @@ class StepSession:
         flat steps of a serving run). Only a step that wins with graphs looks its layout up,
         and pays the eager cost if the layout is new (:meth:`_graph_state`)."""
         assert self.config is not None and self.shape is not None
+        if split and not self.config.split_mixed:  # CASCADE_POLICY=always, CASCADE_DEBUG
+            stats.flat_decision(MIXED)
+            return Decision(False, 0.0, 0.0, "a mixed step (CASCADE_SPLIT_MIXED off)")
         if plan.num_levels < 2:
             stats.flat_decision(NO_SHARED)
             return Decision(False, 0.0, 0.0, "no shared pages")
