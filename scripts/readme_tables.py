@@ -240,8 +240,9 @@ def _rate_key(row: dict[str, Any]) -> tuple[int, float, str]:
 # with cascade on every step that shares (no cost model) beside the plugin as shipped
 SERVE_PAIRS = (("flash_attn", "cascade_flash_attn", "FLASH_ATTN"),
                ("flash_attn", "cascade_flash_attn_always", "FLASH_ATTN, `CASCADE_POLICY=always`"),
-               ("flash_attn", "cascade_flash_attn_split_free",
-                "FLASH_ATTN, mixed steps split, no step cost"),
+               ("flash_attn", "cascade_flash_attn_split_off", "FLASH_ATTN, mixed steps flat"),
+               ("flash_attn", "cascade_flash_attn_split_mixed",
+                "FLASH_ATTN, `CASCADE_SPLIT_MIXED=1`"),
                ("flash_attn_api_servers_4", "cascade_flash_attn_api_servers_4",
                 "FLASH_ATTN, 4 API servers"),
                ("flashinfer", "cascade", "FLASHINFER"))
@@ -363,10 +364,13 @@ def block_serve() -> list[str]:
               "captures); a point measured in several runs (request rate: N runs) shows its "
               "latest run, then the range of every run's ratio (each run's plugin against its "
               "own flat server); "
+              "FLASH_ATTN: the plugin's defaults at the run's code (`serve.meta.json`), "
+              "which in run 20261203T093105 split mixed prefill+decode steps (what "
+              "`CASCADE_SPLIT_MIXED=1` does); mixed steps flat: every mixed step flat (the "
+              "split's per-step term `cost.FA3_SPLIT_STEP_FIXED_US` 10^12 µs, as "
+              "`CASCADE_SPLIT_MIXED=0` does); "
               "`CASCADE_POLICY=always`: the plugin with cascade on every step that "
-              "shares, the cost model bypassed; mixed steps split, no step cost: every mixed "
-              "prefill+decode step split whose decode rows' kernels win (the split's "
-              "per-step term `cost.FA3_SPLIT_STEP_FIXED_US` 0):", ""]
+              "shares, the cost model bypassed:", ""]
     lines += _table(["backend", "workload", "request rate", "output tokens/s", "TTFT p99",
                      "TPOT p50", "TPOT p99", "decode steps as cascade",
                      "flat decode steps, why", "planning µs p50 / p99 (host µs per step)"], body)
