@@ -61,6 +61,10 @@ class Config:
 
 
 API_SERVERS_4 = ("--api-server-count", "4")
+# vLLM's CUDA-graph capture sizes in powers of two (its default: 1, 2, 4, then every multiple of
+# 8 up to 512): a batch growing through a burst meets 10 sizes instead of 67, and the plugin
+# keys its whole-step graphs by them (fewer captures), at more padding for flat and plugin.
+POW2_GRAPHS = ("--cudagraph-capture-sizes", *(str(1 << i) for i in range(10)))
 CONFIGS = {
     "flashinfer": Config("FLASHINFER", {"CASCADE_ATTENTION": "0"}),
     "cascade": Config("FLASHINFER", {"CASCADE_ATTENTION": "1"}),
@@ -99,6 +103,12 @@ CONFIGS = {
     "cascade_flash_attn_api_servers_4": Config("FLASH_ATTN", {"CASCADE_ATTENTION": "1"},
                                                args=API_SERVERS_4,
                                                flat="flash_attn_api_servers_4"),
+    # Flat and the plugin with capture sizes in powers of two (POW2_GRAPHS), compared with
+    # each other.
+    "flash_attn_pow2_graphs": Config("FLASH_ATTN", {"CASCADE_ATTENTION": "0"}, args=POW2_GRAPHS,
+                                     flat="flash_attn_pow2_graphs"),
+    "cascade_flash_attn_pow2_graphs": Config("FLASH_ATTN", {"CASCADE_ATTENTION": "1"},
+                                             args=POW2_GRAPHS, flat="flash_attn_pow2_graphs"),
 }
 # Each backend's flat config: its burst sets the Poisson rates of the configs on that backend
 # that name no flat config of their own (``Config.flat``).

@@ -212,6 +212,10 @@ part_serve() {
 #                      host term included, says so and the layout came before), on 8K x 4 in
 #                      a burst and at 90%: whether splitting helps a burst's mixed steps.
 #                      About 10 min after the verification parts on the same machine.
+#   pow2_graphs        vLLM's default backend flat and the plugin, both with vLLM's CUDA-graph
+#                      capture sizes in powers of two (fewer whole-step graphs for the plugin
+#                      to capture while a burst's batch grows), on 8K x 4 in a burst and at
+#                      90% of that flat burst's rate.
 serve_slice() {  # name, timeout (s), serve_bench.py arguments...
   local name=$1 limit=$2 start=$SECONDS
   shift 2
@@ -255,6 +259,9 @@ part_serve_grid() {  # run it detached, alone; the slices in SERVE_GRID's order
       --workloads prefix_8k_x4,prefix_2k_x16 --rates 90% ;;
     split_gated) serve_slice split_gated 1200 \
       --configs flash_attn,cascade_flash_attn,cascade_flash_attn_split_mixed \
+      --workloads prefix_8k_x4 --rates burst,90% ;;
+    pow2_graphs) serve_slice pow2_graphs 900 \
+      --configs flash_attn_pow2_graphs,cascade_flash_attn_pow2_graphs \
       --workloads prefix_8k_x4 --rates burst,90% ;;
     *) stamp "serve_grid: no slice named $slice (see the list above part_serve_grid)"; return 1 ;;
     esac

@@ -245,6 +245,8 @@ SERVE_PAIRS = (("flash_attn", "cascade_flash_attn", "FLASH_ATTN"),
                 "FLASH_ATTN, `CASCADE_SPLIT_MIXED=1`"),
                ("flash_attn_api_servers_4", "cascade_flash_attn_api_servers_4",
                 "FLASH_ATTN, 4 API servers"),
+               ("flash_attn_pow2_graphs", "cascade_flash_attn_pow2_graphs",
+                "FLASH_ATTN, capture sizes 1, 2, 4, …, 512"),
                ("flashinfer", "cascade", "FLASHINFER"))
 APART = "\u00b9"  # marks a pair measured by separate invocations
 

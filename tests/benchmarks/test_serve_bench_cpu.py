@@ -1024,7 +1024,7 @@ def test_the_serving_grid_of_gpu_validate_is_a_valid_bench(tmp_path, capsys):
                                                "flashinfer", "flashinfer_burst",
                                                "host_delay", "flash_attn_policy",
                                                "flash_attn_moderate", "api_servers", "split",
-                                               "split_gated"}
+                                               "split_gated", "pow2_graphs"}
     assert all(name == log for name, log, _ in slices)
     for _, _, args in slices:
         argv = shlex.split(args)
@@ -1043,11 +1043,16 @@ def test_the_serving_grid_of_gpu_validate_is_a_valid_bench(tmp_path, capsys):
     assert "random_2k 90%: " in printed and "prefix_32k_x1 burst: " in printed
 
 
-def test_api_server_configs_pair_with_each_other_and_take_their_own_flat_rates(tmp_path, capsys):
-    """The 4-API-server plugin config is compared with the 4-API-server flat config: its Poisson
-    rates come from that config's burst, never from one API server's, and both servers get
-    ``--api-server-count 4``."""
-    plugin, flat = "cascade_flash_attn_api_servers_4", "flash_attn_api_servers_4"
+@pytest.mark.parametrize(("plugin", "flat", "arg"), [
+    ("cascade_flash_attn_api_servers_4", "flash_attn_api_servers_4", "--api-server-count 4"),
+    ("cascade_flash_attn_pow2_graphs", "flash_attn_pow2_graphs",
+     "--cudagraph-capture-sizes 1 2 4 8 16 32 64 128 256 512 "),
+])
+def test_configs_with_their_own_server_args_pair_with_each_other_and_take_their_own_flat_rates(
+        tmp_path, capsys, plugin, flat, arg):
+    """A plugin config with server arguments of its own (4 API servers; capture sizes in powers
+    of two) is compared with the flat config of the same arguments: its Poisson rates come from
+    that config's burst, never from the plain flat config's, and both servers get them."""
     assert sb.baseline(plugin) == flat and sb.baseline(flat) == flat
     assert sb.baseline("cascade_flash_attn") == "flash_attn"
     out = tmp_path / "s.json"
@@ -1060,7 +1065,10 @@ def test_api_server_configs_pair_with_each_other_and_take_their_own_flat_rates(t
                     "--workloads", "prefix_8k_x4", "--rates", "90%"]) == 0
     printed = capsys.readouterr().out
     server = next(line for line in printed.splitlines() if line.startswith("# server"))
-    assert "--api-server-count 4" in server
+    assert arg in server + " "
+    flat_server = sb.server_command(sb.CONFIGS[flat], Path("/m"), 8000, 4096,
+                                    sb.parse_args(["--model", "/m"]))
+    assert arg in " ".join(flat_server) + " "
     assert f"<90% of {flat} burst req/s on prefix_8k_x4>" in printed
     out.write_text(json.dumps([{"workload": "prefix_8k_x4", "config": flat,
                                 "request_rate": "burst", "tensor_parallel_size": 1,
