@@ -184,6 +184,18 @@ def test_a_point_measured_in_several_runs_shows_its_latest_run_and_every_runs_ra
     assert tables.APART not in row
 
 
+def test_a_pair_measured_at_two_rates_names_both(tmp_path, monkeypatch):
+    """A plugin row paired with a flat row of another run at another request rate (the flat
+    burst its rate came from changed in between) shows both rates, and is marked apart."""
+    rows = [_serve_row("flash_attn", 13.6, "90%", 1.0, run="a"),
+            _serve_row("cascade_flash_attn", 13.4, "90%", 2.0, run="b")]
+    (tmp_path / "serve.json").write_text(json.dumps(rows))
+    monkeypatch.setattr(tables, "H200", tmp_path)
+    monkeypatch.setattr(tables, "ROOT", tmp_path.parent)
+    [row] = [line for line in tables.block_serve() if "| prefix_8k_x4 |" in line]
+    assert f"| 90% (flat 13.6, plugin 13.4 req/s){tables.APART} |" in row
+
+
 def test_a_bursts_time_to_first_token_is_split_into_its_parts(tmp_path, monkeypatch):
     """Below the table, each shown burst pair that carries vLLM's own TTFT histograms: the
     client's mean = HTTP (client less server) + tokenizing and hand-off (server less queue and
