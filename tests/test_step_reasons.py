@@ -269,6 +269,25 @@ def test_without_split_mixed_a_mixed_step_the_split_would_win_runs_flat(policy):
     assert step is not None and step.decision.use_cascade
 
 
+def test_without_split_mixed_only_a_verification_step_with_rows_of_one_token_runs_flat():
+    """Speculative decoding's verification steps (1 + drafts query tokens per row): where every
+    row has drafts the step is planned whole, as before; where some rows have none it is a
+    mixed step, flat while CASCADE_SPLIT_MIXED is off."""
+    table, seq = prefix_rows(48)
+    session = fa3_session(split_cost_model=SPLIT)
+    drafts = np.full(48, 4, np.int32)
+    step = session.plan_step(table, seq, drafts)  # planned as it is, every query token
+    assert step is not None and step.decode_rows is None
+    assert step.plan.stats.num_tokens == 4 * 48
+    session.end_step()
+    reasons = dict(stats.snapshot().flat_reasons)
+    drafts[::2] = 1  # half the rows without a draft
+    assert session.cannot_win(seq, drafts)
+    session.end_step()
+    reasons[c.MIXED] = reasons.get(c.MIXED, 0) + 1
+    assert stats.snapshot().flat_reasons == reasons
+
+
 def test_graphs_lost_split_no_more_mixed_steps():
     table, seq, q = mixed_rows(48)
     session = fa3_session(split_cost_model=SPLIT, split_mixed=True)
