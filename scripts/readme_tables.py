@@ -325,10 +325,11 @@ def block_serve() -> list[str]:
         for workload, tp in keys:
             for spec, runs in serve_runs(rows, flat_config, plugin_config, workload, tp).items():
                 f, c = runs[-1]  # the latest run shown; the others as the ratios' range
-                rate = (spec if f["request_rate"] == "burst"
-                        else f"{spec} ({f['request_rate']} req/s)"
-                        if c["request_rate"] == f["request_rate"]
-                        else f"{spec} (flat {f['request_rate']}, plugin {c['request_rate']} req/s)")
+                rate = spec
+                if f["request_rate"] != "burst":
+                    flat_rate, plugin_rate = f["request_rate"], c["request_rate"]
+                    rate += (f" ({flat_rate} req/s)" if plugin_rate == flat_rate
+                             else f" (flat {flat_rate}, plugin {plugin_rate} req/s)")
                 if len(runs) > 1:
                     rate += f", {len(runs)} runs"
                 if any(a.get("run_id") != b.get("run_id") for a, b in runs):
