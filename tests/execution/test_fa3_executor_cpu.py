@@ -63,6 +63,8 @@ def fake_flash_attn_varlen_func(*, q, k, v, out, cu_seqlens_q, max_seqlen_q, seq
     for s in range(len(cu) - 1):
         n_kv = int(seqused_k[s])
         assert n_kv <= max_seqlen_k
+        if cu[s + 1] == cu[s]:  # no queries: FA3 runs no tile for it, nor reads its table
+            continue
         pages = block_table[s, : -(-n_kv // k.shape[1])].long()
         q_d, k_d, v_d = (d[s, kv_head_of].float()[:, None] for d in descales)  # [H, 1]
         keys = k[pages].reshape(-1, kv_heads, k.shape[-1])[:n_kv, kv_head_of].float() * k_d

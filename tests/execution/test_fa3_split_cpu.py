@@ -15,7 +15,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from test_fa3_executor_cpu import (  # noqa: F401  (fake_fa3: a fixture)
@@ -65,6 +65,9 @@ def planned_split(batch, plan, decode, executor, heads, kv_heads, d, dtype, padd
 @settings(max_examples=160, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(batch=batches(max_requests=6), dtype=st.sampled_from([torch.float32, torch.float16]),
        fused=st.booleans(), seed=st.integers(0, 2**16))
+# A padding row (no query) longer than its table: the flat call reads nothing of it.
+@example(batch=make_batch([[2], [0, 3], []], [1, 2, 3], [1, 2, 0], 1), dtype=torch.float32,
+         fused=False, seed=0)
 def test_a_split_step_equals_per_request_attention_of_every_row(batch, dtype, fused, seed):
     decode = batch.query_lens == 1
     if not decode.any() or not (batch.query_lens > 1).any():
