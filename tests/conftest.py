@@ -52,6 +52,17 @@ def fresh_builder_registry():
     vars(session).update(saved)
 
 
+@pytest.fixture(autouse=True)
+def fresh_layout_book():
+    """Graphed steps' per-request widths are remembered per process (``graph_layout.BOOK``):
+    each test starts with none, as a fresh engine does."""
+    from vllm_cascade_plugin.planning import graph_layout
+
+    graph_layout.BOOK.clear()
+    yield
+    graph_layout.BOOK.clear()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     whole = {HERE / name for name in FLASHINFER_MODULES}
     for item in items:

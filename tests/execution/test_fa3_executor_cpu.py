@@ -484,6 +484,49 @@ def test_graphed_steps_of_a_changing_batch_replay_one_layout_per_padded_size():
     assert 1 + executor.graphs.captures + executor.graphs.replays == layers * steps
 
 
+@pytest.mark.skipif(not TRITON_ON_CPU, reason="needs Triton (its CPU interpreter)")
+def test_a_step_with_shorter_rows_replays_the_graph_of_a_wider_one_and_reads_only_its_pages():
+    """A step whose rows need a narrower per-request table than an earlier step of the same
+    layout is laid out as wide (``graph_layout.BOOK``) and replays that step's graphs; its rows
+    still equal per-request attention (the extra columns, never read, hold zeros, and block 0's
+    KV here is NaN: a row that read one would show it)."""
+    heads, kv_heads, d, padded, layers = 4, 2, 64, 8, 2
+    executor = FlashAttnCascadeExecutor("NHD", max_levels=4, cuda_graphs=True)
+    executor.graphs.capture = replaying_capture
+    gen = torch.Generator().manual_seed(3)
+    caches = [kv_cache(96, 16, kv_heads, d, torch.float32, seed=20 + i) for i in range(layers)]
+    for k_cache, v_cache in caches:
+        k_cache[0], v_cache[0] = math.nan, math.nan
+    qkvs = [torch.empty(padded, heads + 2, d) for _ in range(layers)]
+    outs = [torch.empty(padded, heads, d) for _ in range(layers)]
+    prefixes = [[1, 2, 3], [4, 5, 6]]
+    keys = []
+    for own_pages in ([40, 2, 3, 2], [2, 3, 1, 4], [2, 3, 1, 4], [40, 2, 3, 2]):
+        table, seq_lens, page = [], [], 10
+        for r, own in enumerate(own_pages):
+            table.append([*prefixes[r % 2], *range(page, page + own)])
+            page += own
+            seq_lens.append(16 * (3 + own - 1) + 5)
+        batch = make_batch(table, seq_lens, [1] * 4, page_size=16)
+        plan = CascadePlanner().plan(batch.block_table, batch.seq_lens, batch.query_lens, 16)
+        executor.plan(plan, num_qo_heads=heads, num_kv_heads=kv_heads, head_dim=d,
+                      page_size=16, sm_scale=d**-0.5, logits_soft_cap=None,
+                      q_dtype=torch.float32, kv_dtype=torch.float32,
+                      device=torch.device("cpu"), padded_rows=padded)
+        keys.append(executor._step.graph_key)
+        for qkv, out, (k_cache, v_cache) in zip(qkvs, outs, caches, strict=True):
+            qkv.copy_(torch.randn(qkv.shape, generator=gen))
+            q = qkv[:, :heads]
+            executor.run(q, k_cache, v_cache, out)
+            want, want_lse = dense_attention(batch, q[:4], k_cache, v_cache, d**-0.5)
+            torch.testing.assert_close(out[:4], want, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(executor.lse[:4], want_lse, atol=1e-5, rtol=1e-5)
+    assert len(set(keys)) == 1  # one layout for all four steps
+    # The cache's one eager run, one capture per layer, every other layer call a replay.
+    assert executor.graphs.captures == layers
+    assert executor.graphs.replays == 4 * layers - layers - 1
+
+
 def shrinking_decode_steps(sizes):
     """(table, seq_lens) of decode steps whose batch has ``sizes[i]`` rows at step ``i``: GRPO
     groups on two prefixes, the rows that finish dropping off the end, every row one token

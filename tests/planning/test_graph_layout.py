@@ -121,3 +121,57 @@ def test_table_widths_cover_the_pages_with_at_most_a_quarter_more(pages):
     assert width >= max(pages, 1) and width % GRAPH_PAGE_BUCKET == 0
     assert width <= max(1.25 * pages, 64)
     assert _width(width) == width  # a bucket is its own bucket: widths only grow in steps
+
+
+def _own_rows(own_pages: list[int], first_page: int) -> tuple[list[list[int]], list[int]]:
+    """Four decode rows on two 3-page prefixes, row ``r`` with ``own_pages[r]`` pages of its own
+    (ids from ``first_page``) and one token in its last page."""
+    prefixes = [[1, 2, 3], [4, 5, 6]]
+    table, seq_lens, page = [], [], first_page
+    for r, own in enumerate(own_pages):
+        table.append([*prefixes[r % 2], *range(page, page + own)])
+        page += own
+        seq_lens.append(16 * (3 + own - 1) + 1)
+    return table, seq_lens
+
+
+def test_a_step_narrower_than_its_layout_so_far_is_laid_out_as_wide_and_reads_only_its_pages():
+    """A long row widens the per-request table of its layout (70 pages: 80 wide); a later step
+    of the same padded size and shared levels whose rows need 16 columns gets those 80 too, the
+    same key, and its rows still read exactly their pages (zeros after, never read)."""
+    wide = make_batch(*_own_rows([70, 2, 3, 2], 100), [1] * 4, page_size=16).plan()
+    narrow = make_batch(*_own_rows([2, 3, 1, 4], 300), [1] * 4, page_size=16).plan()
+    assert graph_shape(narrow, 8, book=None)[-1][3] == 16  # its own width: 7 pages, bucketed
+    assert graph_shape(wide, 8)[-1][3] == 80
+    assert graph_shape(narrow, 8) == graph_shape(wide, 8)
+    own = layout(narrow, 8)[-1]
+    assert own.key == graph_shape(wide, 8)[-1] and own.table.shape == (8, 80)
+    level = narrow.levels[-1]
+    for row in range(4):
+        pages = level.kv_page_indices[level.kv_page_indptr[row]:level.kv_page_indptr[row + 1]]
+        assert own.table[row, :len(pages)].tolist() == pages.tolist()
+        assert not own.table[row, len(pages):].any()
+    assert own.kv_lens[:4].tolist() == level.kv_lens(16).tolist() and not own.kv_lens[4:].any()
+    # The width only grows: the wide step keeps its key after the narrow one.
+    assert graph_shape(wide, 8) == graph_shape(narrow, 8)
+
+
+def test_another_padded_size_or_other_shared_levels_keep_their_own_width():
+    wide = make_batch(*_own_rows([70, 2, 3, 2], 100), [1] * 4, page_size=16).plan()
+    narrow = make_batch(*_own_rows([2, 3, 1, 4], 300), [1] * 4, page_size=16).plan()
+    one_prefix = make_batch([[1, 2, 3, 300 + r] for r in range(4)], [50] * 4, [1] * 4,
+                            page_size=16).plan()
+    assert graph_shape(wide, 8)[-1][3] == 80
+    assert graph_shape(narrow, 16)[-1][3] == 16  # another capture size
+    assert graph_shape(one_prefix, 8)[:-1] != graph_shape(wide, 8)[:-1]
+    assert graph_shape(one_prefix, 8)[-1][3] == 16  # another shared layout
+
+
+def test_the_book_forgets_everything_past_its_size(monkeypatch):
+    from vllm_cascade_plugin.planning import graph_layout
+
+    monkeypatch.setattr(graph_layout, "MAX_BOOKED", 2)
+    book = graph_layout.LayoutBook()
+    assert [book.width(("a",), 32), book.width(("a",), 16), book.width(("b",), 48)] == [32, 32, 48]
+    assert book.width(("c",), 16) == 16  # a third layout: the book starts over
+    assert book.width(("a",), 16) == 16

@@ -19,7 +19,10 @@ sizes that only change in steps ("buckets"), the way vLLM's own FULL decode grap
   padded width;
 - the shared levels always gather their rows (an index, even where it is the identity), and the
   per-request level's table is as wide as the most pages a row reads over every level: a row
-  that joins or leaves a group moves pages between levels, not that width.
+  that joins or leaves a group moves pages between levels, not that width; and at least as wide
+  as any earlier step of the same padded size and shared levels had it (:class:`LayoutBook`):
+  rows grow and long requests come and go, and that width alone would otherwise make one
+  layout a new graph again and again.
 
 :func:`graph_shape` computes a step's key from its plan without building anything (the step
 session charges a step the graphed cost when its key has been seen); :func:`layout` builds the
@@ -40,7 +43,9 @@ GRAPH_PAGE_BUCKET = 16  # block-table widths are padded to a multiple of this ma
 # each. Allocated once, it does not move while a batch grows (its address keys the graphs).
 STATIC32_RESERVE = 1 << 20
 
-__all__ = ["GRAPH_PAGE_BUCKET", "LevelLayout", "graph_shape", "layout"]
+MAX_BOOKED = 4096  # layouts the book remembers (then it forgets them all at once)
+
+__all__ = ["BOOK", "GRAPH_PAGE_BUCKET", "LayoutBook", "LevelLayout", "graph_shape", "layout"]
 
 
 def _pow2(n: int) -> int:
@@ -117,6 +122,43 @@ def _shared_sizes(level: CascadeLevel, first: bool, rows: int, padded: int,
             width * page_size)
 
 
+class LayoutBook:
+    """The widest per-request table each layout has been laid out with, by the rest of its key
+    (the padded size and every shared level's sizes).
+
+    A step's per-request table need only be as wide as its longest row's pages (bucketed), but
+    that width is part of its graphs' key: in serving, rows grow a page every ``page_size``
+    tokens and long requests come and go, so steps of the same rows, groups and shared levels
+    kept needing new graphs for their width alone, and a long run captured and evicted graphs
+    without end (``benchmarks/graph_layout_count.py``). Here a layout's width only grows: a step
+    narrower than the widest of its layout so far is laid out that wide and replays that graph.
+    The extra columns are zeros, never read: the per-request kernel reads a row's pages up to
+    its length, and neither its launch nor its work depends on the table's width
+    (:func:`~vllm_cascade_plugin.execution.decode_level.decode_level`). The shared levels' widths
+    are left exact: FlashAttention 3 chooses its KV splits by their ``max_seqlen_k``.
+    """
+
+    def __init__(self) -> None:
+        self._widths: dict[tuple[object, ...], int] = {}
+
+    def width(self, layout: tuple[object, ...], width: int) -> int:
+        """The per-request table width for a step of ``layout`` whose rows need ``width``."""
+        held = self._widths.get(layout, 0)
+        if width <= held:
+            return held
+        if len(self._widths) >= MAX_BOOKED:
+            self._widths.clear()
+        self._widths[layout] = width
+        return width
+
+    def clear(self) -> None:
+        self._widths.clear()
+
+
+# The process's book: what the step session charges and the executors lay out must agree.
+BOOK = LayoutBook()
+
+
 def _own_sizes(plan: CascadePlan, padded: int) -> tuple[int, ...]:
     """The per-request level's key: as wide as the most pages a row reads over every level."""
     return (padded, padded, 1, _width(plan.stats.max_row_pages), 1, -1)
@@ -124,22 +166,25 @@ def _own_sizes(plan: CascadePlan, padded: int) -> tuple[int, ...]:
 
 # The last plan's key: a step's key is asked for twice, by the step session (to charge the
 # step) and by the executor laying the step out (plans are read-only, so ``is`` identifies one).
-_last_shape: tuple[CascadePlan, int, tuple[tuple[int, ...], ...]] | None = None
+_last_shape: tuple[CascadePlan, int, LayoutBook | None, tuple[tuple[int, ...], ...]] | None = None
 # The last shared levels' keys: the planner hands out the very same shared levels while the
 # prefix structure holds (steady decode), so their part of the key is worked out once.
 _last_shared: tuple[tuple[CascadeLevel, ...], int, int, int, tuple[tuple[int, ...], ...]] | None
 _last_shared = None
 
 
-def graph_shape(plan: CascadePlan, padded_rows: int) -> tuple[tuple[int, ...], ...]:
+def graph_shape(plan: CascadePlan, padded_rows: int,
+                book: LayoutBook | None = BOOK) -> tuple[tuple[int, ...], ...]:
     """The key of a decode step's graphs (one query per row): every level's
-    :attr:`LevelLayout.key` for ``padded_rows`` rows (at least the plan's)."""
+    :attr:`LevelLayout.key` for ``padded_rows`` rows (at least the plan's), the per-request
+    table as wide as ``book`` has it for this layout (which it records; None: the step's own
+    width)."""
     global _last_shape, _last_shared
     rows = plan.stats.num_tokens
     padded = max(padded_rows, rows)
     last = _last_shape
-    if last is not None and last[0] is plan and last[1] == padded:
-        return last[2]
+    if last is not None and last[0] is plan and last[1] == padded and last[2] is book:
+        return last[3]
     shared = plan.levels[:-1]
     known = _last_shared
     if (known is not None and known[1:4] == (rows, padded, plan.page_size)
@@ -150,8 +195,12 @@ def graph_shape(plan: CascadePlan, padded_rows: int) -> tuple[tuple[int, ...], .
         shared_keys = tuple(_shared_sizes(level, i == 0, rows, padded, plan.page_size)
                             for i, level in enumerate(shared))
         _last_shared = (shared, rows, padded, plan.page_size, shared_keys)
-    key = (*shared_keys, _own_sizes(plan, padded))
-    _last_shape = (plan, padded, key)
+    own = _own_sizes(plan, padded)
+    if book is not None:
+        width = book.width((padded, shared_keys), own[3])
+        own = (*own[:3], width, *own[4:])
+    key = (*shared_keys, own)
+    _last_shape = (plan, padded, book, key)
     return key
 
 
@@ -196,15 +245,15 @@ def _own_layout(plan: CascadePlan, rows: int, padded: int, width: int) -> LevelL
 
 def layout(plan: CascadePlan, padded_rows: int, *,
            known: dict[int, tuple[CascadeLevel, int, int, LevelLayout]] | None = None,
-           ) -> tuple[LevelLayout, ...]:
-    """Every level of a decode step laid out for ``padded_rows`` rows; ``known``: the layouts of
-    earlier plans' shared levels by ``id``, reused for a level that ``is`` one of them with the
-    same rows and padding (steady decode keeps its shared levels), then replaced by this
-    plan's."""
+           book: LayoutBook | None = BOOK) -> tuple[LevelLayout, ...]:
+    """Every level of a decode step laid out for ``padded_rows`` rows, in the sizes of its
+    :func:`graph_shape` (``book`` as there); ``known``: the layouts of earlier plans' shared
+    levels by ``id``, reused for a level that ``is`` one of them with the same rows and padding
+    (steady decode keeps its shared levels), then replaced by this plan's."""
     rows = plan.stats.num_tokens
     padded = max(padded_rows, rows)
     shared = plan.levels[:-1]
-    sizes = graph_shape(plan, padded)
+    sizes = graph_shape(plan, padded, book)
     current: dict[int, tuple[CascadeLevel, int, int, LevelLayout]] = {}
     levels = []
     for i, level in enumerate(shared):
