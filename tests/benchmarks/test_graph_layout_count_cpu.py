@@ -28,3 +28,26 @@ def test_a_batch_that_shrinks_needs_a_layout_per_padded_size_at_least():
     assert counted["layouts"] >= counted["shapes"] >= counted["padded_sizes"] > 1
     assert counted["replayable_at_most"] == round(
         1 - counted["layouts"] / counted["decode_steps"], 3)
+
+
+def test_a_cache_of_a_few_graphs_captures_again_what_it_evicted_least_recently_replayed():
+    assert glc.captures(["a", "b", "a", "c", "a", "b"], held=2) == 4  # b was evicted by c
+    assert glc.captures(["a", "b", "a", "c", "a", "b"], held=3) == 3
+
+
+def test_the_graphs_a_runner_holds_are_the_whole_step_graphs_limit():
+    from vllm_cascade_plugin.graphs import fullgraph
+
+    assert glc.MAX_GRAPHS == fullgraph.MAX_GRAPHS
+
+
+def test_rows_that_come_and_go_need_fewer_layouts_than_with_exact_widths():
+    """Long answers arriving while others finish: the longest row's width goes up and down, and
+    every layout keeps the widest table it has had, so the run needs fewer graphs than with
+    each step's own width (and never more)."""
+    run = glc.Run("coming and going", requests=120, documents=2, document_pages=8,
+                  own_tokens=16, output_tokens=(2, 400), arrivals_per_step=0.5)
+    counted = glc.count(run)
+    assert counted["layouts"] < counted["layouts_exact"]
+    assert counted["captures"] <= counted["captures_exact"]
+    assert counted["captures"] >= counted["layouts"]  # each layout captured at least once
