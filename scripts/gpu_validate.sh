@@ -216,6 +216,12 @@ part_serve() {
 #                      capture sizes in powers of two (fewer whole-step graphs for the plugin
 #                      to capture while a burst's batch grows), on 8K x 4 in a burst and at
 #                      90% of that flat burst's rate.
+#   host_delay_2k      vLLM's default backend flat, the plugin, and the plugin with 1 ms of host
+#                      time added to each step's planning, on 2K x 16 at 90% (its decode
+#                      batches are the largest of the grid's, ~140 rows): whether host time
+#                      per step sets the pace there. About 9 min on a fresh machine.
+#   burst_pair         vLLM's default backend flat and the plugin on 8K x 4 and 32K x 1 bursts:
+#                      the bursts' output and TTFT side by side with the defaults.
 serve_slice() {  # name, timeout (s), serve_bench.py arguments...
   local name=$1 limit=$2 start=$SECONDS
   shift 2
@@ -263,6 +269,11 @@ part_serve_grid() {  # run it detached, alone; the slices in SERVE_GRID's order
     pow2_graphs) serve_slice pow2_graphs 900 \
       --configs flash_attn_pow2_graphs,cascade_flash_attn_pow2_graphs \
       --workloads prefix_8k_x4 --rates burst,90% ;;
+    host_delay_2k) serve_slice host_delay_2k 1200 \
+      --configs flash_attn,cascade_flash_attn,cascade_flash_attn_host_delay_1ms \
+      --workloads prefix_2k_x16 --rates 90% ;;
+    burst_pair) serve_slice burst_pair 1200 --configs flash_attn,cascade_flash_attn \
+      --workloads prefix_8k_x4,prefix_32k_x1 --rates burst ;;
     *) stamp "serve_grid: no slice named $slice (see the list above part_serve_grid)"; return 1 ;;
     esac
   done

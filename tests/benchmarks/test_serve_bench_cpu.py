@@ -1024,7 +1024,8 @@ def test_the_serving_grid_of_gpu_validate_is_a_valid_bench(tmp_path, capsys):
                                                "flashinfer", "flashinfer_burst",
                                                "host_delay", "flash_attn_policy",
                                                "flash_attn_moderate", "api_servers", "split",
-                                               "split_gated", "pow2_graphs"}
+                                               "split_gated", "pow2_graphs",
+                                               "host_delay_2k", "burst_pair"}
     assert all(name == log for name, log, _ in slices)
     for _, _, args in slices:
         argv = shlex.split(args)
