@@ -153,11 +153,11 @@ def count(run: Run, seed: int = 0) -> dict[str, float]:
     out: dict[str, float] = {"steps": step, "decode_steps": decode_steps,
                              "padded_sizes": len(padded_sizes)}
     for variant in books:
-        layouts = len(set(keys[variant]))
+        layouts, captured = len(set(keys[variant])), captures(keys[variant])
         out |= {f"shapes{variant}": len(shapes[variant]), f"layouts{variant}": layouts,
                 f"replayable_at_most{variant}": round(1 - layouts / max(decode_steps, 1), 3),
-                f"captures{variant}": captures(keys[variant]),
-                f"captures_second_half{variant}": captures(keys[variant])
+                f"captures{variant}": captured,
+                f"captures_second_half{variant}": captured
                 - captures(keys[variant][: len(keys[variant]) // 2])}
     return out
 
