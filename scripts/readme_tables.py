@@ -284,7 +284,9 @@ def serve_runs(rows: list[dict[str, Any]], flat_config: str, plugin_config: str,
         for i, r in enumerate(rows):
             if (r["workload"] == workload and r["config"] == config
                     and r.get("tensor_parallel_size", 1) == tp and r.get("completed", 1)):
-                out.setdefault(str(r.get("rate_spec", r["request_rate"])), []).append((i, r))
+                # a repeat at the same rate ("90%#2", serve_bench's "90%*2") is another run of it
+                spec = str(r.get("rate_spec", r["request_rate"])).partition("#")[0]
+                out.setdefault(spec, []).append((i, r))
         return out
     flat, on = of(flat_config), of(plugin_config)
     runs = {}
@@ -292,6 +294,7 @@ def serve_runs(rows: list[dict[str, Any]], flat_config: str, plugin_config: str,
         runs[spec] = []
         for at, c in on[spec]:
             same = [f for _, f in flat[spec] if f.get("run_id") == c.get("run_id")]
+            same = [f for f in same if f.get("rate_spec") == c.get("rate_spec")] or same
             before = [f for i, f in flat[spec] if i < at]
             runs[spec].append(((same or before or [flat[spec][0][1]])[-1], c))
     return runs

@@ -255,6 +255,19 @@ def test_a_plugin_row_without_its_own_flat_row_pairs_with_the_flat_row_it_was_me
     assert [(f["run_id"], c["run_id"]) for f, c in runs] == [("c", "b"), ("c", "c")]
 
 
+def test_a_repeat_at_the_same_rate_is_another_run_of_it_paired_with_its_own_flat_repeat():
+    """serve_bench's "90%*2" writes rate specs "90%" and "90%#2" in one run: both are runs of
+    the 90% point, and each plugin row pairs with the flat row of the same repeat."""
+    rows = [_serve_row("flash_attn", 2.0, "90%", 1.0, run="r"),
+            _serve_row("flash_attn", 2.0, "90%#2", 2.0, run="r"),
+            _serve_row("cascade_flash_attn", 2.0, "90%", 4.0, run="r"),
+            _serve_row("cascade_flash_attn", 2.0, "90%#2", 3.0, run="r")]
+    runs = tables.serve_runs(rows, "flash_attn", "cascade_flash_attn", "prefix_8k_x4")
+    assert list(runs) == ["90%"]
+    assert [(f["rate_spec"], c["rate_spec"]) for f, c in runs["90%"]] == [
+        ("90%", "90%"), ("90%#2", "90%#2")]
+
+
 def test_the_serving_headline_adds_the_burst_with_four_api_servers(tmp_path, monkeypatch):
     """Where the 4-API-server pair measured the burst, the headline gives its output ratio
     beside the one-API-server burst's."""
