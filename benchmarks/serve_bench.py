@@ -95,6 +95,12 @@ CONFIGS = {
                        "CASCADE_BENCH_SPLIT_STEP_US": us},
         pythonpath=(str(Path(__file__).resolve().parent / "split_cost"),))
        for name, us in (("split_off", "1e12"), ("split_free", "0"))},
+    # The plugin with every mixed prefill+decode step planned whole, its prefill rows in the
+    # cascade plan (mixed_whole/sitecustomize.py): run as cascade where the executor's eager
+    # cost model says it wins, else flat.
+    "cascade_flash_attn_mixed_whole": Config(
+        "FLASH_ATTN", {"CASCADE_ATTENTION": "1", "CASCADE_BENCH_MIXED_WHOLE": "1"},
+        pythonpath=(str(Path(__file__).resolve().parent / "mixed_whole"),)),
     # Flat and the plugin with 4 API server processes (``--api-server-count 4``): requests are
     # tokenized and handed to the engine in parallel, so a burst's time to first token is less
     # the frontend's and more the engine's. Compared with each other, not with one API server.

@@ -157,6 +157,42 @@ def test_the_split_configs_split_mixed_steps_at_their_per_step_term(
     assert cost.FA3_SPLIT_STEP_FIXED_US > 0
 
 
+def test_the_mixed_whole_config_plans_a_mixed_step_with_all_its_rows(tmp_path, monkeypatch):
+    """Its servers' processes plan a mixed prefill+decode step whole
+    (benchmarks/mixed_whole/sitecustomize.py): behind one 32K-token document, 63 decode rows and
+    a prefill chunk of 37 tokens are one cascade plan of 100 query tokens, charged the eager
+    cost, and run as cascade; the plugin's plain config's processes plan the decode rows alone
+    (the split's plan) and keep the step flat (CASCADE_SPLIT_MIXED off)."""
+    src = Path(__file__).resolve().parents[2] / "src"
+    monkeypatch.setenv("PYTHONPATH", str(src))
+    probe = ("import numpy as np\n"
+             "from vllm_cascade_plugin.config import CascadeConfig\n"
+             "from vllm_cascade_plugin.planning.cost import AttentionShape, cost_model_for, "
+             "flash_attn_flat\n"
+             "from vllm_cascade_plugin.step import session\n"
+             "fa3 = lambda **kw: flash_attn_flat(cost_model_for('fa3', **kw))\n"
+             "session.configure(CascadeConfig(enabled=True), AttentionShape(32, 8, 128, 2, 32),"
+             " 16, None, cost_model=fa3(decode_graphs=False), steady_cost_model=fa3(),"
+             " capture_sizes=(8, 16, 32, 64, 128), split_cost_model=fa3(split=True))\n"
+             "table = np.zeros((64, 2052), np.int32)\n"
+             "table[:, :2048] = np.arange(1, 2049)\n"
+             "table[:, 2048:] = 10_000 + np.arange(64 * 4).reshape(64, 4)\n"
+             "q = np.ones(64, np.int32)\n"
+             "q[5] = 37\n"
+             "step = session.plan_step(table, np.full(64, 32768 + 40, np.int32), q)\n"
+             "print(step.decode_rows is None, step.plan.stats.num_tokens,"
+             " step.decision.use_cascade)\n")
+    whole = sb.CONFIGS["cascade_flash_attn_mixed_whole"]
+    assert whole.plugin_on and whole.backend == "FLASH_ATTN"
+    out = subprocess.run([sys.executable, "-c", probe], env=sb.server_env(whole, tmp_path),
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["True", "100", "True"]
+    plain = subprocess.run([sys.executable, "-c", probe],
+                           env=sb.server_env(sb.CONFIGS["cascade_flash_attn"], tmp_path),
+                           capture_output=True, text=True, check=True).stdout.split()
+    assert plain == ["False", "63", "False"]
+
+
 def _client(workload: str, rate, n=64, data=None, result=("/r", "x.json")):
     w = sw.WORKLOADS[workload]
     return sw.client_command(w, Path("/m"), 9000, rate, n, 5, data, result)
@@ -1025,7 +1061,8 @@ def test_the_serving_grid_of_gpu_validate_is_a_valid_bench(tmp_path, capsys):
                                                "host_delay", "flash_attn_policy",
                                                "flash_attn_moderate", "api_servers", "split",
                                                "split_gated", "pow2_graphs",
-                                               "host_delay_2k", "burst_pair"}
+                                               "host_delay_2k", "burst_pair",
+                                               "mixed_bursts"}
     assert all(name == log for name, log, _ in slices)
     for _, _, args in slices:
         argv = shlex.split(args)
