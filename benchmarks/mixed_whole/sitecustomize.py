@@ -7,9 +7,10 @@ prefill rows' queries included, and charges it the executor's eager cost (``cost
 plans every mixed step on an executor without the split (``StepSession._split_lens`` answers
 None): the step runs as cascade where that cost model says it wins, else flat. With vLLM's
 ``FLASH_ATTN`` backend the plugin otherwise keeps every mixed step flat (or, with
-``CASCADE_SPLIT_MIXED=1``, splits off its decode rows). Behind one 32K-token document a burst's
-mixed steps are most of its steps: whether running them whole beats both. It shadows any other
-``sitecustomize`` module on that server's path.
+``CASCADE_SPLIT_MIXED=1``, splits off its decode rows). Behind one 32K-token document a quarter
+of a burst's steps are mixed, and each one run flat reads the document once per decode row:
+whether running them whole beats both. It shadows any other ``sitecustomize`` module on that
+server's path.
 """
 
 from __future__ import annotations
