@@ -9,6 +9,7 @@ import datetime
 import importlib.util
 import json
 import logging
+import os
 import subprocess
 import sys
 from collections import Counter
@@ -474,8 +475,13 @@ def test_the_worker_functions_travel_by_value_to_a_process_without_benchmarks_on
             f"counters = pickle.loads(open({str(payload)!r}, 'rb').read())(None)\n"
             "assert 'soak_worker' not in sys.modules, 'pickled by reference'\n"
             "print(sorted(counters))")
+    # The child's path without the benchmarks folder, also where PYTHONPATH names it
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+        if p and not p.rstrip("/").endswith("benchmarks"))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          cwd=tmp_path, timeout=120)
+                          cwd=tmp_path, timeout=120, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     from vllm_cascade_plugin.stats import Counters
 
