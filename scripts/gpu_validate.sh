@@ -222,10 +222,10 @@ part_serve() {
 #                      per step sets the pace there. About 9 min on a fresh machine.
 #   burst_pair         vLLM's default backend flat and the plugin on 8K x 4 and 32K x 1 bursts:
 #                      the bursts' output and TTFT side by side with the defaults.
-#   mixed_bursts       vLLM's default backend flat and the plugin three ways on the mixed
-#                      prefill+decode steps of 32K x 1 and 8K x 4 bursts: flat (the default),
-#                      planned whole as one cascade step (cascade_flash_attn_mixed_whole) and
-#                      split (CASCADE_SPLIT_MIXED=1). About 15 min on a fresh machine.
+#   mixed_bursts       vLLM's default backend flat and the plugin two ways on the mixed
+#                      prefill+decode steps of 32K x 1 and 8K x 4 bursts: flat (the default)
+#                      and planned whole as one cascade step (cascade_flash_attn_mixed_whole).
+#                      About 9 min after the verification parts on the same machine.
 serve_slice() {  # name, timeout (s), serve_bench.py arguments...
   local name=$1 limit=$2 start=$SECONDS
   shift 2
@@ -279,7 +279,7 @@ part_serve_grid() {  # run it detached, alone; the slices in SERVE_GRID's order
     burst_pair) serve_slice burst_pair 1200 --configs flash_attn,cascade_flash_attn \
       --workloads prefix_8k_x4,prefix_32k_x1 --rates burst ;;
     mixed_bursts) serve_slice mixed_bursts 1500 \
-      --configs flash_attn,cascade_flash_attn,cascade_flash_attn_mixed_whole,cascade_flash_attn_split_mixed \
+      --configs flash_attn,cascade_flash_attn,cascade_flash_attn_mixed_whole \
       --workloads prefix_32k_x1,prefix_8k_x4 --rates burst ;;
     *) stamp "serve_grid: no slice named $slice (see the list above part_serve_grid)"; return 1 ;;
     esac
