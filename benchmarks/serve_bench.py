@@ -86,8 +86,8 @@ CONFIGS = {
     "cascade_flash_attn_split_mixed": Config("FLASH_ATTN", {"CASCADE_ATTENTION": "1",
                                                             "CASCADE_SPLIT_MIXED": "1"}),
     # The same with the cost model's per-step term of a split step changed
-    # (split_cost/sitecustomize.py): "split_off", so large that every mixed step runs flat
-    # (what CASCADE_SPLIT_MIXED=0 does), and "split_free", 0: every mixed step whose decode
+    # (split_cost/sitecustomize.py): "split_off", so large that every mixed step runs flat,
+    # and "split_free", 0: every mixed step whose decode
     # rows' cascade wins on its kernels runs split. What the split gains, and whether its term
     # is right.
     **{f"cascade_flash_attn_{name}": Config(
@@ -96,11 +96,10 @@ CONFIGS = {
         pythonpath=(str(Path(__file__).resolve().parent / "split_cost"),))
        for name, us in (("split_off", "1e12"), ("split_free", "0"))},
     # The plugin with every mixed prefill+decode step planned whole, its prefill rows in the
-    # cascade plan (mixed_whole/sitecustomize.py): run as cascade where the executor's eager
-    # cost model says it wins, else flat.
-    "cascade_flash_attn_mixed_whole": Config(
-        "FLASH_ATTN", {"CASCADE_ATTENTION": "1", "CASCADE_BENCH_MIXED_WHOLE": "1"},
-        pythonpath=(str(Path(__file__).resolve().parent / "mixed_whole"),)),
+    # cascade plan, run as cascade where the executor's eager cost model says it wins, else
+    # flat: the defaults, spelled out (CASCADE_SPLIT_MIXED=0).
+    "cascade_flash_attn_mixed_whole": Config("FLASH_ATTN", {"CASCADE_ATTENTION": "1",
+                                                            "CASCADE_SPLIT_MIXED": "0"}),
     # Flat and the plugin with 4 API server processes (``--api-server-count 4``): requests are
     # tokenized and handed to the engine in parallel, so a burst's time to first token is less
     # the frontend's and more the engine's. Compared with each other, not with one API server.

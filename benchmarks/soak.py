@@ -27,9 +27,10 @@ It passes when: at least ``--min-requests`` were submitted over at least ``--dur
 request that was not aborted finished with ``length`` (all its tokens) or ``stop``, ``n`` times;
 the subset's chosen-token logprobs agree with the replay within 0.02 on average and 0.1 at most
 (``vllm_cascade_plugin.face.agreement``, the engine tests' rule); the watchdog never fired; the
-engine process's device memory after the drive is within 1% of a baseline taken after its first
-minute (both read idle, after ``torch.cuda.empty_cache()``, so the allocator's cache is not
-mistaken for a leak; the process's own figure, so other work on the GPU does not count); neither
+engine process's device memory that lives after the drive is within 1% of a baseline taken after
+its first minute (both read idle, after ``torch.cuda.empty_cache()``: the process's own figure,
+so other work on the GPU does not count, less what the allocator still holds free, so its cache
+is not mistaken for a leak; ``soak_judge.live_mib``); neither
 log has an ERROR line, a traceback or a CUDA error; aborts, preemptions, ``n`` > 1 and cascade
 steps all happened; no CUDA-graph capture failed; the plugin caught no error of its own (a
 fallback for an error); both phases exited 0.

@@ -35,6 +35,7 @@ def device_memory(worker: object) -> dict[str, Any]:
     return {"used_mib": used, "used_raw_mib": raw, "used_source": source,
             "total_mib": torch.cuda.mem_get_info()[1] / 2**20,
             "allocated_mib": torch.cuda.memory_allocated() / 2**20,
+            "reserved_mib": torch.cuda.memory_reserved() / 2**20,
             "plugin_mib": plugin_mib(), "gpu": torch.cuda.get_device_name(),
             "executors": executors(), "graphs": graphs()}
 

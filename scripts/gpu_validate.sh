@@ -18,7 +18,8 @@
 # engine configuration runs once for all the tests that need it: tests/gpu/engines.py):
 #   engine_flash_attn  tests/gpu/test_flash_attn_engine.py: the plugin in vLLM's default
 #                      FLASH_ATTN backend vs FLASH_ATTN off (FlashInfer the second kernel), both
-#                      runners, a no-sharing workload, a corrupted plan
+#                      runners (mixed steps split; on V2 also planned whole, the default), a
+#                      no-sharing workload, a corrupted plan
 #   engine_flashinfer  tests/gpu/test_engine.py: the same in FLASHINFER, both runners, whole-step
 #                      graphs; a corrupted plan and a one-page error must fail
 #   engine_graphs      the same with CASCADE_FULL_GRAPHS=0 (the per-layer graphs)
@@ -223,8 +224,8 @@ part_serve() {
 #   burst_pair         vLLM's default backend flat and the plugin on 8K x 4 and 32K x 1 bursts:
 #                      the bursts' output and TTFT side by side with the defaults.
 #   mixed_bursts       vLLM's default backend flat and the plugin two ways on the mixed
-#                      prefill+decode steps of 32K x 1 and 8K x 4 bursts: flat (the default)
-#                      and planned whole as one cascade step (cascade_flash_attn_mixed_whole).
+#                      prefill+decode steps of 32K x 1 and 8K x 4 bursts: planned whole as one
+#                      cascade step (the default) and flat (cascade_flash_attn_split_off).
 #                      About 9 min after the verification parts on the same machine.
 serve_slice() {  # name, timeout (s), serve_bench.py arguments...
   local name=$1 limit=$2 start=$SECONDS
@@ -279,7 +280,7 @@ part_serve_grid() {  # run it detached, alone; the slices in SERVE_GRID's order
     burst_pair) serve_slice burst_pair 1200 --configs flash_attn,cascade_flash_attn \
       --workloads prefix_8k_x4,prefix_32k_x1 --rates burst ;;
     mixed_bursts) serve_slice mixed_bursts 1500 \
-      --configs flash_attn,cascade_flash_attn,cascade_flash_attn_mixed_whole \
+      --configs flash_attn,cascade_flash_attn,cascade_flash_attn_split_off \
       --workloads prefix_32k_x1,prefix_8k_x4 --rates burst ;;
     *) stamp "serve_grid: no slice named $slice (see the list above part_serve_grid)"; return 1 ;;
     esac

@@ -41,8 +41,8 @@ ROWS: list[tuple[str, str, str, tuple[str, ...]]] = [
     ("other quantised KV caches, `--calculate-kv-scales`", "run flat",
      "one INFO line naming the layout, `check` says so", ()),
     ("speculative decoding: `ngram`, `--no-async-scheduling`",
-     "works; on FA3 a verification step where some rows have no draft runs flat unless "
-     "`CASCADE_SPLIT_MIXED=1`",
+     "works; a verification step where some rows have no draft is planned whole (on FA3 "
+     "split with `CASCADE_SPLIT_MIXED=1`)",
      "H200: V1 engine on vs off (`CASCADE_SPLIT_MIXED=1`), verification steps run cascade",
      ("speculative",)),
     ("speculative decoding: `suffix`", "opt-in (`CASCADE_UNVERIFIED=1`), flat by default",

@@ -376,9 +376,11 @@ def block_serve() -> list[str]:
               "own flat server); "
               "FLASH_ATTN: the plugin's defaults at the run's code (`serve.meta.json`), "
               "which in run 20261203T093105 split mixed prefill+decode steps (what "
-              "`CASCADE_SPLIT_MIXED=1` does); mixed steps flat: every mixed step flat (the "
-              "split's per-step term `cost.FA3_SPLIT_STEP_FIXED_US` 10^12 µs, as "
-              "`CASCADE_SPLIT_MIXED=0` does); "
+              "`CASCADE_SPLIT_MIXED=1` does) and from then to run 20261203T163808 ran them "
+              "flat; mixed steps flat: every mixed step flat (the split's per-step term "
+              "`cost.FA3_SPLIT_STEP_FIXED_US` 10^12 µs); mixed steps planned whole: each "
+              "run as cascade where the eager cost model says so (the defaults now, "
+              "`CASCADE_SPLIT_MIXED=0`); "
               "`CASCADE_POLICY=always`: the plugin with cascade on every step that "
               "shares, the cost model bypassed:", ""]
     lines += _table(["backend", "workload", "request rate", "output tokens/s", "TTFT p99",
@@ -461,13 +463,16 @@ def block_kernel_correctness() -> list[str]:
 def block_soak() -> list[str]:
     path = H200 / "soak.json"
     s, meta = _load(path), _meta(path)
+    # the memory that lives (the process's figure less the allocator's free cache) where the
+    # run read it, else the process's figure
+    memory = s.get("memory_live_mib") or [s["memory_before_mib"], s["memory_after_mib"]]
     return [f"Soak ({_source(path)}, {_setup(meta)}): **{s['outcome']}**. "
             f"{_int(s['requests'])} requests over {s['duration_s']:.0f} s with "
             f"{_int(s['aborts'])} aborts and {_int(s['preemptions'])} preemptions; cascade on "
             f"{100 * s['cascade_step_fraction']:.1f}% of decode steps; a greedy subset replayed "
             f"without the plugin agreed within max \\|Δ logprob\\| {s['max_abs_dlogprob']:.3f} "
             f"(mean {s['mean_abs_dlogprob']:.3f}); device memory "
-            f"{_int(s['memory_before_mib'])} → {_int(s['memory_after_mib'])} MiB "
+            f"{_int(memory[0])} → {_int(memory[1])} MiB "
             f"({100 * s['memory_change_fraction']:+.1f}%) between the first minute and the end."]
 
 

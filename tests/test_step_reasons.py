@@ -243,49 +243,50 @@ def test_a_mixed_step_the_executor_cannot_or_need_not_split_stays_flat_as_mixed(
         assert skipped
 
 
-@pytest.mark.parametrize("policy", ["auto", "always"])
-def test_without_split_mixed_a_mixed_step_the_split_would_win_runs_flat(policy):
-    """CASCADE_SPLIT_MIXED off (the default): a mixed step the executor could split, whose
-    split wins on the cost model (the step above, a layout seen before), runs flat as a mixed
-    step; the runner hooks' pre-check says so before any plan (not with
-    CASCADE_POLICY=always, whose planned step is flat all the same). Decode steps still run
-    cascade."""
-    session = fa3_session(split_cost_model=SPLIT, policy=policy)
-    for later in (0, 1):
-        table, seq, q = mixed_rows(48)
-        seq[q == 1] += later
-        assert session.cannot_win(seq, q) is (policy == "auto")
-        session.end_step()
-        step = session.plan_step(table, seq, q)
-        assert step is not None and not step.decision.use_cascade
-        assert decide(step.plan, H200_LAYER, SPLIT).use_cascade  # the split would have won
-        session.end_step()
-    reasons = stats.snapshot().flat_reasons
-    assert reasons == {c.MIXED: 2 + 2 * (policy == "auto")}
-    table, seq = prefix_rows(48)  # decode steps of the same documents
-    for _ in range(2):  # the second one of its layout: the graphed cost
-        step = session.plan_step(table, seq, np.ones(48, np.int32))
-        session.end_step()
-    assert step is not None and step.decision.use_cascade
-
-
-def test_without_split_mixed_only_a_verification_step_with_rows_of_one_token_runs_flat():
-    """Speculative decoding's verification steps (1 + drafts query tokens per row): where every
-    row has drafts the step is planned whole, as before; where some rows have none it is a
-    mixed step, flat while CASCADE_SPLIT_MIXED is off."""
-    table, seq = prefix_rows(48)
+@pytest.mark.parametrize(("prefix_pages", "decode_rows", "wins"),
+                         [(512, 48, False), (2048, 200, True)],
+                         ids=["48 rows behind 8K: flat", "200 rows behind 32K: cascade"])
+def test_without_split_mixed_a_mixed_step_is_planned_whole_at_the_eager_cost(
+        prefix_pages, decode_rows, wins):
+    """CASCADE_SPLIT_MIXED off (the default): a mixed step the executor could split is planned
+    whole, its prefill row's query tokens in the plan, and its verdict is decide() on that plan
+    with the eager cost (the step is launched piecewise by vLLM). 48 decode rows behind an 8K
+    document do not repay the eager per-step cost, though the split would (flat, counted as a
+    mixed step, and the runner hooks' floor says so before any plan); 200 behind a 32K one,
+    read once per row when flat, do, and the step runs as cascade."""
     session = fa3_session(split_cost_model=SPLIT)
-    drafts = np.full(48, 4, np.int32)
-    step = session.plan_step(table, seq, drafts)  # planned as it is, every query token
+    table, seq, q = mixed_rows(decode_rows, prefix_pages=prefix_pages)
+    assert session.cannot_win(seq, q) is not wins
+    session.end_step()
+    step = session.plan_step(table, seq, q)
     assert step is not None and step.decode_rows is None
-    assert step.plan.stats.num_tokens == 4 * 48
-    session.end_step()
-    reasons = dict(stats.snapshot().flat_reasons)
-    drafts[::2] = 1  # half the rows without a draft
-    assert session.cannot_win(seq, drafts)
-    session.end_step()
-    reasons[c.MIXED] = reasons.get(c.MIXED, 0) + 1
-    assert stats.snapshot().flat_reasons == reasons
+    want = plan_cascade(table, seq, q, 16)
+    assert step.plan.stats == want.stats and step.plan.stats.num_tokens == int(q.sum())
+    verdict = decide(want, H200_LAYER, EAGER)
+    assert step.decision.use_cascade is verdict.use_cascade is wins
+    assert (step.decision.flat_us, step.decision.cascade_us) == (verdict.flat_us,
+                                                                 verdict.cascade_us)
+    if not wins:
+        split = plan_cascade(table, seq, (q == 1).astype(np.int32), 16)
+        assert decide(split, H200_LAYER, SPLIT).use_cascade  # the split would have won
+    session.end_step()  # a cascade plan no layer ran is counted apart (c.UNUSED)
+    assert stats.snapshot().flat_reasons == ({c.UNUSED: 1} if wins else {c.MIXED: 2})
+
+
+def test_without_split_mixed_a_verification_step_is_planned_whole():
+    """Speculative decoding's verification steps (1 + drafts query tokens per row) are planned
+    whole, every query token, whether every row has drafts or only some (a mixed step); with
+    CASCADE_POLICY=always both run as cascade."""
+    table, seq = prefix_rows(48)
+    session = fa3_session(split_cost_model=SPLIT, policy="always")
+    drafts = np.full(48, 4, np.int32)
+    for _ in range(2):
+        step = session.plan_step(table, seq, drafts)
+        assert step is not None and step.decode_rows is None and step.decision.use_cascade
+        assert step.plan.stats.num_tokens == int(drafts.sum())
+        session.end_step()
+        drafts[::2] = 1  # half the rows without a draft
+    assert stats.snapshot().flat_reasons == {c.UNUSED: 2}  # no layer ran the plans here
 
 
 def test_graphs_lost_split_no_more_mixed_steps():

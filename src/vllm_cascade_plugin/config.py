@@ -101,8 +101,10 @@ KNOBS: tuple[Knob, ...] = (
     Knob("CASCADE_SPLIT_MIXED", "split_mixed", False, _bool, "1/true/on or 0/false/off",
          "Mixed prefill+decode steps on FlashAttention 3: their decode rows as cascade, split "
          "from the other rows (which run flat), where the cost model says it wins and a step of "
-         "the same layout came before (on), or the whole step flat (off). Served, the split "
-         "cost more host time and CUDA-graph captures than it saved (README, Limits)."),
+         "the same layout came before (on), or the whole step planned as one, its prefill "
+         "rows' query tokens in the plan, and run as cascade where the eager cost model says "
+         "it wins, else flat (off). Served, the split cost more host time and CUDA-graph "
+         "captures than it saved; whole steps gave bursts the most output (README, Limits)."),
     Knob("CASCADE_MAX_LEVELS", "max_levels", 3, _int_at_least(2), "an integer >= 2",
          "Most attention levels per step, the per-request level included (2 = one shared level)."),
     Knob("CASCADE_MIN_SHARED_PAGES", "min_shared_pages", 1, _int_at_least(1), "an integer >= 1",

@@ -136,7 +136,7 @@ def test_the_split_configs_split_mixed_steps_at_their_per_step_term(
     model's per-step term of a split step changed where they say so
     (benchmarks/split_cost/sitecustomize.py), so the FLASH_ATTN builder's split cost model
     built after start-up has it; the plugin's plain config's processes keep the shipped term
-    and leave mixed steps flat."""
+    and do not split (they plan mixed steps whole)."""
     from vllm_cascade_plugin.planning import cost
 
     src = Path(__file__).resolve().parents[2] / "src"
@@ -157,21 +157,27 @@ def test_the_split_configs_split_mixed_steps_at_their_per_step_term(
     assert cost.FA3_SPLIT_STEP_FIXED_US > 0
 
 
-def test_the_mixed_whole_config_plans_a_mixed_step_with_all_its_rows(tmp_path, monkeypatch):
-    """Its servers' processes plan a mixed prefill+decode step whole
-    (benchmarks/mixed_whole/sitecustomize.py): behind one 32K-token document, 63 decode rows and
-    a prefill chunk of 37 tokens are one cascade plan of 100 query tokens, charged the eager
-    cost, and run as cascade; the plugin's plain config's processes plan the decode rows alone
-    (the split's plan) and keep the step flat (CASCADE_SPLIT_MIXED off)."""
+@pytest.mark.parametrize(("config", "want"),
+                         [("cascade_flash_attn", ["True", "100", "True"]),
+                          ("cascade_flash_attn_mixed_whole", ["True", "100", "True"]),
+                          ("cascade_flash_attn_split_off", ["False", "63", "False"])])
+def test_a_mixed_step_is_planned_whole_by_default_and_flat_in_the_split_off_config(
+        tmp_path, monkeypatch, config, want):
+    """Each config's server process, configured from its environment (load_config): behind one
+    32K-token document, 63 decode rows and a prefill chunk of 37 tokens are one cascade plan of
+    100 query tokens, charged the eager cost, and run as cascade with the defaults (the
+    mixed_whole config spells them out); the split_off config (CASCADE_SPLIT_MIXED=1 at a split
+    term no plan repays) plans the decode rows alone and keeps the step flat, the plugin's
+    mixed steps before they were planned whole."""
     src = Path(__file__).resolve().parents[2] / "src"
     monkeypatch.setenv("PYTHONPATH", str(src))
     probe = ("import numpy as np\n"
-             "from vllm_cascade_plugin.config import CascadeConfig\n"
+             "from vllm_cascade_plugin.config import load_config\n"
              "from vllm_cascade_plugin.planning.cost import AttentionShape, cost_model_for, "
              "flash_attn_flat\n"
              "from vllm_cascade_plugin.step import session\n"
              "fa3 = lambda **kw: flash_attn_flat(cost_model_for('fa3', **kw))\n"
-             "session.configure(CascadeConfig(enabled=True), AttentionShape(32, 8, 128, 2, 32),"
+             "session.configure(load_config(), AttentionShape(32, 8, 128, 2, 32),"
              " 16, None, cost_model=fa3(decode_graphs=False), steady_cost_model=fa3(),"
              " capture_sizes=(8, 16, 32, 64, 128), split_cost_model=fa3(split=True))\n"
              "table = np.zeros((64, 2052), np.int32)\n"
@@ -182,15 +188,11 @@ def test_the_mixed_whole_config_plans_a_mixed_step_with_all_its_rows(tmp_path, m
              "step = session.plan_step(table, np.full(64, 32768 + 40, np.int32), q)\n"
              "print(step.decode_rows is None, step.plan.stats.num_tokens,"
              " step.decision.use_cascade)\n")
-    whole = sb.CONFIGS["cascade_flash_attn_mixed_whole"]
-    assert whole.plugin_on and whole.backend == "FLASH_ATTN"
-    out = subprocess.run([sys.executable, "-c", probe], env=sb.server_env(whole, tmp_path),
+    chosen = sb.CONFIGS[config]
+    assert chosen.plugin_on and chosen.backend == "FLASH_ATTN"
+    out = subprocess.run([sys.executable, "-c", probe], env=sb.server_env(chosen, tmp_path),
                          capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["True", "100", "True"]
-    plain = subprocess.run([sys.executable, "-c", probe],
-                           env=sb.server_env(sb.CONFIGS["cascade_flash_attn"], tmp_path),
-                           capture_output=True, text=True, check=True).stdout.split()
-    assert plain == ["False", "63", "False"]
+    assert out == want
 
 
 def _client(workload: str, rate, n=64, data=None, result=("/r", "x.json")):

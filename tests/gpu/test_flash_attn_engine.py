@@ -28,9 +28,16 @@ def _failed(rows: list[dict]) -> list[dict]:
     return [r for r in rows if r["outcome"] != "pass" or r.get("reference_outcome") == "fail"]
 
 
-@pytest.mark.parametrize("runner", ["v2", "v1"])
-def test_flash_attn_cascade_engine_matches_vllms_flash_attn(sharp_model_dir, runner):
-    on, rows = judged(plugin_on(sharp_model_dir, runner, backend=FLASH_ATTN))
+@pytest.mark.parametrize(("runner", "mixed"), [("v2", "split"), ("v1", "split"),
+                                               ("v2", "whole")],
+                         ids=["v2", "v1", "v2-mixed-steps-whole"])
+def test_flash_attn_cascade_engine_matches_vllms_flash_attn(sharp_model_dir, runner, mixed):
+    """Every step that shares as cascade (CASCADE_POLICY=always); mixed prefill+decode steps
+    split (CASCADE_SPLIT_MIXED=1, the engines' setting), or planned whole, the default."""
+    knobs = (("CASCADE_SPLIT_MIXED", "0"),) if mixed == "whole" else ()
+    on, rows = judged(plugin_on(sharp_model_dir, runner, backend=FLASH_ATTN, knobs=knobs))
+    if mixed == "whole":
+        rows = [{**row, "workload": f"{row['workload']} (mixed steps whole)"} for row in rows]
     failed = _failed(rows)
     assert not failed, json.dumps(failed, indent=1)
     assert on["executors"] == ["fa3"], on["executors"]  # FLASH_ATTN's cascade: FA3 only

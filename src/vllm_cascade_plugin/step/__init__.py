@@ -180,8 +180,8 @@ class StepSession:
         :func:`~.planning.cost.flat_floor`, charged as :meth:`_decide` charges first) as planned
         and flat, for the reason :meth:`_decide` would give; True if so. Not with
         ``CASCADE_DEBUG`` (every step is planned and checked) or ``CASCADE_POLICY=always``.
-        A mixed step the executor would split is flat at once while ``CASCADE_SPLIT_MIXED``
-        is off."""
+        A mixed step is planned whole (every query token) unless ``CASCADE_SPLIT_MIXED`` splits
+        it (:meth:`_split_lens`)."""
         self.current = None
         config = self.config
         if (not self.active or config is None or config.debug or config.policy == "always"
@@ -192,10 +192,6 @@ class StepSession:
                 query = np.asarray(query_lens)
                 decode = bool(np.all(query == 1))
                 steady, split = self.steady_cost_model, self._split_lens(query)
-                if split is not None and not config.split_mixed:  # a mixed step: flat
-                    stats.record_planned(decode)
-                    stats.flat_decision(MIXED)
-                    return True
                 model = (steady if decode and steady is not None
                          and self.graphable(int(query.sum())) else self.cost_model)
                 if split is not None:  # the decode rows' cascade against their flat attention
@@ -214,11 +210,12 @@ class StepSession:
         return True
 
     def _split_lens(self, query_lens: np.ndarray) -> np.ndarray | None:
-        """For a mixed step the executor splits: the query lengths its plan covers, 1 for each
-        row of one query token and 0 (padding, to the planner) for the others, which run flat;
-        None where the step is planned as it is (not mixed, no split cost, or more decode rows
+        """For a mixed step the executor splits (``CASCADE_SPLIT_MIXED``): the query lengths its
+        plan covers, 1 for each row of one query token and 0 (padding, to the planner) for the
+        others, which run flat; None where the step is planned whole, every query token, and
+        charged the eager cost (not mixed, the split off, no split cost, or more decode rows
         than vLLM's largest CUDA-graph capture size: the decode rows would run eagerly)."""
-        if self.split_cost_model is None:
+        if self.split_cost_model is None or self.config is None or not self.config.split_mixed:
             return None
         one = np.asarray(query_lens) == 1
         decode_rows = int(np.count_nonzero(one))
@@ -298,9 +295,6 @@ class StepSession:
         flat steps of a serving run). Only a step that wins with graphs looks its layout up,
         and pays the eager cost if the layout is new (:meth:`_graph_state`)."""
         assert self.config is not None and self.shape is not None
-        if split and not self.config.split_mixed:  # CASCADE_POLICY=always, CASCADE_DEBUG
-            stats.flat_decision(MIXED)
-            return Decision(False, 0.0, 0.0, "a mixed step (CASCADE_SPLIT_MIXED off)")
         if plan.num_levels < 2:
             stats.flat_decision(NO_SHARED)
             return Decision(False, 0.0, 0.0, "no shared pages")
