@@ -226,7 +226,7 @@ part_serve() {
 #   mixed_bursts       vLLM's default backend flat and the plugin two ways on the mixed
 #                      prefill+decode steps of 32K x 1 and 8K x 4 bursts: planned whole as one
 #                      cascade step (the default) and flat (cascade_flash_attn_split_off).
-#                      About 9 min after the verification parts on the same machine.
+#                      About 12 min after the verification parts (15 min) on the same machine.
 serve_slice() {  # name, timeout (s), serve_bench.py arguments...
   local name=$1 limit=$2 start=$SECONDS
   shift 2

@@ -379,7 +379,7 @@ def block_serve() -> list[str]:
               "`CASCADE_SPLIT_MIXED=1` does) and from then to run 20261203T163808 ran them "
               "flat; mixed steps flat: every mixed step flat (the split's per-step term "
               "`cost.FA3_SPLIT_STEP_FIXED_US` 10^12 µs); mixed steps planned whole: each "
-              "run as cascade where the eager cost model says so (the defaults now, "
+              "run as cascade where the eager cost model says so (the defaults, "
               "`CASCADE_SPLIT_MIXED=0`); "
               "`CASCADE_POLICY=always`: the plugin with cascade on every step that "
               "shares, the cost model bypassed:", ""]
