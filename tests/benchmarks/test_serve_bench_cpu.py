@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).parents[2]
+SRC = ROOT.resolve() / "src"  # what a server process imports the plugin from
 TINY = ROOT / "examples" / "models" / "llama-tiny"  # vocab 32000, bos 1, eos 2
 LLAMA3 = ROOT / "examples" / "models" / "llama3-8b"  # vocab 128256, bos 128000, eos 128001
 
@@ -98,32 +99,35 @@ def test_a_config_with_extra_arguments_passes_them_on(tmp_path):
     assert sb.server_env(config, tmp_path)["CASCADE_KERNEL"] == "fa3" and config.plugin_on
 
 
+def _run_in_server_env(probe: str, env: dict[str, str]) -> list[str]:
+    """``probe``'s printed words, run by a fresh Python in a server's environment ``env``
+    (``serve_bench.server_env``, built with this checkout's ``src`` on ``PYTHONPATH``)."""
+    return subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                          text=True, check=True).stdout.split()
+
+
 def test_the_host_delay_config_delays_every_planning_of_its_servers_processes(tmp_path,
                                                                               monkeypatch):
     """Its servers' processes start with 1 ms of busy host time before each planning call
     (benchmarks/host_delay/sitecustomize.py): a fresh Python with the server's environment
     finds ``plan_rows`` wrapped, and a call takes at least the delay before it reaches the
     plugin's own ``plan_rows`` (which refuses these arguments)."""
-    src = Path(__file__).resolve().parents[2] / "src"
-    monkeypatch.setenv("PYTHONPATH", str(src))
+    monkeypatch.setenv("PYTHONPATH", str(SRC))
     assert sb.CONFIGS["cascade_flash_attn_host_delay_4ms"].env[
         "CASCADE_BENCH_HOST_DELAY_US"] == "4000"
     config = sb.CONFIGS["cascade_flash_attn_host_delay_1ms"]
     env = sb.server_env(config, tmp_path / "prom")
     assert env["CASCADE_BENCH_HOST_DELAY_US"] == "1000" and config.plugin_on
-    assert env["PYTHONPATH"].split(os.pathsep)[-1] == str(src)
+    assert env["PYTHONPATH"].split(os.pathsep)[-1] == str(SRC)
     probe = ("import time\n"
              "from vllm_cascade_plugin.integration import hooks_dispatch as h\n"
              "start = time.perf_counter()\n"
              "try:\n    h.plan_rows(None, None, None, None, None, None)\n"
              "except TypeError:\n    pass\n"
              "print(h.plan_rows.__name__, time.perf_counter() - start)\n")
-    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
-                         text=True, check=True).stdout.split()
+    out = _run_in_server_env(probe, env)
     assert out[0] == "_delayed_plan_rows" and float(out[1]) >= 0.001
-    plain = subprocess.run([sys.executable, "-c", probe],
-                           env=sb.server_env(sb.CONFIGS["cascade_flash_attn"], tmp_path),
-                           capture_output=True, text=True, check=True).stdout.split()
+    plain = _run_in_server_env(probe, sb.server_env(sb.CONFIGS["cascade_flash_attn"], tmp_path))
     assert plain[0] == "plan_rows"
 
 
@@ -139,20 +143,16 @@ def test_the_split_configs_split_mixed_steps_at_their_per_step_term(
     and do not split (they plan mixed steps whole)."""
     from vllm_cascade_plugin.planning import cost
 
-    src = Path(__file__).resolve().parents[2] / "src"
-    monkeypatch.setenv("PYTHONPATH", str(src))
+    monkeypatch.setenv("PYTHONPATH", str(SRC))
     probe = ("from vllm_cascade_plugin.planning import cost\n"
              "from vllm_cascade_plugin.config import load_config\n"
              "print(cost.cost_model_for('fa3', split=True).step_fixed_us)\n"
              "print(load_config().split_mixed)\n")
     changed = sb.CONFIGS[config]
     assert changed.plugin_on and changed.backend == "FLASH_ATTN"
-    out = subprocess.run([sys.executable, "-c", probe], env=sb.server_env(changed, tmp_path),
-                         capture_output=True, text=True, check=True).stdout.split()
+    out = _run_in_server_env(probe, sb.server_env(changed, tmp_path))
     assert out == [str(cost.FA3_SPLIT_STEP_FIXED_US if term is None else float(term)), "True"]
-    plain = subprocess.run([sys.executable, "-c", probe],
-                           env=sb.server_env(sb.CONFIGS["cascade_flash_attn"], tmp_path),
-                           capture_output=True, text=True, check=True).stdout.split()
+    plain = _run_in_server_env(probe, sb.server_env(sb.CONFIGS["cascade_flash_attn"], tmp_path))
     assert plain == [str(cost.FA3_SPLIT_STEP_FIXED_US), "False"]
     assert cost.FA3_SPLIT_STEP_FIXED_US > 0
 
@@ -169,8 +169,7 @@ def test_a_mixed_step_is_planned_whole_by_default_and_flat_in_the_split_off_conf
     mixed_whole config spells them out); the split_off config (CASCADE_SPLIT_MIXED=1 at a split
     term no plan repays) plans the decode rows alone and keeps the step flat, the plugin's
     mixed steps before they were planned whole."""
-    src = Path(__file__).resolve().parents[2] / "src"
-    monkeypatch.setenv("PYTHONPATH", str(src))
+    monkeypatch.setenv("PYTHONPATH", str(SRC))
     probe = ("import numpy as np\n"
              "from vllm_cascade_plugin.config import load_config\n"
              "from vllm_cascade_plugin.planning.cost import AttentionShape, cost_model_for, "
@@ -190,9 +189,7 @@ def test_a_mixed_step_is_planned_whole_by_default_and_flat_in_the_split_off_conf
              " step.decision.use_cascade)\n")
     chosen = sb.CONFIGS[config]
     assert chosen.plugin_on and chosen.backend == "FLASH_ATTN"
-    out = subprocess.run([sys.executable, "-c", probe], env=sb.server_env(chosen, tmp_path),
-                         capture_output=True, text=True, check=True).stdout.split()
-    assert out == want
+    assert _run_in_server_env(probe, sb.server_env(chosen, tmp_path)) == want
 
 
 def _client(workload: str, rate, n=64, data=None, result=("/r", "x.json")):
