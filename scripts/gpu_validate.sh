@@ -227,6 +227,9 @@ part_serve() {
 #                      prefill+decode steps of 32K x 1 and 8K x 4 bursts: planned whole as one
 #                      cascade step (the default) and flat (cascade_flash_attn_split_off).
 #                      About 12 min after the verification parts (15 min) on the same machine.
+#   chat_burst         vLLM's default backend flat and the plugin on a burst of the chat workload
+#                      (one 1.5K-token system prompt, long own turns): whether a burst of short
+#                      shared prefixes costs the plugin output or TPOT.
 serve_slice() {  # name, timeout (s), serve_bench.py arguments...
   local name=$1 limit=$2 start=$SECONDS
   shift 2
@@ -282,6 +285,8 @@ part_serve_grid() {  # run it detached, alone; the slices in SERVE_GRID's order
     mixed_bursts) serve_slice mixed_bursts 1500 \
       --configs flash_attn,cascade_flash_attn,cascade_flash_attn_split_off \
       --workloads prefix_32k_x1,prefix_8k_x4 --rates burst ;;
+    chat_burst) serve_slice chat_burst 900 --configs flash_attn,cascade_flash_attn \
+      --workloads chat_1k5_system --rates burst ;;
     *) stamp "serve_grid: no slice named $slice (see the list above part_serve_grid)"; return 1 ;;
     esac
   done

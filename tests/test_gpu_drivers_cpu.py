@@ -5,6 +5,7 @@ run until its time limit."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 import threading
 from pathlib import Path
 
@@ -52,3 +53,30 @@ def test_counters_that_come_are_rank_zeros(driver):
             return [{"steps_planned": 4}, {"steps_planned": 4}]
 
     assert driver._counters(Client()) == {"steps_planned": 4}
+
+
+@pytest.fixture
+def engines(monkeypatch):
+    monkeypatch.syspath_prepend(str(GPU_TESTS))
+    spec = importlib.util.spec_from_file_location("engines_cpu", GPU_TESTS / "engines.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "engines_cpu", module)  # its dataclass looks itself up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_an_engines_knobs_replace_the_plugin_runs_defaults(engines, monkeypatch):
+    """An engine test's knobs (``CASCADE_SPLIT_MIXED=0``: mixed steps planned whole, the
+    plugin's default) reach the engine's environment over the runs' own settings, and a run
+    with the plugin off carries no ``CASCADE_*`` variable, not even one set outside."""
+    monkeypatch.setenv("CASCADE_MAX_LEVELS", "2")
+    monkeypatch.delenv("CASCADE_TEST_KERNEL", raising=False)
+    on = engines.Engine("model", True, knobs=(("CASCADE_SPLIT_MIXED", "0"),
+                                              ("CASCADE_FULL_GRAPHS", "0")))
+    env = on.environment()
+    assert (env["CASCADE_SPLIT_MIXED"], env["CASCADE_FULL_GRAPHS"]) == ("0", "0")
+    assert (env["CASCADE_ATTENTION"], env["CASCADE_POLICY"]) == ("1", "always")
+    assert "CASCADE_MAX_LEVELS" not in env
+    assert on.with_(knobs=()).environment()["CASCADE_SPLIT_MIXED"] == "1"
+    off = on.with_(plugin=False, knobs=()).environment()
+    assert not [k for k in off if k.startswith("CASCADE_")]

@@ -79,9 +79,10 @@ class Engine:
         env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0",
                    VLLM_USE_V2_MODEL_RUNNER="1" if self.runner == "v2" else "0")
         if self.plugin:
-            # Every cascade path the plugin has: mixed steps split too (off by default).
-            env.update(CASCADE_ATTENTION="1", CASCADE_POLICY="always", CASCADE_SPLIT_MIXED="1",
-                       **dict(self.knobs))
+            # Every cascade path the plugin has: mixed steps split too (off by default); the
+            # engine's knobs replace these.
+            env.update({"CASCADE_ATTENTION": "1", "CASCADE_POLICY": "always",
+                        "CASCADE_SPLIT_MIXED": "1", **dict(self.knobs)})
             if self.kernel:
                 env["CASCADE_KERNEL"] = self.kernel
         return env
