@@ -1,6 +1,7 @@
-"""The GPU engine tests' driver (``tests/gpu/engine_driver.py``) on a CPU: reading the plugin's
-counters gives up, with exit status 3, when the engine never answers, instead of holding a GPU
-run until its time limit."""
+"""The GPU engine tests' driver and engine runs (``tests/gpu/engine_driver.py``, ``engines.py``)
+on a CPU: reading the plugin's counters gives up, with exit status 3, when the engine never
+answers, instead of holding a GPU run until its time limit; an engine's environment carries the
+knobs its test asked for."""
 
 from __future__ import annotations
 
