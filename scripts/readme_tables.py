@@ -122,32 +122,42 @@ SERVE_HEADLINE = {"prefix_8k_x4": "4 documents of 8K tokens", "prefix_32k_x1": "
 
 
 def serve_headline() -> str:
-    """Served by ``vllm serve`` on vLLM's default backend against it flat (serve.json, the
-    latest run of each point): TPOT p50 at 90% load and a burst's output tokens/s; "" when
+    """Served by ``vllm serve`` on vLLM's default backend against it flat (serve.json): TPOT
+    p50 at 90% load and a burst's output tokens/s, each point's latest run and, where it ran
+    more than once, the range over its runs (each against its own run's flat server); "" when
     serve.json has none of it."""
     path = H200 / "serve.json"
     rows = _load(path) if path.is_file() else []
     parts, days = [], set()
 
-    def plugin_over_flat(workload: str, spec: str, key: str, servers: str = "") -> float | None:
-        """The latest run's plugin ÷ flat ``key`` at ``spec``; None where not measured."""
+    def plugin_over_flat(workload: str, spec: str, key: str, servers: str = "",
+                         faster: bool = False, spread: bool = True) -> str | None:
+        """The latest run's plugin ÷ flat ``key`` at ``spec`` (``faster``: flat ÷ plugin), then
+        (``spread``) the range over every run where there are several; None where not
+        measured."""
         runs = serve_runs(rows, f"flash_attn{servers}", f"cascade_flash_attn{servers}",
                           workload).get(spec)
         if not runs:
             return None
-        f, c = runs[-1]
-        days.update(str(r.get("run_id", ""))[:8] for r in (f, c))
-        return c[key] / f[key]
+        days.update(str(r.get("run_id", ""))[:8] for pair in runs for r in pair)
+        ratios = [f[key] / c[key] if faster else c[key] / f[key] for f, c in runs]
+        said = _ratio(ratios[-1]) + (" lower" if faster else "")
+        if spread and len(runs) > 1:
+            said += (f" ({min(ratios):.2f}{DASH}{_ratio(max(ratios))} over {len(runs)} "
+                     f"runs)")
+        return said
 
     for workload, what in SERVE_HEADLINE.items():
-        tpot = plugin_over_flat(workload, "90%", "tpot_ms_p50")
+        tpot = plugin_over_flat(workload, "90%", "tpot_ms_p50", faster=True)
         burst = plugin_over_flat(workload, "burst", "output_tok_per_s")
-        said = ["not measured" if tpot is None else f"{_ratio(1 / tpot)} lower",
-                "not measured" if burst is None else _ratio(burst)]
+        said = [tpot or "not measured", burst or "not measured"]
         # The burst again with prompts tokenized by 4 API server processes.
-        servers = plugin_over_flat(workload, "burst", "output_tok_per_s", "_api_servers_4")
+        servers = plugin_over_flat(workload, "burst", "output_tok_per_s", "_api_servers_4",
+                                   spread=False)
         if servers is not None:
-            said[-1] += f" ({_ratio(servers)} with `--api-server-count 4`)"
+            also = f"{servers} with `--api-server-count 4`"
+            said[-1] = (f"{said[-1][:-1]}; {also})" if said[-1].endswith(")")
+                        else f"{said[-1]} ({also})")
         if said != ["not measured"] * 2:
             parts.append(f"{' / '.join(said)} with {what}")
     if not parts:

@@ -220,8 +220,9 @@ def test_a_bursts_time_to_first_token_is_split_into_its_parts(tmp_path, monkeypa
 def test_the_serving_headline_reads_each_points_latest_run_against_its_own_flat_row(
         tmp_path, monkeypatch):
     """The summary's serving sentence: TPOT p50 at 90% (flat / plugin) and a burst's output
-    (plugin / flat), the latest run of each point paired with its own run's flat server, "not
-    measured" for a missing point, and nothing at all without serving rows."""
+    (plugin / flat), the latest run of each point paired with its own run's flat server, then
+    the range over the point's runs and the days they ran, "not measured" for a missing point,
+    and nothing at all without serving rows."""
     monkeypatch.setattr(tables, "H200", tmp_path)
     assert tables.serve_headline() == ""
     rows = [_serve_row("flash_attn", 2.0, "90%", 1.0, run="20261201T000000"),
@@ -235,8 +236,9 @@ def test_the_serving_headline_reads_each_points_latest_run_against_its_own_flat_
     (tmp_path / "serve.json").write_text(json.dumps(rows))
     x = tables.TIMES
     said = tables.serve_headline()
-    assert f"2.00{x} lower / not measured with 4 documents of 8K tokens" in said
-    assert "2026-12-02" in said and "2026-12-01" not in said
+    assert (f"2.00{x} lower (2.00{tables.DASH}4.00{x} over 2 runs) / not measured with 4 "
+            f"documents of 8K tokens") in said
+    assert "2026-12-01, 2026-12-02)" in said
     assert "9.00" not in said and "one of 32K" not in said
 
 
@@ -283,3 +285,9 @@ def test_the_serving_headline_adds_the_burst_with_four_api_servers(tmp_path, mon
     assert (f"not measured / 1.50{x} (2.50{x} with `--api-server-count 4`) with 4 documents"
             in said)
     assert "2026-12-02, 2026-12-03" in said
+    # An earlier burst run: its range, then the 4-API-server burst, in one parenthesis.
+    earlier = [_serve_row("flash_attn", "burst", "burst", 1.0, run="20261201T000000"),
+               _serve_row("cascade_flash_attn", "burst", "burst", 1.2, run="20261201T000000")]
+    (tmp_path / "serve.json").write_text(json.dumps(earlier + rows))
+    assert (f"not measured / 1.50{x} (1.20{tables.DASH}1.50{x} over 2 runs; 2.50{x} with "
+            f"`--api-server-count 4`) with 4 documents") in tables.serve_headline()
