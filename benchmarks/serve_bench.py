@@ -100,6 +100,12 @@ CONFIGS = {
     # flat: the defaults, spelled out (CASCADE_SPLIT_MIXED=0).
     "cascade_flash_attn_mixed_whole": Config("FLASH_ATTN", {"CASCADE_ATTENTION": "1",
                                                             "CASCADE_SPLIT_MIXED": "0"}),
+    # The plugin with every CUDA graph captured the second time its key comes, not the first
+    # (capture_after/sitecustomize.py): a layout a burst meets once runs eagerly instead of
+    # stalling the engine for a capture.
+    "cascade_flash_attn_capture_second": Config(
+        "FLASH_ATTN", {"CASCADE_ATTENTION": "1", "CASCADE_BENCH_CAPTURE_AFTER": "2"},
+        pythonpath=(str(Path(__file__).resolve().parent / "capture_after"),)),
     # Flat and the plugin with 4 API server processes (``--api-server-count 4``): requests are
     # tokenized and handed to the engine in parallel, so a burst's time to first token is less
     # the frontend's and more the engine's. Compared with each other, not with one API server.

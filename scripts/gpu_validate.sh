@@ -230,6 +230,11 @@ part_serve() {
 #   chat_burst         vLLM's default backend flat and the plugin on a burst of the chat workload
 #                      (one 1.5K-token system prompt, long own turns): whether a burst of short
 #                      shared prefixes costs the plugin output or TPOT.
+#   capture_bursts     vLLM's default backend flat, the plugin capturing each CUDA graph the
+#                      second time its key comes (cascade_flash_attn_capture_second) and the
+#                      plugin (the first time), in that order, on 8K x 4 and 32K x 1 bursts:
+#                      whether a burst's one-use layouts are cheaper run eagerly than captured.
+#                      About 12 min (as mixed_bursts).
 serve_slice() {  # name, timeout (s), serve_bench.py arguments...
   local name=$1 limit=$2 start=$SECONDS
   shift 2
@@ -285,6 +290,9 @@ part_serve_grid() {  # run it detached, alone; the slices in SERVE_GRID's order
     mixed_bursts) serve_slice mixed_bursts 1500 \
       --configs flash_attn,cascade_flash_attn,cascade_flash_attn_split_off \
       --workloads prefix_32k_x1,prefix_8k_x4 --rates burst ;;
+    capture_bursts) serve_slice capture_bursts 1500 \
+      --configs flash_attn,cascade_flash_attn_capture_second,cascade_flash_attn \
+      --workloads prefix_8k_x4,prefix_32k_x1 --rates burst ;;
     chat_burst) serve_slice chat_burst 900 --configs flash_attn,cascade_flash_attn \
       --workloads chat_1k5_system --rates burst ;;
     *) stamp "serve_grid: no slice named $slice (see the list above part_serve_grid)"; return 1 ;;

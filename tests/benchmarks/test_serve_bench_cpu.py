@@ -131,6 +131,29 @@ def test_the_host_delay_config_delays_every_planning_of_its_servers_processes(tm
     assert plain[0] == "plan_rows"
 
 
+def test_the_capture_second_config_captures_each_graph_at_its_keys_second_sighting(
+        tmp_path, monkeypatch):
+    """Its servers' processes (benchmarks/capture_after/sitecustomize.py) make every graph
+    cache capture a key the second time it comes: after the cache's first graph (captured at
+    its key's second run, after one eager run, in both), a new key runs eagerly once and is
+    captured when it comes again; the plugin's plain config captures it at once. The whole-step
+    graphs' cache is made the same way."""
+    monkeypatch.setenv("PYTHONPATH", str(SRC))
+    probe = ("from vllm_cascade_plugin.graphs.capture import LayerGraphs\n"
+             "from vllm_cascade_plugin.graphs.fullgraph import StepGraphs\n"
+             "graphs = LayerGraphs(capture=lambda fn: (fn, fn()))\n"
+             "counts = []\n"
+             "for key in ('a', 'a', 'b', 'b', 'b'):\n"
+             "    graphs.run((key,), lambda: 0)\n"
+             "    counts.append(graphs.captures)\n"
+             "print(*counts, StepGraphs(None, capture=lambda fn: (fn, fn())).capture_after)\n")
+    config = sb.CONFIGS["cascade_flash_attn_capture_second"]
+    assert config.plugin_on and config.backend == "FLASH_ATTN"
+    assert _run_in_server_env(probe, sb.server_env(config, tmp_path)) == "0 1 1 2 2 2".split()
+    plain = sb.server_env(sb.CONFIGS["cascade_flash_attn"], tmp_path)
+    assert _run_in_server_env(probe, plain) == "0 1 2 2 2 1".split()
+
+
 @pytest.mark.parametrize(("config", "term"), [("cascade_flash_attn_split_off", 1e12),
                                              ("cascade_flash_attn_split_free", 0.0),
                                              ("cascade_flash_attn_split_mixed", None)])
@@ -1061,7 +1084,8 @@ def test_the_serving_grid_of_gpu_validate_is_a_valid_bench(tmp_path, capsys):
                                                "flash_attn_moderate", "api_servers", "split",
                                                "split_gated", "pow2_graphs",
                                                "host_delay_2k", "burst_pair",
-                                               "mixed_bursts", "chat_burst"}
+                                               "mixed_bursts", "chat_burst",
+                                               "capture_bursts"}
     assert all(name == log for name, log, _ in slices)
     for _, _, args in slices:
         argv = shlex.split(args)
