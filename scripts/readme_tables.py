@@ -131,33 +131,33 @@ def serve_headline() -> str:
     parts, days = [], set()
 
     def plugin_over_flat(workload: str, spec: str, key: str, servers: str = "",
-                         faster: bool = False, spread: bool = True) -> str | None:
-        """The latest run's plugin ÷ flat ``key`` at ``spec`` (``faster``: flat ÷ plugin), then
-        (``spread``) the range over every run where there are several; None where not
-        measured."""
+                         faster: bool = False) -> tuple[str, list[str]] | None:
+        """The latest run's plugin ÷ flat ``key`` at ``spec`` (``faster``: flat ÷ plugin), and
+        the range over every run where there are several; None where not measured."""
         runs = serve_runs(rows, f"flash_attn{servers}", f"cascade_flash_attn{servers}",
                           workload).get(spec)
         if not runs:
             return None
         days.update(str(r.get("run_id", ""))[:8] for pair in runs for r in pair)
         ratios = [f[key] / c[key] if faster else c[key] / f[key] for f, c in runs]
-        said = _ratio(ratios[-1]) + (" lower" if faster else "")
-        if spread and len(runs) > 1:
-            said += (f" ({min(ratios):.2f}{DASH}{_ratio(max(ratios))} over {len(runs)} "
-                     f"runs)")
-        return said
+        spread = ([f"{min(ratios):.2f}{DASH}{_ratio(max(ratios))} over {len(runs)} runs"]
+                  if len(runs) > 1 else [])
+        return _ratio(ratios[-1]) + (" lower" if faster else ""), spread
+
+    def phrase(latest: tuple[str, list[str]] | None, *notes: str) -> str:
+        """The latest ratio, then its range and ``notes`` in one parenthesis."""
+        if latest is None:
+            return "not measured"
+        aside = [*latest[1], *notes]
+        return latest[0] + (f" ({'; '.join(aside)})" if aside else "")
 
     for workload, what in SERVE_HEADLINE.items():
         tpot = plugin_over_flat(workload, "90%", "tpot_ms_p50", faster=True)
         burst = plugin_over_flat(workload, "burst", "output_tok_per_s")
-        said = [tpot or "not measured", burst or "not measured"]
-        # The burst again with prompts tokenized by 4 API server processes.
-        servers = plugin_over_flat(workload, "burst", "output_tok_per_s", "_api_servers_4",
-                                   spread=False)
-        if servers is not None:
-            also = f"{servers} with `--api-server-count 4`"
-            said[-1] = (f"{said[-1][:-1]}; {also})" if said[-1].endswith(")")
-                        else f"{said[-1]} ({also})")
+        # The burst again with prompts tokenized by 4 API server processes: its latest run.
+        servers = plugin_over_flat(workload, "burst", "output_tok_per_s", "_api_servers_4")
+        also = [f"{servers[0]} with `--api-server-count 4`"] if servers else []
+        said = [phrase(tpot), phrase(burst, *also)]
         if said != ["not measured"] * 2:
             parts.append(f"{' / '.join(said)} with {what}")
     if not parts:

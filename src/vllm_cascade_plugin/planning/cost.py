@@ -153,9 +153,9 @@ FA3_EAGER_STEP_FIXED_US = 7570.0
 # 11.7), 7.8 against 7.3 ms behind 8K ones. So the term stays at the host's upper bound. Even
 # so the split did not pay served (run 20261203T093105: an 8K x 4 burst 1.71x flat's output with
 # it, 2.49x with mixed steps flat, its per-layer graph captures and launches included). Planned
-# whole at the eager cost, mixed steps gave bursts more than flat ones did (run 20261203T163808:
-# 1.81x against 1.72x behind 8K documents, 2.04x against 1.94x behind one of 32K), and so they
-# are unless CASCADE_SPLIT_MIXED is on.
+# whole at the eager cost, mixed steps gave bursts a lower TPOT p50 than flat ones did in two
+# runs with the servers in either order (runs 20261203T163808 and T181304: behind one 32K
+# document 8.4-8.8 ms against 14.2-43.1), and so they are unless CASCADE_SPLIT_MIXED is on.
 FA3_SPLIT_STEP_FIXED_US = FA3_LAYER_GRAPHS_STEP_FIXED_US + 3 * 16.9 * 32
 # The flat side with vLLM's FLASH_ATTN backend: FlashAttention 3's flat decode, ~25% slower than
 # FlashInfer's at large batches. Fitted alone by ``benchmarks/calibrate_cost.py`` on the same
