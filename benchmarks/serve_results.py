@@ -194,6 +194,22 @@ def request_times(delta: dict[str, Any]) -> dict[str, float | None]:
     return out
 
 
+# Flat reasons of decode steps whose rows share no page: cascade has nothing to do there.
+NOTHING_SHARED = ("no shared level", "single request")
+
+
+def shared_cascade_fraction(row: dict[str, Any]) -> float | None:
+    """Of a plugin row's decode steps whose rows share a page (all but those flat for a reason
+    in :data:`NOTHING_SHARED`), the share that ran cascade; None without the counters or
+    without such steps. Rows recorded before "single request" was its own reason counted
+    those steps as "no shared level": the same share."""
+    fraction, reasons = row.get("cascade_step_fraction"), row.get("flat_reasons")
+    if fraction is None or reasons is None:
+        return None
+    sharing = 1.0 - sum(reasons.get(r, 0.0) for r in NOTHING_SHARED)
+    return min(fraction / sharing, 1.0) if sharing > 1e-9 else None
+
+
 def fractions(delta: dict[str, float | None], plugin_on: bool) -> tuple[float | None, ...]:
     """(cascade_step_fraction, graph_replay_fraction): Δcascade/Δplanned and Δgraphed/Δcascade
     decode steps; None with the plugin off, a counter missing or a zero denominator."""
@@ -241,6 +257,7 @@ def make_row(*, workload: str, config: str, request_rate: float | str, tensor_pa
         row["request_throughput"] = result["completed"] / result["duration"]
     row.update(request_times(delta))
     row.update(derived(delta, plugin_on))
+    row["shared_cascade_fraction"] = shared_cascade_fraction(row)
     row.update({k: v for k, v in delta.items() if k not in BY_LABEL})
     row.update(extra)
     return row

@@ -230,6 +230,10 @@ part_serve() {
 #   chat_burst         vLLM's default backend flat and the plugin on a burst of the chat workload
 #                      (one 1.5K-token system prompt, long own turns): whether a burst of short
 #                      shared prefixes costs the plugin output or TPOT.
+#   chat               vLLM's default backend flat and the plugin on the chat workload, a burst
+#                      and 90% of that flat burst's rate: the chat pair in one run, each flat
+#                      step's reason (a single request apart from no shared level). About 7 min
+#                      on a fresh machine.
 #   capture_bursts     vLLM's default backend flat, the plugin capturing each CUDA graph the
 #                      second time its key comes (cascade_flash_attn_capture_second) and the
 #                      plugin (the first time), in that order, on 8K x 4 and 32K x 1 bursts:
@@ -295,6 +299,8 @@ part_serve_grid() {  # run it detached, alone; the slices in SERVE_GRID's order
       --workloads prefix_8k_x4,prefix_32k_x1 --rates burst ;;
     chat_burst) serve_slice chat_burst 900 --configs flash_attn,cascade_flash_attn \
       --workloads chat_1k5_system --rates burst ;;
+    chat) serve_slice chat 900 --configs flash_attn,cascade_flash_attn \
+      --workloads chat_1k5_system --rates burst,90% ;;
     *) stamp "serve_grid: no slice named $slice (see the list above part_serve_grid)"; return 1 ;;
     esac
   done

@@ -21,7 +21,10 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))  # its parts, wherever it is loaded from
+sys.path.insert(0, str(ROOT / "benchmarks"))  # the serve bench's reading of its rows
 from readme_compat import block_compatibility  # noqa: E402
+
+from serve_results import shared_cascade_fraction  # noqa: E402
 
 README = ROOT / "README.md"
 RESULTS = ROOT / "benchmarks" / "results"
@@ -363,11 +366,14 @@ def block_serve() -> list[str]:
                         r.get(k) is not None for r in (f, c) for k in TTFT_PARTS):
                     splits.append(f"{backend} {workload}: flat {_ttft_parts(f)}; plugin "
                                   f"{_ttft_parts(c)}")
-                fraction = c.get("cascade_step_fraction")
+                fraction, sharing = c.get("cascade_step_fraction"), shared_cascade_fraction(c)
+                shown = DASH if fraction is None else f"{100 * fraction:.0f}%"
+                if sharing is not None and fraction:
+                    shown += f" ({100 * sharing:.0f}%)"
                 body.append([backend, workload + (f", TP {tp}" if tp != 1 else ""), rate,
                              cell("output_tok_per_s"), cell("ttft_ms_p99"),
                              cell("tpot_ms_p50", 1), cell("tpot_ms_p99", 1),
-                             f"{100 * fraction:.0f}%" if fraction is not None else DASH,
+                             shown,
                              _flat_reasons(c), planning(c)])
     lines = []
     if (H200 / "serve.png").is_file():
@@ -378,7 +384,9 @@ def block_serve() -> list[str]:
     setup = _setup({k: v for k, v in meta.items() if k != "date"})
     lines += [f"Flat → plugin on the same backend (plugin ÷ flat), {setup}, "
               f"{', '.join(dates)} "
-              f"({_source(path)}); latencies in ms, lower is better; the plugin's flat decode "
+              f"({_source(path)}); latencies in ms, lower is better; the plugin's decode "
+              "steps as cascade, of all and (in brackets) of those whose rows share a page "
+              "(all but those flat for no shared level or a single request); its flat decode "
               "steps as a share of its decode steps, by reason; its planning time per step "
               "in µs (p50 / p99) and its whole host time per step (planning, metadata, graph "
               "captures); a point measured in several runs (request rate: N runs) shows its "
@@ -394,7 +402,8 @@ def block_serve() -> list[str]:
               "`CASCADE_POLICY=always`: the plugin with cascade on every step that "
               "shares, the cost model bypassed:", ""]
     lines += _table(["backend", "workload", "request rate", "output tokens/s", "TTFT p99",
-                     "TPOT p50", "TPOT p99", "decode steps as cascade",
+                     "TPOT p50", "TPOT p99",
+                     "decode steps as cascade (of those that share)",
                      "flat decode steps, why", "planning µs p50 / p99 (host µs per step)"], body)
     if splits:
         lines += ["", "Where a burst's time to first token goes (means over its requests, the "

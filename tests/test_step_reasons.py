@@ -96,6 +96,13 @@ def test_each_flat_step_is_counted_with_the_reason_the_session_decided(monkeypat
     alike = step(small, seq_small, [1] * 4, on=fa3_session(min_shared_pages=4))
     assert alike.plan.num_levels == 1  # first pages alike, but 2 shared pages are too few
     expected.append((c.NO_SHARED, None))
+    # One request has nothing to share with: its own reason, skipped or (with CASCADE_DEBUG,
+    # every step planned) planned.
+    assert step(small[:1], seq_small[:1], [1]) is None
+    expected.append((c.SINGLE, None))
+    alone = step(small[:1], seq_small[:1], [1], on=fa3_session(debug=True))
+    assert alone.plan.num_levels == 1 and not alone.decision.use_cascade
+    expected.append((c.SINGLE, None))
     planned = [step(small, seq_small, q) for q in ([1] * 4, [1, 1, 3, 1], [3] * 4)]
     # The decode step is flat even at the graphed cost, the least it can cost; the others
     # never run from graphs: the eager cost.

@@ -628,6 +628,31 @@ def test_fractions_from_counter_deltas():
     assert sr.fractions(missing, True) == (0.75, None)
 
 
+def test_the_cascade_share_of_decode_steps_that_share_leaves_out_steps_with_nothing_shared():
+    """Of 100 decode steps, 60 cascade, 10 flat for the cost model, 20 with no shared level and
+    10 of a single request: 60 of the 70 steps whose rows share a page ran cascade."""
+    row = {"cascade_step_fraction": 0.6,
+           "flat_reasons": {"cost model": 0.1, "no shared level": 0.2, "single request": 0.1}}
+    assert sr.shared_cascade_fraction(row) == pytest.approx(60 / 70)
+    # A row from before "single request" was its own reason: those steps in "no shared level".
+    older = {"cascade_step_fraction": 0.6, "flat_reasons": {"cost model": 0.1,
+                                                           "no shared level": 0.3}}
+    assert sr.shared_cascade_fraction(older) == pytest.approx(60 / 70)
+    assert sr.shared_cascade_fraction({"cascade_step_fraction": 0.0,
+                                       "flat_reasons": {"no shared level": 1.0}}) is None
+    assert sr.shared_cascade_fraction({"cascade_step_fraction": None,
+                                       "flat_reasons": None}) is None  # a flat server's row
+    row = sr.make_row(workload="prefix_8k_x4", config="cascade_flash_attn",
+                      request_rate="burst", tensor_parallel_size=1, result=BURST_RESULT,
+                      delta=sr.counter_deltas(dict.fromkeys(PARSED), PARSED), plugin_on=True,
+                      capture_warnings=0, extra={})
+    counted = PARSED["decode_flat_steps"]
+    decode = PARSED["decode_steps_planned"]
+    sharing = decode - counted.get("no shared level", 0) - counted.get("single request", 0)
+    assert row["shared_cascade_fraction"] == pytest.approx(
+        PARSED["decode_steps_cascade"] / sharing)
+
+
 def test_request_times_are_vllms_own_means_over_the_run_with_or_without_the_plugin():
     """The server's part of a run's TTFT from vLLM's histograms: mean = Δsum / Δcount, in ms;
     None where a histogram is missing or counted no request. Rows of flat servers get them."""
@@ -1085,7 +1110,7 @@ def test_the_serving_grid_of_gpu_validate_is_a_valid_bench(tmp_path, capsys):
                                                "split_gated", "pow2_graphs",
                                                "host_delay_2k", "burst_pair",
                                                "mixed_bursts", "chat_burst",
-                                               "capture_bursts"}
+                                               "capture_bursts", "chat"}
     assert all(name == log for name, log, _ in slices)
     for _, _, args in slices:
         argv = shlex.split(args)

@@ -19,12 +19,13 @@ from .histogram import BOUNDS_S
 # falls back runs flat for the reason of its first fallback (``record_fallback``), e.g.
 # "planner error", "kernel planning error", "plan does not match the batch".
 NO_SHARED = "no shared level"  # no two rows share a page (min_shared_pages of them)
+SINGLE = "single request"  # a step of one row: nothing to share with
 COST_MODEL = "cost model"  # a decode step the cost model predicts no faster as cascade
 NOT_CAPTURED = "graph layout not yet captured"  # ... at the eager cost of a layout seen first
 MIXED = "mixed prefill+decode step"  # rows of one and of several query tokens (eager cost)
 MULTI_TOKEN = "multi-token step"  # every row several query tokens: prefill, spec. verification
 UNUSED = "cascade plan not run"  # cascade chosen, but no builder ran it and nothing fell back
-FLAT_REASONS = (NO_SHARED, COST_MODEL, NOT_CAPTURED, MIXED, MULTI_TOKEN, UNUSED)
+FLAT_REASONS = (NO_SHARED, SINGLE, COST_MODEL, NOT_CAPTURED, MIXED, MULTI_TOKEN, UNUSED)
 # The reasons decided by the cost model: their steps carry the cascade/flat time it predicted.
 COST_REASONS = (COST_MODEL, NOT_CAPTURED, MIXED, MULTI_TOKEN)
 

@@ -31,7 +31,7 @@ from ..planning.graph_layout import graph_shape
 from ..planning.invariants import plan_violations
 from ..planning.plan import CascadePlan
 from ..planning.planner import CascadePlanner, nothing_shared
-from ..stats.counters import COST_MODEL, MIXED, MULTI_TOKEN, NO_SHARED, NOT_CAPTURED
+from ..stats.counters import COST_MODEL, MIXED, MULTI_TOKEN, NO_SHARED, NOT_CAPTURED, SINGLE
 from .plan import BuilderSettings, StepPlan, flat_attention
 
 __all__ = ["BuilderSettings", "StepPlan", "StepSession", "session"]
@@ -40,6 +40,11 @@ __all__ = ["BuilderSettings", "StepPlan", "StepSession", "session"]
 MAX_LAYOUTS = 4096  # graph layouts remembered (then forgotten all at once)
 # How a step's attention would run as cascade (StepSession._graph_state).
 STEADY, FIRST = "graphed", "first of its layout"
+
+
+def _unshared_reason(query_lens: np.ndarray) -> str:
+    """Why a step without a shared level is flat: one row has nothing to share with."""
+    return SINGLE if len(query_lens) == 1 else NO_SHARED
 
 
 def _flat_reason(decode: bool, query_lens: np.ndarray) -> str:
@@ -162,7 +167,7 @@ class StepSession:
                 stats.record_fallback("planner error", f"{type(exc).__name__}: {exc}")
                 return False
             stats.record_planned(bool(np.all(np.asarray(query_lens) == 1)))
-            stats.flat_decision(NO_SHARED)
+            stats.flat_decision(_unshared_reason(query_lens))
         return True
 
     def continues(self, seq_lens: np.ndarray, query_lens: np.ndarray,
@@ -296,7 +301,7 @@ class StepSession:
         and pays the eager cost if the layout is new (:meth:`_graph_state`)."""
         assert self.config is not None and self.shape is not None
         if plan.num_levels < 2:
-            stats.flat_decision(NO_SHARED)
+            stats.flat_decision(_unshared_reason(query_lens))
             return Decision(False, 0.0, 0.0, "no shared pages")
         if self.config.policy == "always":
             return Decision(True, 0.0, 0.0, "CASCADE_POLICY=always")
