@@ -31,8 +31,8 @@ from ..planning.graph_layout import graph_shape
 from ..planning.invariants import plan_violations
 from ..planning.plan import CascadePlan
 from ..planning.planner import CascadePlanner, nothing_shared
-from ..stats.counters import COST_MODEL, MIXED, MULTI_TOKEN, NO_SHARED, NOT_CAPTURED, SINGLE
-from .plan import BuilderSettings, StepPlan, flat_attention
+from ..stats.counters import COST_MODEL, MIXED, NOT_CAPTURED
+from .plan import BuilderSettings, StepPlan, flat_attention, flat_reason, unshared_reason
 
 __all__ = ["BuilderSettings", "StepPlan", "StepSession", "session"]
 
@@ -40,18 +40,6 @@ __all__ = ["BuilderSettings", "StepPlan", "StepSession", "session"]
 MAX_LAYOUTS = 4096  # graph layouts remembered (then forgotten all at once)
 # How a step's attention would run as cascade (StepSession._graph_state).
 STEADY, FIRST = "graphed", "first of its layout"
-
-
-def _unshared_reason(query_lens: np.ndarray) -> str:
-    """Why a step without a shared level is flat: one row has nothing to share with."""
-    return SINGLE if len(query_lens) == 1 else NO_SHARED
-
-
-def _flat_reason(decode: bool, query_lens: np.ndarray) -> str:
-    """Why the cost model keeps a step flat: a decode step's cost, or its kind of step."""
-    if decode:
-        return COST_MODEL
-    return MIXED if bool(np.any(np.asarray(query_lens) == 1)) else MULTI_TOKEN
 
 
 class StepSession:
@@ -167,7 +155,7 @@ class StepSession:
                 stats.record_fallback("planner error", f"{type(exc).__name__}: {exc}")
                 return False
             stats.record_planned(bool(np.all(np.asarray(query_lens) == 1)))
-            stats.flat_decision(_unshared_reason(query_lens))
+            stats.flat_decision(unshared_reason(query_lens))
         return True
 
     def continues(self, seq_lens: np.ndarray, query_lens: np.ndarray,
@@ -210,7 +198,7 @@ class StepSession:
             if floor is None:
                 return False
         stats.record_planned(decode)
-        reason = _flat_reason(decode, query)
+        reason = flat_reason(decode, query)
         stats.flat_decision(reason, floor.cascade_us / floor.flat_us)
         return True
 
@@ -301,7 +289,7 @@ class StepSession:
         and pays the eager cost if the layout is new (:meth:`_graph_state`)."""
         assert self.config is not None and self.shape is not None
         if plan.num_levels < 2:
-            stats.flat_decision(_unshared_reason(query_lens))
+            stats.flat_decision(unshared_reason(query_lens))
             return Decision(False, 0.0, 0.0, "no shared pages")
         if self.config.policy == "always":
             return Decision(True, 0.0, 0.0, "CASCADE_POLICY=always")
@@ -335,7 +323,7 @@ class StepSession:
             if decision.use_cascade:
                 return decision
             # such steps never replay the plugin's graphs: always the eager cost
-            reason = _flat_reason(decode, query_lens)
+            reason = flat_reason(decode, query_lens)
         ratio = decision.cascade_us / decision.flat_us if decision.flat_us > 0 else None
         stats.flat_decision(reason, ratio)
         return decision

@@ -1,4 +1,5 @@
-"""What a step's plan is and what a metadata builder brings to planning (see :mod:`.step`).
+"""What a step's plan is, what a metadata builder brings to planning (see :mod:`.step`), and
+why a step the session plans runs flat.
 
 numpy only.
 """
@@ -12,6 +13,7 @@ import numpy as np
 from ..config import CascadeConfig
 from ..planning.cost import AttentionShape, CostModel, Decision
 from ..planning.plan import CascadePlan
+from ..stats.counters import COST_MODEL, MIXED, MULTI_TOKEN, NO_SHARED, SINGLE
 
 
 @dataclass(frozen=True, eq=False)
@@ -74,3 +76,15 @@ class BuilderSettings:
 def flat_attention(backend: str) -> str:
     """How the log lines name what a layer runs instead of cascade."""
     return f"vLLM's flat {backend} attention"
+
+
+def unshared_reason(query_lens: np.ndarray) -> str:
+    """Why a step without a shared level is flat: one row has nothing to share with."""
+    return SINGLE if len(query_lens) == 1 else NO_SHARED
+
+
+def flat_reason(decode: bool, query_lens: np.ndarray) -> str:
+    """Why the cost model keeps a step flat: a decode step's cost, or its kind of step."""
+    if decode:
+        return COST_MODEL
+    return MIXED if bool(np.any(np.asarray(query_lens) == 1)) else MULTI_TOKEN
