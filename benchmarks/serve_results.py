@@ -56,6 +56,10 @@ BY_LABEL = {  # key -> (Prometheus sample name, label)
     "full_graph_capture_causes": ("vllm_cascade_full_graph_captures_total", "cause"),
     # The per-step planning histogram: its cumulative counts by upper bound in seconds.
     "planning_buckets": ("vllm_cascade_step_planning_seconds_bucket", "le"),
+    # Planned steps and their planning seconds by how the planning went (pre-check, continued,
+    # followed, from scratch).
+    "planning_path_steps": ("vllm_cascade_planning_path_steps_total", "path"),
+    "planning_path_s": ("vllm_cascade_planning_path_seconds_total", "path"),
 }
 # The host times whose sum over the planned steps is host_us_per_step (see derived()).
 HOST_TIMES = ("planning_s", "builder_s", "graph_capture_s")
@@ -134,14 +138,16 @@ def derived(delta: dict[str, Any], plugin_on: bool) -> dict[str, Any]:
       for the GIL, which each torch call releases, or the CPU);
     - ``flat_reasons``: {reason: decode steps that ran flat for it / decode steps planned};
       with ``cascade_step_fraction`` they add up to 1;
-    - ``full_graph_capture_causes``: {cause: whole-step graphs captured for it}.
+    - ``full_graph_capture_causes``: {cause: whole-step graphs captured for it};
+    - ``planning_paths``: {how a step's planning went: [share of the planned steps, mean
+      planning µs of those steps]} (the pre-checks that stopped it, or the planner's path).
     """
     out: dict[str, Any] = dict.fromkeys(("planning_us_p50", "planning_us_p99",
                                          "host_us_per_step", "planning_cpu_share",
                                          "builder_staging_share", "builder_launch_share",
                                          "builder_cpu_share",
                                          "flat_reasons",
-                                         "full_graph_capture_causes"))
+                                         "full_graph_capture_causes", "planning_paths"))
     if not plugin_on:
         return out
     out["planning_us_p50"], out["planning_us_p99"] = planning_percentiles(
@@ -166,6 +172,11 @@ def derived(delta: dict[str, Any], plugin_on: bool) -> dict[str, Any]:
     causes = delta.get("full_graph_capture_causes")
     if causes is not None:
         out["full_graph_capture_causes"] = {c: int(n) for c, n in sorted(causes.items()) if n}
+    paths, path_s = delta.get("planning_path_steps"), delta.get("planning_path_s") or {}
+    total = sum((paths or {}).values())
+    if paths is not None and total:
+        out["planning_paths"] = {p: [n / total, 1e6 * path_s.get(p, 0.0) / n]
+                                 for p, n in sorted(paths.items(), key=lambda i: -i[1]) if n}
     return out
 
 

@@ -302,3 +302,35 @@ def test_graphs_lost_split_no_more_mixed_steps():
     session.graphs_lost()
     step = session.plan_step(table, seq, q)
     assert step is not None and step.decode_rows is None and not step.decision.use_cascade
+
+
+def test_each_planned_step_is_counted_by_how_its_planning_went(monkeypatch):
+    """A step stopped by a pre-check counts as that pre-check; a planned one as the planner's
+    path (from scratch, following the last plan, continuing it); one that failed as "other".
+    The paths' planning seconds add up to the planning time."""
+    session = fa3_session()
+    small, _ = prefix_rows(4, prefix_pages=2, own_pages=2)
+    seq_small = np.full(4, 2 * 16 + 20, np.int32)
+    unshared = small.copy()
+    unshared[:, :2] += 100 * np.arange(4)[:, None]
+    big, seq_big = prefix_rows(64)
+    q, keys = np.ones(64, np.int32), np.arange(64, dtype=np.int64)
+    with stats.planning():
+        assert session.skip_unshared(unshared[:, 0], seq_small, q[:4])
+    with stats.planning():
+        assert session.cannot_win(seq_small, q[:4])  # two shared pages never repay the cost
+    for i, row_keys in enumerate((None, None, keys, keys)):
+        with stats.planning():
+            assert session.plan_step(big, seq_big + i, q, row_keys) is not None
+    monkeypatch.setattr(session._planner, "plan", lambda *a: 1 / 0)
+    with stats.planning():
+        assert session.plan_step(big, seq_big + 4, q, keys) is None
+    session.end_step()
+    counted = stats.snapshot()
+    # Unkeyed: from scratch, then followed; keyed: from scratch (the memory had no keys),
+    # then continued.
+    assert counted.planning_paths == {c.PATH_UNSHARED: 1, c.PATH_COST_FLOOR: 1,
+                                      c.PATH_SCRATCH: 2, c.PATH_FOLLOWED: 1,
+                                      c.PATH_CONTINUED: 1, c.PATH_OTHER: 1}
+    assert sum(counted.planning_paths.values()) == counted.steps_planned == 7
+    assert sum(counted.planning_path_s.values()) == pytest.approx(counted.planning_s)

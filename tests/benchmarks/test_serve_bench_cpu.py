@@ -545,6 +545,15 @@ vllm_cascade_step_planning_seconds_bucket{le="0.0001",tp_rank="1"} 250.0
 vllm_cascade_step_planning_seconds_bucket{le="0.001",tp_rank="1"} 250.0
 vllm_cascade_step_planning_seconds_bucket{le="+Inf",tp_rank="1"} 250.0
 vllm_cascade_step_planning_seconds_count{tp_rank="0"} 250.0
+# HELP vllm_cascade_planning_path_steps_total Planned steps by how their planning went.
+# TYPE vllm_cascade_planning_path_steps_total counter
+vllm_cascade_planning_path_steps_total{path="continued",tp_rank="0"} 200.0
+vllm_cascade_planning_path_steps_total{path="from scratch",tp_rank="0"} 50.0
+vllm_cascade_planning_path_steps_total{path="continued",tp_rank="1"} 200.0
+# HELP vllm_cascade_planning_path_seconds_total Planning seconds by path.
+# TYPE vllm_cascade_planning_path_seconds_total counter
+vllm_cascade_planning_path_seconds_total{path="continued",tp_rank="0"} 0.02
+vllm_cascade_planning_path_seconds_total{path="from scratch",tp_rank="0"} 0.04
 vllm_cascade_step_planning_seconds_sum{tp_rank="0"} 0.1
 # HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
 # TYPE vllm:time_to_first_token_seconds histogram
@@ -573,7 +582,9 @@ PARSED = {"steps_planned": 250.0, "decode_steps_planned": 200.0, "decode_steps_c
           "vllm_queue_n": 250.0, "vllm_prefill_s": 25.0, "vllm_prefill_n": 250.0,
           "decode_flat_steps": {"cost model": 40.0, "no shared level": 10.0},
           "full_graph_capture_causes": {"padded size": 6.0, "level layout": 3.0},
-          "planning_buckets": {1e-4: 100.0, 1e-3: 240.0, float("inf"): 250.0}}
+          "planning_buckets": {1e-4: 100.0, 1e-3: 240.0, float("inf"): 250.0},
+          "planning_path_steps": {"continued": 200.0, "from scratch": 50.0},
+          "planning_path_s": {"continued": 0.02, "from scratch": 0.04}}
 
 
 def test_counters_parsed_from_metrics_text():
@@ -604,7 +615,9 @@ def test_fractions_from_counter_deltas():
               "vllm_prefill_n": 100.0,
               "decode_flat_steps": {"cost model": 30.0},
               "full_graph_capture_causes": {"padded size": 4.0},
-              "planning_buckets": {1e-4: 60.0, 1e-3: 90.0, float("inf"): 100.0}}
+              "planning_buckets": {1e-4: 60.0, 1e-3: 90.0, float("inf"): 100.0},
+              "planning_path_steps": {"continued": 100.0},
+              "planning_path_s": {"continued": 0.01}}
     after = sr.parse_counters(METRICS)
     delta = sr.counter_deltas(before, after)
     assert delta == {"steps_planned": 150.0, "decode_steps_planned": 100.0,
@@ -619,7 +632,13 @@ def test_fractions_from_counter_deltas():
                      "vllm_prefill_n": 150.0,
                      "decode_flat_steps": {"cost model": 10.0, "no shared level": 10.0},
                      "full_graph_capture_causes": {"padded size": 2.0, "level layout": 3.0},
-                     "planning_buckets": {1e-4: 40.0, 1e-3: 150.0, float("inf"): 150.0}}
+                     "planning_buckets": {1e-4: 40.0, 1e-3: 150.0, float("inf"): 150.0},
+                     "planning_path_steps": {"continued": 100.0, "from scratch": 50.0},
+                     "planning_path_s": {"continued": 0.01, "from scratch": 0.04}}
+    # 100 steps continued the last one in 10 ms, 50 were planned from scratch in 40 ms.
+    paths = sr.derived(delta, True)["planning_paths"]
+    assert paths == {"continued": [pytest.approx(100 / 150), pytest.approx(100.0)],
+                     "from scratch": [pytest.approx(50 / 150), pytest.approx(800.0)]}
     assert sr.fractions(delta, True) == (1.0, 0.8)
     assert sr.fractions(delta, False) == (None, None)
     idle = sr.counter_deltas(after, after)

@@ -185,6 +185,7 @@ def test_steady_keyed_decode_reads_no_column_it_planned(monkeypatch):
         builds.counting = False
         assert_same_plan(plan, step.plan())
         builds.counting = True
+        assert planner.last_path == "continued"
     assert compared == [] and followed == []
     assert builds.count == 1
 
@@ -357,3 +358,33 @@ def test_arrays_a_caller_updates_in_place_are_not_trusted_as_the_last_steps():
     seq += 1
     index += n  # in place: the rows now read from the table's other copy
     assert not planner.continues(seq + 1, query, keys, index)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=churn_steps(), limits=limits, data=st.data())
+def test_the_planners_last_path_names_what_it_did(steps, limits, data):
+    """``last_path`` (what the step's counters report per path) against the planner's own
+    calls: "from scratch" exactly when it built a trie, "continued" when the last step's
+    structure was carried over without looking a row up, "followed" otherwise."""
+    fresh = data.draw(st.lists(st.booleans(), min_size=len(steps), max_size=len(steps)))
+    planner = CascadePlanner(**limits)
+    seen: set[str] = set()
+    with pytest.MonkeyPatch.context() as mp:
+        builds = count_builds(mp)
+        follows = []
+        real_follow = memory_module.PlanMemory.follow
+        mp.setattr(memory_module.PlanMemory, "follow",
+                   lambda self, *a: follows.append(1) or real_follow(self, *a))
+        for batch, keys in zip(steps, keys_of(steps, fresh), strict=True):
+            # After a decode step, the same rows one token longer: a step that may continue it.
+            steady = [replace(batch, seq_lens=batch.seq_lens + 1)] * bool(
+                np.all(batch.query_lens == 1))
+            for step in (batch, *steady):
+                builds.count, follows[:] = 0, []
+                planner.plan(step.block_table, step.seq_lens, step.query_lens, step.page_size,
+                             row_keys=keys)
+                expected = ("from scratch" if builds.count else
+                            "followed" if follows else "continued")
+                assert planner.last_path == expected
+                seen.add(expected)
+    assert "from scratch" in seen  # the first step at least

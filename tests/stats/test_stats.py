@@ -53,7 +53,8 @@ def test_no_line_before_the_interval_then_one_line_with_the_interval_numbers(clo
         if i:  # two of the three replayed a CUDA graph
             stats.record_graphed_step()
         clock.now += 10
-    stats.record_planned(decode=False)  # a mixed step that ran flat
+    stats.record_planned(decode=False)  # a mixed step that ran flat, planned from scratch
+    stats.plan_path(stats.counters.PATH_SCRATCH)
     stats.record_fallback("kernel error", level=logging.DEBUG)
     stats.record_capture(0.5)
     stats.record_capture(0.25)
@@ -70,8 +71,9 @@ def test_no_line_before_the_interval_then_one_line_with_the_interval_numbers(clo
     # cascade steps.
     assert ("last 61 s: 4 steps, 75.0% ran cascade (decode steps: 100.0%, 66.7% of them from "
             "CUDA graphs; 2 graphs captured in 0.75 s; planning 0.00 s (40.0% of it on a CPU), "
-            "per step p50 3 us, p99 1480 us; host time 187925 us per step, metadata 200 us per "
-            "cascade step (25.0% of it staging uploads, 10.0% launches, 80.0% on a CPU))") in line
+            "per step p50 3 us, p99 1480 us, by path: other 75.0% (0 us), from scratch 25.0% "
+            "(1100 us); host time 187925 us per step, metadata 200 us per cascade step (25.0% "
+            "of it staging uploads, 10.0% launches, 80.0% on a CPU))") in line
     assert "flat steps: kernel error 1; fallbacks: kernel error 1" in line
     assert "300 instead of 3,000 flat" in line
     saved = 2700 * PAGE_BYTES / 1e9

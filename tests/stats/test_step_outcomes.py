@@ -164,10 +164,10 @@ def test_prometheus_counts_flat_steps_by_reason_and_planning_per_step():
 
     registry = CollectorRegistry()
     metrics = PrometheusCounters(registry, tp_rank="0")
-    metrics.ended(0.0004, c.COST_MODEL, True, 1.25)
-    metrics.ended(0.0004, c.COST_MODEL, False, 0.75)
-    metrics.ended(0.002, None, True, None)  # a cascade step: its planning time only
-    metrics.ended(0.00001, "planner error", True, None)
+    metrics.ended(0.0004, c.COST_MODEL, True, 1.25, c.PATH_COST_FLOOR)
+    metrics.ended(0.0004, c.COST_MODEL, False, 0.75, c.PATH_SCRATCH)
+    metrics.ended(0.002, None, True, None, c.PATH_SCRATCH)  # cascade: its planning time only
+    metrics.ended(0.00001, "planner error", True, None)  # no path said: "other"
     metrics.builder(0.5, 0.125, 0.25, 0.0625)
 
     def value(name: str, **labels: str) -> float | None:
@@ -181,6 +181,10 @@ def test_prometheus_counts_flat_steps_by_reason_and_planning_per_step():
     assert value("step_planning_seconds_count") == 4
     assert value("step_planning_seconds_bucket", le="0.0005") == 3
     assert value("step_planning_seconds_bucket", le="0.002") == 4
+    assert value("planning_path_steps_total", path=c.PATH_SCRATCH) == 2
+    assert value("planning_path_seconds_total", path=c.PATH_SCRATCH) == pytest.approx(0.0024)
+    assert value("planning_path_steps_total", path=c.PATH_COST_FLOOR) == 1
+    assert value("planning_path_steps_total", path=c.PATH_OTHER) == 1
     assert value("builder_seconds_total") == 0.5
     assert value("builder_staging_seconds_total") == 0.125
     assert value("builder_launch_seconds_total") == 0.0625

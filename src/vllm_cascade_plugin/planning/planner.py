@@ -121,6 +121,9 @@ class CascadePlanner:
         self.max_levels = max_levels
         self.min_shared_pages = min_shared_pages
         self._memory: PlanMemory | None = None
+        # How the last plan was made: "continued" (the last step's decode rows, one token
+        # longer), "followed" (the rows looked up in the last step's trie) or "from scratch".
+        self.last_path = ""
         self._shared: _SharedPart | None = None
         self._shared_order: np.ndarray | None = None  # the structure's order `_shared` is for
         self._shared_query_lens = np.empty(0, np.int64)  # and the step's query lengths
@@ -153,6 +156,7 @@ class CascadePlanner:
                                                row_index)
         if continued is not None:
             step, structure = continued
+            path = "continued"
         else:
             step = read_step(block_table, seq_lens, query_lens, page_size, row_index)
             keys = None
@@ -162,12 +166,15 @@ class CascadePlanner:
                     raise ValueError(
                         f"need row_keys [R] = {step.seq_lens.shape}, got {keys.shape}")
             followed = None if memory is None else memory.follow(step, keys)
+            path = "followed"
             if followed is None:
                 followed = _build(step, shareable_pages(step), self.max_levels,
                                   self.min_shared_pages)
                 memory = PlanMemory(step, followed, keys)
+                path = "from scratch"
             structure = followed
         self._memory = memory
+        self.last_path = path
         # A structure carried over unchanged keeps its order array: the shared levels emitted
         # for it still hold while the query lengths do.
         known = self._shared_query_lens

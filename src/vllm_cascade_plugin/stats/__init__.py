@@ -27,12 +27,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .counters import UNUSED, Counters, copy, difference, plain
+from .counters import PATH_OTHER, UNUSED, Counters, copy, difference, plain
 from .histogram import bucket
 from .line import format_line
 
 __all__ = ["Counters", "end_step", "flat_decision", "format_line", "log_once", "logger",
-           "page_bytes", "plain", "planning", "record_builder", "record_capture",
+           "page_bytes", "plain", "plan_path", "planning", "record_builder", "record_capture",
            "record_capture_cause", "record_capture_failure", "record_cascade", "record_fallback",
            "record_graphed_step", "record_planned", "record_planning", "reset",
            "set_graph_pool_bytes", "set_page_bytes", "snapshot"]
@@ -47,6 +47,7 @@ class _OpenStep:
     ratio: float | None = None  # the cascade/flat time the cost model predicted, if it decided
     cascade: bool = False
     planning_s: float = 0.0
+    path: str | None = None  # how its planning went (counters.PLAN_PATHS), once known
 
 
 _lock = threading.Lock()
@@ -108,16 +109,20 @@ def end_step() -> None:
         sink.ended(*ended)
 
 
-def _end_locked() -> tuple[float, str | None, bool, float | None] | None:
+def _end_locked() -> tuple[float, str | None, bool, float | None, str] | None:
     """Under the lock: end the open step; (planning seconds, flat reason or None for a cascade
-    step, decode, predicted cascade/flat ratio) for the metrics, or None without one."""
+    step, decode, predicted cascade/flat ratio, planning path) for the metrics, or None
+    without one."""
     global _open
     step, _open = _open, None
     if step is None:
         return None
     _counters.planning_buckets[bucket(step.planning_s)] += 1
+    path = step.path or PATH_OTHER
+    _counters.planning_paths[path] += 1
+    _counters.planning_path_s[path] = _counters.planning_path_s.get(path, 0.0) + step.planning_s
     if step.cascade:
-        return step.planning_s, None, step.decode, None
+        return step.planning_s, None, step.decode, None, path
     reason = step.reason or UNUSED
     _counters.flat_reasons[reason] += 1
     if step.decode:
@@ -125,7 +130,15 @@ def _end_locked() -> tuple[float, str | None, bool, float | None] | None:
     if step.ratio is not None:
         ratios = _counters.flat_cost_ratio
         ratios[reason] = ratios.get(reason, 0.0) + step.ratio
-    return step.planning_s, reason, step.decode, step.ratio
+    return step.planning_s, reason, step.decode, step.ratio, path
+
+
+def plan_path(path: str) -> None:
+    """How the open step's planning went (one of ``counters.PLAN_PATHS``); the last said
+    counts."""
+    with _lock:
+        if _open is not None:
+            _open.path = path
 
 
 def flat_decision(reason: str, ratio: float | None = None) -> None:

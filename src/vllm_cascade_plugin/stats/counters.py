@@ -28,6 +28,16 @@ UNUSED = "cascade plan not run"  # cascade chosen, but no builder ran it and not
 FLAT_REASONS = (NO_SHARED, SINGLE, COST_MODEL, NOT_CAPTURED, MIXED, MULTI_TOKEN, UNUSED)
 # The reasons decided by the cost model: their steps carry the cascade/flat time it predicted.
 COST_REASONS = (COST_MODEL, NOT_CAPTURED, MIXED, MULTI_TOKEN)
+# How a planned step's planning went (its path): stopped by a pre-check of the runner hooks
+# (the rows' first block ids share nothing; the cost model's floor cannot beat flat), or planned
+# by the planner (``planning.planner.CascadePlanner.last_path``): the last step's decode rows
+# continued, the rows followed in the last step's prefix trie, or a trie built from scratch;
+# "other": none of these (a step the hooks ran flat before planning, or one that failed).
+PATH_UNSHARED, PATH_COST_FLOOR = "pre-check: nothing shared", "pre-check: cost floor"
+PATH_CONTINUED, PATH_FOLLOWED, PATH_SCRATCH = "continued", "followed", "from scratch"
+PATH_OTHER = "other"
+PLAN_PATHS = (PATH_UNSHARED, PATH_COST_FLOOR, PATH_CONTINUED, PATH_FOLLOWED, PATH_SCRATCH,
+              PATH_OTHER)
 
 
 @dataclass
@@ -66,6 +76,9 @@ class Counters:
     flat_cost_ratio: dict[str, float] = field(default_factory=dict)
     # Ended planned steps by their planning time, in the buckets of histogram.BOUNDS_S.
     planning_buckets: list[int] = field(default_factory=lambda: [0] * (len(BOUNDS_S) + 1))
+    # Ended planned steps by their planning path (PLAN_PATHS), and their planning seconds.
+    planning_paths: Counter[str] = field(default_factory=Counter)
+    planning_path_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def host_s(self) -> float:
@@ -93,7 +106,9 @@ def copy(counters: Counters) -> Counters:
                    decode_flat_reasons=Counter(counters.decode_flat_reasons),
                    full_graph_capture_causes=Counter(counters.full_graph_capture_causes),
                    flat_cost_ratio=dict(counters.flat_cost_ratio),
-                   planning_buckets=list(counters.planning_buckets))
+                   planning_buckets=list(counters.planning_buckets),
+                   planning_paths=Counter(counters.planning_paths),
+                   planning_path_s=dict(counters.planning_path_s))
 
 
 def difference(now: Counters, before: Counters) -> Counters:
@@ -126,4 +141,8 @@ def difference(now: Counters, before: Counters) -> Counters:
                          if total != before.flat_cost_ratio.get(reason, 0.0)},
         planning_buckets=[a - b for a, b in zip(now.planning_buckets, before.planning_buckets,
                                                 strict=True)],
+        planning_paths=now.planning_paths - before.planning_paths,
+        planning_path_s={path: total - before.planning_path_s.get(path, 0.0)
+                         for path, total in now.planning_path_s.items()
+                         if total != before.planning_path_s.get(path, 0.0)},
     )

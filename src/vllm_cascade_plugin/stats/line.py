@@ -32,6 +32,16 @@ def flat_summary(counters: Counters) -> str:
     return ", ".join(parts) or "none"
 
 
+def path_summary(counters: Counters) -> str:
+    """The planned steps by how their planning went, most first, with the mean planning time
+    of each (``continued 80% (120 us)``)."""
+    total = sum(counters.planning_paths.values())
+    parts = [f"{path} {_percent(n, total)} ({_us(counters.planning_path_s.get(path, 0.0) / n)})"
+             for path, n in sorted(counters.planning_paths.items(),
+                                   key=lambda item: (-item[1], item[0])) if n]
+    return ", ".join(parts) or "none"
+
+
 def format_line(since: Counters, total: Counters, elapsed_s: float,
                 page_bytes: int) -> tuple[object, ...]:
     """The periodic log line as ``logger.info`` arguments (a format string, then values)."""
@@ -44,9 +54,9 @@ def format_line(since: Counters, total: Counters, elapsed_s: float,
         kv = "bytes unknown (page size not set)"
     return ("vllm-cascade-plugin: last %.0f s: %d steps, %s ran cascade (decode steps: %s, "
             "%s of them from CUDA graphs; %d graphs captured in %.2f s; planning %.2f s (%s "
-            "of it on a CPU), per step p50 %s, p99 %s; host time %s per step, metadata %s per "
-            "cascade step (%s of it staging uploads, %s launches, %s on a CPU)); flat steps: %s; "
-            "fallbacks: %s; "
+            "of it on a CPU), per step p50 %s, p99 %s, by path: %s; host time %s per step, "
+            "metadata %s per cascade step (%s of it staging uploads, %s launches, %s on a "
+            "CPU)); flat steps: %s; fallbacks: %s; "
             "KV pages read on cascade steps: %s instead of %s flat, %s.",
             elapsed_s, since.steps_planned, _percent(since.steps_cascade, since.steps_planned),
             _percent(since.decode_steps_cascade, since.decode_steps_planned),
@@ -55,6 +65,7 @@ def format_line(since: Counters, total: Counters, elapsed_s: float,
             _percent(since.planning_cpu_s, since.planning_s),
             _us(quantile(since.planning_buckets, 0.5)),
             _us(quantile(since.planning_buckets, 0.99)),
+            path_summary(since),
             _us(since.host_s / since.steps_planned if since.steps_planned else None),
             _us(since.builder_s / since.steps_cascade if since.steps_cascade else None),
             _percent(since.builder_staging_s, since.builder_s),

@@ -96,6 +96,13 @@ class PrometheusCounters:
         self._decode_flat_steps = counter(
             "decode_flat_steps", "Pure-decode planned steps that ran flat attention, by reason.",
             ("reason",))
+        self._planning_path_steps = counter(
+            "planning_path_steps", "Planned steps by how their planning went: stopped by a "
+            "pre-check, or planned continuing the last step, following it, or from scratch.",
+            ("path",))
+        self._planning_path_seconds = counter(
+            "planning_path_seconds", "Host seconds planning the planned steps took, by how "
+            "their planning went (divided by planning_path_steps, the mean).", ("path",))
         self._flat_cost_ratio = counter(
             "flat_cost_ratio", "Over steps the cost model kept flat: the cascade/flat time it "
             "predicted, summed per reason (divided by flat_steps, the mean).", ("reason",))
@@ -160,9 +167,12 @@ class PrometheusCounters:
         self.builder_cpu_seconds.inc(cpu_seconds)
 
     def ended(self, planning_s: float, flat_reason: str | None, decode: bool,
-              ratio: float | None) -> None:
-        """A planned step ended: its planning time; flat (with its reason) or cascade (None)."""
+              ratio: float | None, path: str = "other") -> None:
+        """A planned step ended: its planning time and path; flat (with its reason) or cascade
+        (None)."""
         self.step_planning_seconds.observe(planning_s)
+        self._child(self._planning_path_steps, path).inc()
+        self._child(self._planning_path_seconds, path).inc(planning_s)
         if flat_reason is None:
             return
         self._child(self._flat_steps, flat_reason).inc()

@@ -31,7 +31,7 @@ from ..planning.graph_layout import graph_shape
 from ..planning.invariants import plan_violations
 from ..planning.plan import CascadePlan
 from ..planning.planner import CascadePlanner, nothing_shared
-from ..stats.counters import COST_MODEL, MIXED, NOT_CAPTURED
+from ..stats.counters import COST_MODEL, MIXED, NOT_CAPTURED, PATH_COST_FLOOR, PATH_UNSHARED
 from .plan import BuilderSettings, StepPlan, flat_attention, flat_reason, unshared_reason
 
 __all__ = ["BuilderSettings", "StepPlan", "StepSession", "session"]
@@ -155,6 +155,7 @@ class StepSession:
                 stats.record_fallback("planner error", f"{type(exc).__name__}: {exc}")
                 return False
             stats.record_planned(bool(np.all(np.asarray(query_lens) == 1)))
+            stats.plan_path(PATH_UNSHARED)
             stats.flat_decision(unshared_reason(query_lens))
         return True
 
@@ -198,6 +199,7 @@ class StepSession:
             if floor is None:
                 return False
         stats.record_planned(decode)
+        stats.plan_path(PATH_COST_FLOOR)
         reason = flat_reason(decode, query)
         stats.flat_decision(reason, floor.cascade_us / floor.flat_us)
         return True
@@ -249,6 +251,7 @@ class StepSession:
                 planned = query_lens if split is None else split
                 plan = self._planner.plan(table, seq_lens, planned, self.page_size,
                                           row_keys, row_index)
+                stats.plan_path(self._planner.last_path)
                 if self.config.debug:
                     if row_index is not None:
                         table = table[row_index]
