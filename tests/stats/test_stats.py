@@ -173,6 +173,7 @@ stats.record_planned(True)
 stats.record_cascade(1000, 100, True)
 stats.record_fallback("kernel error")
 stats.record_planned(True)
+stats.plan_path(stats.counters.PATH_CONTINUED)
 stats.flat_decision("cost model", 1.5)
 stats.end_step()
 """
@@ -199,6 +200,8 @@ def test_worker_counters_reach_vllms_metrics_registry_in_multiprocess_mode(tmp_p
     assert 'vllm_cascade_flat_steps_total{reason="cost model",tp_rank="0"} 2.0' in served
     assert 'vllm_cascade_flat_cost_ratio_total{reason="cost model",tp_rank="0"} 3.0' in served
     assert 'vllm_cascade_step_planning_seconds_count{tp_rank="0"} 4.0' in served
+    assert 'vllm_cascade_planning_path_steps_total{path="continued",tp_rank="0"} 2.0' in served
+    assert 'vllm_cascade_planning_path_steps_total{path="other",tp_rank="0"} 2.0' in served
 
 
 def test_planning_time_counts_what_the_thread_ran_on_a_cpu_apart_from_waiting():
