@@ -21,6 +21,7 @@ from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
+from .counters import PATH_OTHER
 from .histogram import BOUNDS_S
 
 PREFIX = "vllm_cascade_"
@@ -167,7 +168,7 @@ class PrometheusCounters:
         self.builder_cpu_seconds.inc(cpu_seconds)
 
     def ended(self, planning_s: float, flat_reason: str | None, decode: bool,
-              ratio: float | None, path: str = "other") -> None:
+              ratio: float | None, path: str = PATH_OTHER) -> None:
         """A planned step ended: its planning time and path; flat (with its reason) or cascade
         (None)."""
         self.step_planning_seconds.observe(planning_s)
