@@ -1,5 +1,6 @@
 """The package's layers as a whole (``tests/layers.py``): every module belongs to a part with a
-rule, the root modules keep theirs, no import circle, and the checks have teeth."""
+rule, the root modules keep theirs, no import circle, no module much over 400 lines, and the
+checks have teeth."""
 
 from pathlib import Path
 
@@ -19,6 +20,15 @@ def test_the_root_modules_import_only_what_their_rule_allows(part):
 
 def test_no_import_cycle_among_the_packages_modules():
     assert layers.cycles(layers.import_graph()) == []
+
+
+MAX_LINES = 420  # "no module over ~400 lines": a module past this is split before it grows
+
+
+def test_no_module_is_longer_than_about_400_lines():
+    lengths = {m: len(p.read_text().splitlines()) for m, p in layers.modules().items()}
+    assert len(lengths) > 40  # the package's modules, not an empty folder
+    assert {m: n for m, n in lengths.items() if n > MAX_LINES} == {}
 
 
 def test_the_parts_rules_point_only_downwards():
