@@ -212,8 +212,8 @@ NOTHING_SHARED = ("no shared level", "single request")
 def shared_cascade_fraction(row: dict[str, Any]) -> float | None:
     """Of a plugin row's decode steps whose rows share a page (all but those flat for a reason
     in :data:`NOTHING_SHARED`), the share that ran cascade; None without the counters or
-    without such steps. Rows recorded before "single request" was its own reason counted
-    those steps as "no shared level": the same share."""
+    without such steps. A row without a "single request" count holds those steps in "no
+    shared level": the same share."""
     fraction, reasons = row.get("cascade_step_fraction"), row.get("flat_reasons")
     if fraction is None or reasons is None:
         return None

@@ -653,7 +653,7 @@ def test_the_cascade_share_of_decode_steps_that_share_leaves_out_steps_with_noth
     row = {"cascade_step_fraction": 0.6,
            "flat_reasons": {"cost model": 0.1, "no shared level": 0.2, "single request": 0.1}}
     assert sr.shared_cascade_fraction(row) == pytest.approx(60 / 70)
-    # A row from before "single request" was its own reason: those steps in "no shared level".
+    # A row without a "single request" count holds those steps in "no shared level".
     older = {"cascade_step_fraction": 0.6, "flat_reasons": {"cost model": 0.1,
                                                            "no shared level": 0.3}}
     assert sr.shared_cascade_fraction(older) == pytest.approx(60 / 70)
