@@ -205,19 +205,17 @@ def request_times(delta: dict[str, Any]) -> dict[str, float | None]:
     return out
 
 
-# Flat reasons of decode steps whose rows share no page: cascade has nothing to do there.
-NOTHING_SHARED = ("no shared level", "single request")
-
-
 def shared_cascade_fraction(row: dict[str, Any]) -> float | None:
-    """Of a plugin row's decode steps whose rows share a page (all but those flat for a reason
-    in :data:`NOTHING_SHARED`), the share that ran cascade; None without the counters or
-    without such steps. A row without a "single request" count holds those steps in "no
-    shared level": the same share."""
+    """Of a plugin row's decode steps whose rows share a page (all but those flat for "no shared
+    level" or "single request": cascade has nothing to do there), the share that ran cascade;
+    None without the counters or without such steps. A row without a "single request" count
+    holds those steps in "no shared level": the same share."""
+    from vllm_cascade_plugin.stats.counters import NO_SHARED, SINGLE
+
     fraction, reasons = row.get("cascade_step_fraction"), row.get("flat_reasons")
     if fraction is None or reasons is None:
         return None
-    sharing = 1.0 - sum(reasons.get(r, 0.0) for r in NOTHING_SHARED)
+    sharing = 1.0 - sum(reasons.get(r, 0.0) for r in (NO_SHARED, SINGLE))
     return min(fraction / sharing, 1.0) if sharing > 1e-9 else None
 
 
