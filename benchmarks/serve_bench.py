@@ -14,7 +14,9 @@ the flat servers run first. ``--rates`` may differ per workload and repeat a rat
 prefix cache is reset before every run (``POST /reset_prefix_cache``, ``VLLM_SERVER_DEV_MODE=1``)
 and every run draws prompts of its own (its own ``--seed``), the same ones in every config. The
 plugin's counters come from ``/metrics`` before and after each run (``PROMETHEUS_MULTIPROC_DIR``
-joins the engine processes' counters there). Rows go to ``--out`` after every run, merged with the
+joins the engine processes' counters there), and for the plugin's Poisson runs every second
+while the client runs, for the middle half of the arrivals (``mid_run_*``: the decode batches of
+steady serving, without the run's own ramp up and drain; ``serve_results.mid_run``). Rows go to ``--out`` after every run, merged with the
 file's rows of other workloads/configs; ``serve.meta.json`` beside it records the commands. Every
 row of one invocation has the same ``run`` (its start time and the checkout's commit).
 """
@@ -29,6 +31,7 @@ import os
 import shlex
 import signal
 import sys
+import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
@@ -232,7 +235,10 @@ def measure(bench: Bench, server: Server, w: sw.Workload, config: str) -> Iterat
         print(f"[{config}] {w.name} rate {rate}: {cmd[cmd.index('--num-prompts') + 1]} requests",
               flush=True)
         client_log = logs / result_path.with_suffix(".log").name
-        code = run_client(cmd, client_log, timeout)
+        snapshots: list[tuple[float, dict[str, Any]]] = []
+        poisson = CONFIGS[config].plugin_on and rate != sw.BURST
+        code = run_client(cmd, client_log, timeout,
+                          (lambda: snapshot(server, snapshots)) if poisson else None)
         after = sr.parse_counters(server.get("/metrics"))
         with server.log.open("rb") as f:
             f.seek(offset)
@@ -244,6 +250,8 @@ def measure(bench: Bench, server: Server, w: sw.Workload, config: str) -> Iterat
         result = json.loads(result_path.read_text())
         if config == baseline(config) and rate == sw.BURST and result.get("completed"):
             bench.known.setdefault(config, {})[w.name] = sw.sustainable_rate(result)
+        requests = int(cmd[cmd.index("--num-prompts") + 1])
+        middle = sr.mid_run(snapshots, before, requests / float(rate) if poisson else 0.0)
         yield sr.make_row(
             workload=w.name, config=config, request_rate=rate,
             tensor_parallel_size=bench.args.tensor_parallel_size, result=result,
@@ -254,7 +262,16 @@ def measure(bench: Bench, server: Server, w: sw.Workload, config: str) -> Iterat
                    "seed": int(cmd[cmd.index("--seed") + 1]), "run_id": bench.run_id,
                    "run": bench.run,
                    "max_model_len": bench.max_len, "prompt_len": w.input_len,
-                   "output_len": w.output_len})
+                   "output_len": w.output_len, **middle})
+
+
+def snapshot(server: Server, into: list[tuple[float, dict[str, Any]]]) -> None:
+    """The server's counters now, appended to ``into`` with the monotonic time (a failed read
+    is left out: the run's own numbers do not need it)."""
+    try:
+        into.append((time.monotonic(), sr.parse_counters(server.get("/metrics"))))
+    except Exception as exc:  # a slow or refused read: this second has no snapshot
+        print(f"  /metrics not read mid-run: {type(exc).__name__}: {exc}", file=sys.stderr)
 
 
 def print_dry_run(bench: Bench, configs: list[str], workloads: list[sw.Workload]) -> None:

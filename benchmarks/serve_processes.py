@@ -18,6 +18,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 from serve_workloads import HOST  # loopback only
@@ -113,19 +114,29 @@ class Server:
             self.proc = None
 
 
-def run_client(cmd: list[str], log: Path, timeout_s: float) -> int:
-    """One ``vllm bench serve`` in a process group of its own; killed past ``timeout_s``."""
+def run_client(cmd: list[str], log: Path, timeout_s: float,
+               poll: Callable[[], None] | None = None, every_s: float = 1.0) -> int:
+    """One ``vllm bench serve`` in a process group of its own; killed past ``timeout_s``.
+    ``poll``: called every ``every_s`` seconds while the client runs (its failures are its
+    own business: it must not raise)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("CASCADE_") and k != "PROMETHEUS_MULTIPROC_DIR"}
+    deadline = time.monotonic() + timeout_s
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:
-            return proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            print(f"  client past {timeout_s:.0f} s: stopped", file=sys.stderr)
-            return -1
+            while True:
+                left = deadline - time.monotonic()
+                try:
+                    return proc.wait(timeout=max(min(left, every_s if poll else left), 0.0))
+                except subprocess.TimeoutExpired:
+                    if time.monotonic() >= deadline:
+                        print(f"  client past {timeout_s:.0f} s: stopped", file=sys.stderr)
+                        return -1
+                    if poll is not None:
+                        poll()
         finally:
             stop_group(proc, 5.0)
 

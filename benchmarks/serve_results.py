@@ -219,6 +219,49 @@ def shared_cascade_fraction(row: dict[str, Any]) -> float | None:
     return min(fraction / sharing, 1.0) if sharing > 1e-9 else None
 
 
+# The middle of a run's Poisson arrivals, as fractions of their duration from the first
+# request's prefill on: the decode batches of steady serving, without the run's own ramps (the
+# batch grows from nothing while the first requests arrive and drains after the last: small
+# batches, where the cost model rightly keeps cascade off, that a longer run would make rarer).
+MID_RUN = (0.25, 0.75)
+
+
+def mid_run(snapshots: Sequence[tuple[float, dict[str, Any]]], before: dict[str, Any],
+            duration_s: float) -> dict[str, Any]:
+    """A plugin row's step counts over the middle of its arrivals (:data:`MID_RUN`), from
+    ``/metrics`` read every second or so while the client ran (``snapshots``: (monotonic
+    seconds, :func:`parse_counters`)); ``before``: the counters before the run;
+    ``duration_s``: the arrivals' length (requests / rate). The arrivals start at the first
+    snapshot where vLLM counts a finished prefill. Keys ``mid_run_*``, None where the snapshots
+    do not cover half the window or no decode step was planned in it:
+    ``mid_run_window_s`` ([from, to] seconds after that start), ``mid_run_decode_steps``,
+    ``mid_run_cascade_step_fraction``, ``mid_run_flat_reasons`` and
+    ``mid_run_shared_cascade_fraction``, as the row's own over the whole run."""
+    out: dict[str, Any] = {f"mid_run_{k}": None for k in (
+        "window_s", "decode_steps", "cascade_step_fraction", "flat_reasons",
+        "shared_cascade_fraction")}
+    first = before.get("vllm_prefill_n") or 0.0
+    start = next((t for t, c in snapshots if (c.get("vllm_prefill_n") or 0.0) > first), None)
+    if start is None or duration_s <= 0:
+        return out
+    lo, hi = (start + f * duration_s for f in MID_RUN)
+    inside = [(t, c) for t, c in snapshots if lo <= t <= hi]
+    if len(inside) < 2 or inside[-1][0] - inside[0][0] < (hi - lo) / 2:
+        return out
+    (t0, c0), (t1, c1) = inside[0], inside[-1]
+    delta = counter_deltas(c0, c1)
+    cascade, _ = fractions(delta, True)
+    if cascade is None:
+        return out
+    reasons = derived(delta, True)["flat_reasons"]
+    out.update(mid_run_window_s=[round(t0 - start, 1), round(t1 - start, 1)],
+               mid_run_decode_steps=int(delta["decode_steps_planned"]),
+               mid_run_cascade_step_fraction=cascade, mid_run_flat_reasons=reasons,
+               mid_run_shared_cascade_fraction=shared_cascade_fraction(
+                   {"cascade_step_fraction": cascade, "flat_reasons": reasons}))
+    return out
+
+
 def fractions(delta: dict[str, float | None], plugin_on: bool) -> tuple[float | None, ...]:
     """(cascade_step_fraction, graph_replay_fraction): Δcascade/Δplanned and Δgraphed/Δcascade
     decode steps; None with the plugin off, a counter missing or a zero denominator."""
