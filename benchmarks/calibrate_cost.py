@@ -182,9 +182,9 @@ def calibrate(kernel: str, grid: Sequence[dict], results: Path,
     per_layer = fit(points, START, column)
     e2e = e2e_points(results, kernel, max(row["B"] for row in grid))
     serving = serving_points(results) if kernel == "fa3" else []
-    note = None
+    note, miss = None, None
     if serving:
-        fixed, e2e_report = serving_step_cost(serving, per_layer)
+        fixed, miss, e2e_report = serving_step_cost(serving, per_layer)
         if e2e:  # reported beside, not fitted: runs at other batch sizes or of older code
             e2e_report += [{**row, "fitted": False} for row in step_cost(e2e, per_layer)[1]]
         note = (f"per-step cost: the largest overhead of the {len(serving)} serving-sized "
@@ -206,6 +206,9 @@ def calibrate(kernel: str, grid: Sequence[dict], results: Path,
     names = (*FITTED, "step_fixed_us")
     return {"grid_column": column, "stand_in": proxy, "note": note,
             "fitted": {name: float(f"{getattr(fitted, name):.3g}") for name in names},
+            # FLASH_ATTN's flat decode of pages read again past the L2 window, fitted with the
+            # per-step cost on the same runs (cost.FLASH_ATTN_MISS_BANDWIDTH)
+            "flat_miss_bandwidth": miss,
             "shipped": {name: getattr(COST_MODELS[kernel], name) for name in names},
             "end_to_end": e2e_report, "grid_rows_per_layer": report(per_layer, points, column)}
 

@@ -17,18 +17,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, also when 
 import e2e_bench
 import kernel_grid
 from vllm_cascade_plugin.face.demo import Workload, prefix_cached_step
-from vllm_cascade_plugin.planning.cost import AttentionShape, CostModel, decide, flash_attn_flat
+from vllm_cascade_plugin.planning.cost import (
+    AttentionShape,
+    CostModel,
+    decide,
+    flash_attn_flat,
+    missed_pages,
+)
 from vllm_cascade_plugin.planning.planner import CascadePlan, plan_cascade
 
 LLAMA3_8B_LAYER = AttentionShape(num_qo_heads=32, num_kv_heads=8, head_dim=128, dtype_bytes=2)
 
 
-def decode_plan(requests: int, prefix: int, own: int, groups: int = 1) -> CascadePlan:
-    """The plan of a decode step: ``groups`` prefixes of ``prefix`` tokens, ``own`` more each."""
+def decode_plan(requests: int, prefix: int, own: int, groups: int = 1,
+                interleaved: bool = False) -> CascadePlan:
+    """The plan of a decode step: ``groups`` prefixes of ``prefix`` tokens, ``own`` more each;
+    each group's requests side by side (the kernel grid's layout), or ``interleaved``: request
+    ``i`` behind prefix ``i % groups`` (how ``e2e_bench.py``'s serving workloads submit them)."""
     case = kernel_grid.Case(requests, prefix, own, groups)
     layout = kernel_grid.build_layout(case, np.random.default_rng(0))
-    return plan_cascade(layout.block_table, layout.seq_lens, np.ones(requests, np.int32),
-                        kernel_grid.PAGE)
+    table = layout.block_table
+    if interleaved:  # row j <- the (j // groups)-th request of group j % groups
+        j = np.arange(requests)
+        table = np.ascontiguousarray(table[(j % groups) * (requests // groups) + j // groups])
+    return plan_cascade(table, layout.seq_lens, np.ones(requests, np.int32), kernel_grid.PAGE)
 
 # End-to-end workloads (e2e_bench.py) -> (sequences decoding together, the plan of a decode step
 # halfway through their 256 generated tokens).
@@ -164,17 +176,46 @@ def serving_points(results: Path) -> list[tuple[str, CascadePlan, float, float]]
             flat_us, cascade_us = (1e6 * r["seconds"] / (r["output_tokens"] / requests)
                                    for r in (flat, on))
             points.append((f"serving {workload}",
-                           decode_plan(requests, length, own + 128, count), flat_us, cascade_us))
+                           decode_plan(requests, length, own + 128, count, interleaved=True),
+                           flat_us, cascade_us))
     return points
 
 
 def serving_step_cost(points: Sequence[tuple[str, CascadePlan, float, float]],
-                      per_layer: CostModel) -> tuple[float, list[dict]]:
-    """The FA3 executor's ``step_fixed_us`` from ``SERVING_FILE``'s points: the most a cascade
-    step cost beyond the model's kernel saving against FLASH_ATTN's flat decode (never below
-    0). The largest, not the mean: an upper bound keeps a step in doubt flat. Points where
-    flat FlashAttention 3 ran slower than its model (fitted on grid rows whose requests sharing
-    a document sit side by side; these interleave 16 documents) come out negative; they do not
-    lower the bound."""
-    _, rows = step_cost(points, per_layer, flat_side=flash_attn_flat)
-    return max(0.0, max(r["overhead_us"] for r in rows)), rows
+                      per_layer: CostModel, num_layers: int = 32,
+                      ) -> tuple[float, float | None, list[dict]]:
+    """The FA3 executor's ``step_fixed_us`` and FLASH_ATTN's flat ``miss_bandwidth`` from
+    ``SERVING_FILE``'s points (their requests interleaved over the documents).
+
+    First the per-step cost of the points whose flat decode reads no shared page again past
+    the L2 window (``cost.missed_pages``: one document, or 4 with rows 4 apart): the most a
+    cascade step cost beyond the model's kernel saving against FLASH_ATTN's flat decode (never
+    below 0; the largest, not the mean: an upper bound keeps a step in doubt flat). Then, for
+    each other point, the miss bandwidth at which its modelled saving, that per-step cost
+    included, is the measured one (the extra flat time is linear in 1 / bandwidth), and of
+    those the largest, rounded up: the least extra time any of them shows, so no point costs
+    more than the per-step cost with it. (None: no point reads a page again past the window.)
+    The per-step cost is then checked over every point."""
+    def flat_side(bandwidth: float | None) -> Callable[[CostModel], CostModel]:
+        return lambda m: dataclasses.replace(flash_attn_flat(m), miss_bandwidth=bandwidth)
+
+    probe = flat_side(1.0)(per_layer)  # any bandwidth: which pages are missed
+    missed = [missed_pages(plan, probe) for _, plan, _, _ in points]
+    clean = [p for p, m in zip(points, missed, strict=True) if not m]
+    _, rows = step_cost(clean or points, per_layer, num_layers, flat_side(None))
+    fixed = max(0.0, max(r["overhead_us"] for r in rows))
+    bandwidth = None
+    if any(missed):
+        base = flat_side(None)(dataclasses.replace(per_layer, step_fixed_us=0.0))
+        token_bytes = 2 * LLAMA3_8B_LAYER.num_kv_heads * LLAMA3_8B_LAYER.head_dim * (
+            LLAMA3_8B_LAYER.dtype_bytes)
+        slopes = []  # each point's 1/bw - 1/flat_bw: its extra flat µs per layer / (1e6 bytes)
+        for (_, plan, flat_us, cascade_us), pages in zip(points, missed, strict=True):
+            if pages:
+                d = decide(plan, LLAMA3_8B_LAYER, base)
+                extra = (flat_us - cascade_us + fixed) / num_layers - (d.flat_us - d.cascade_us)
+                slopes.append(extra / (1e6 * pages * plan.page_size * token_bytes))
+        fastest = 1 / (max(min(slopes), 0.0) + 1 / base.flat_bandwidth)
+        bandwidth = float(np.ceil(fastest / 1e11) * 1e11)  # rounded up to 0.1 TB/s
+    _, rows = step_cost(points, per_layer, num_layers, flat_side(bandwidth))
+    return max(fixed, max(r["overhead_us"] for r in rows)), bandwidth, rows

@@ -16,9 +16,10 @@ and every run draws prompts of its own (its own ``--seed``), the same ones in ev
 plugin's counters come from ``/metrics`` before and after each run (``PROMETHEUS_MULTIPROC_DIR``
 joins the engine processes' counters there), and for the plugin's Poisson runs every second
 while the client runs, for the middle half of the arrivals (``mid_run_*``: the decode batches of
-steady serving, without the run's own ramp up and drain; ``serve_results.mid_run``). Rows go to ``--out`` after every run, merged with the
-file's rows of other workloads/configs; ``serve.meta.json`` beside it records the commands. Every
-row of one invocation has the same ``run`` (its start time and the checkout's commit).
+steady serving, without the run's own ramp up and drain; ``serve_results.mid_run``). Rows go to
+``--out`` after every run, merged with the file's rows of other workloads/configs;
+``serve.meta.json`` beside it records the commands. Every row of one invocation has the same
+``run`` (its start time and the checkout's commit).
 """
 
 from __future__ import annotations
@@ -238,7 +239,7 @@ def measure(bench: Bench, server: Server, w: sw.Workload, config: str) -> Iterat
         snapshots: list[tuple[float, dict[str, Any]]] = []
         poisson = CONFIGS[config].plugin_on and rate != sw.BURST
         code = run_client(cmd, client_log, timeout,
-                          (lambda: snapshot(server, snapshots)) if poisson else None)
+                          (lambda into=snapshots: snapshot(server, into)) if poisson else None)
         after = sr.parse_counters(server.get("/metrics"))
         with server.log.open("rb") as f:
             f.seek(offset)

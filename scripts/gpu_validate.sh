@@ -239,6 +239,11 @@ part_serve() {
 #                      plugin (the first time), in that order, on 8K x 4 and 32K x 1 bursts:
 #                      whether a burst's one-use layouts are cheaper run eagerly than captured.
 #                      About 12 min (as mixed_bursts).
+#   policy_moderate    vLLM's default backend flat, the plugin, and the plugin with cascade on
+#                      every step that shares (CASCADE_POLICY=always), on 2K x 16 and chat at
+#                      90% (rates from the committed flat bursts): what the decode steps the
+#                      cost model keeps flat would cost as cascade. About 14 min on a fresh
+#                      machine.
 serve_slice() {  # name, timeout (s), serve_bench.py arguments...
   local name=$1 limit=$2 start=$SECONDS
   shift 2
@@ -301,6 +306,9 @@ part_serve_grid() {  # run it detached, alone; the slices in SERVE_GRID's order
       --workloads chat_1k5_system --rates burst ;;
     chat) serve_slice chat 900 --configs flash_attn,cascade_flash_attn \
       --workloads chat_1k5_system --rates burst,90% ;;
+    policy_moderate) serve_slice policy_moderate 1200 \
+      --configs flash_attn,cascade_flash_attn,cascade_flash_attn_always \
+      --workloads prefix_2k_x16,chat_1k5_system --rates 90% ;;
     *) stamp "serve_grid: no slice named $slice (see the list above part_serve_grid)"; return 1 ;;
     esac
   done

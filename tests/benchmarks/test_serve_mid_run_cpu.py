@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 
 import pytest
+
 import serve_processes as sp
 import serve_results as sr
 

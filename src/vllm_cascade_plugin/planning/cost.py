@@ -29,7 +29,12 @@ B      P      groups  flat FlashInfer  flat FA3     FlashInfer executor  FA3 exe
 =====  =====  ======  ===============  ===========  ===================  ============
 
 The 16-group row shows what FlashInfer's model misses: many small groups cost more than their
-bytes say. The per-step term (FA3: 0.45 ms, FlashInfer: 3.08 ms over 32 layers) is what a
+bytes say. The grid's rows put each group's requests side by side, so flat decode finds a shared
+page in L2 when the next row reads it; a server's batch interleaves its requests' documents, and
+with FLASH_ATTN a page read again more than ``l2_window_rows`` rows later streams from HBM
+(``miss_bandwidth``, :data:`FLASH_ATTN_MISS_BANDWIDTH`, :func:`missed_pages`).
+
+The per-step term (FA3: 0.45 ms, FlashInfer: 3.08 ms over 32 layers) is what a
 cascade step costs beyond its kernels: attention runs outside vLLM's FULL CUDA graphs, so a
 cascade step's host work sets its pace. The FA3 executor's decode steps replay the plugin's own
 CUDA graph of the whole step (``CASCADE_FULL_GRAPHS``): against flat FLASH_ATTN at 32 to 128
@@ -55,8 +60,9 @@ import numpy as np
 
 from .plan import CascadeLevel, CascadePlan
 
-__all__ = ["COST_MODELS", "FLASH_ATTN_FLAT", "AttentionShape", "CostModel", "Decision",
-           "cost_model_for", "decide", "flash_attn_flat", "flat_floor"]
+__all__ = ["COST_MODELS", "FLASH_ATTN_FLAT", "FLASH_ATTN_MISS_BANDWIDTH", "AttentionShape",
+           "CostModel", "Decision", "cost_model_for", "decide", "flash_attn_flat", "flat_floor",
+           "missed_pages"]
 
 
 @dataclass(frozen=True)
@@ -104,6 +110,12 @@ class CostModel:
         (FlashInfer's executor against flat FlashInfer: 3.3 ms at 64 requests, 2.9 ms at 128;
         FA3's with whole-step graphs against flat FLASH_ATTN at 32 to 128 requests: at most
         0.45 ms; Llama-3-8B shape, H200; ``cost_calibration.json``, ``end_to_end``).
+    miss_bandwidth : bytes/s flat decode streams a shared page at when the row that read it
+        before it in the batch is more than ``l2_window_rows`` rows back (requests of many
+        documents interleaved, as a server's batch holds them: the page has left L2); None:
+        every page at ``flat_bandwidth`` (whose L2 hits the grid's rows, each group's requests
+        side by side, measured). Decode steps only: what the end-to-end runs measured.
+    l2_window_rows : how many rows back a shared page read before still hits in L2.
     margin : the cascade must be faster by this fraction to be chosen (model error, noise).
     """
 
@@ -118,6 +130,8 @@ class CostModel:
     shared_bandwidth: float = 4.8e12
     own_bandwidth: float | None = None
     step_fixed_us: float = 3080.0
+    miss_bandwidth: float | None = None
+    l2_window_rows: int = 8
     margin: float = 0.1
 
 
@@ -162,6 +176,15 @@ FA3_SPLIT_STEP_FIXED_US = FA3_LAYER_GRAPHS_STEP_FIXED_US + 3 * 16.9 * 32
 # H200 grid (``kernel_grid.json``, column ``fa3_decode``; ``cost_calibration.json``,
 # ``flat_backends``, ``FLASH_ATTN``); :func:`flash_attn_flat` applies it.
 FLASH_ATTN_FLAT = {"flat_fixed_us": 16.9, "flat_bandwidth": 6.99e12}
+# FlashAttention 3's flat decode of a shared page whose previous reader is more than
+# ``CostModel.l2_window_rows`` rows back: fitted by ``benchmarks/calibrate_cost.py`` on the
+# end-to-end runs at serving batch sizes (``e2e_step_cost_fa3_serving.json``) whose requests
+# interleave 16 documents of 2K tokens (each document's rows 16 apart): cascade on every step
+# saved 0.5-3.1 ms per step more there than the model without it said, at 32 to 128 requests
+# (flat FLASH_ATTN ran slower than the grid's rows, each document's requests side by side, say).
+# With 4 documents (rows 4 apart) or one, it did not: the window lies between 4 and 15 rows, and
+# 8 is taken. Of the three points' own fits (2.8-3.8 TB/s) the fastest, rounded up.
+FLASH_ATTN_MISS_BANDWIDTH = 3.9e12
 
 
 def flash_attn_flat(model: CostModel) -> CostModel:
@@ -173,7 +196,7 @@ def flash_attn_flat(model: CostModel) -> CostModel:
     own = model.flat_bandwidth if model.own_bandwidth is None else model.own_bandwidth
     return replace(model, flat_fixed_us=FLASH_ATTN_FLAT["flat_fixed_us"],
                    flat_bandwidth=FLASH_ATTN_FLAT["flat_bandwidth"], own_bandwidth=own,
-                   flat_prefill_tile=1)
+                   flat_prefill_tile=1, miss_bandwidth=FLASH_ATTN_MISS_BANDWIDTH)
 
 
 def cost_model_for(kernel: str, decode_graphs: bool = True,
@@ -224,14 +247,18 @@ def _prefill_padding_pairs(plan: CascadePlan, tile: int) -> float:
 
 
 def _flat_us(tokens: int, pairs: float, padding: float, shape: AttentionShape,
-             model: CostModel) -> float:
+             model: CostModel, missed: float = 0.0) -> float:
     """Flat attention per layer: ``tokens`` KV tokens streamed (every row's pages), ``pairs``
     query-key pairs computed; ``padding``: the pairs a prefill kernel adds by padding rows of
-    several query tokens to whole tiles (FlashInfer's prefill kernel), 0 for none."""
+    several query tokens to whole tiles (FlashInfer's prefill kernel), 0 for none; ``missed``:
+    of the tokens, those of shared pages read again past the L2 window (``miss_bandwidth``)."""
     token_bytes = 2 * shape.num_kv_heads * shape.head_dim * shape.dtype_bytes  # K and V
     flop_per_pair = 4 * shape.head_dim * shape.num_qo_heads  # QK^T and PV, all query heads
-    flat_us = model.flat_fixed_us + 1e6 * max(tokens * token_bytes / model.flat_bandwidth,
-                                              pairs * flop_per_pair / model.flops)
+    stream = tokens * token_bytes / model.flat_bandwidth
+    if missed and model.miss_bandwidth is not None:  # never faster than an L2 hit
+        stream += missed * token_bytes * max(
+            1 / model.miss_bandwidth - 1 / model.flat_bandwidth, 0.0)
+    flat_us = model.flat_fixed_us + 1e6 * max(stream, pairs * flop_per_pair / model.flops)
     if padding:
         flat_us = max(flat_us, model.flat_fixed_us + 1e6 * (pairs + padding) * flop_per_pair
                       / model.flat_prefill_flops)
@@ -268,7 +295,8 @@ def decide(plan: CascadePlan, shape: AttentionShape, model: CostModel = CostMode
     # Flat reads every row's pages once; its query-key pairs are those of all levels together.
     all_pairs = sum(pairs(level) for level in plan.levels)
     flat_us = _flat_us(plan.stats.pages_flat * plan.page_size, all_pairs,
-                       _prefill_padding_pairs(plan, model.flat_prefill_tile), shape, model)
+                       _prefill_padding_pairs(plan, model.flat_prefill_tile), shape, model,
+                       missed_pages(plan, model) * plan.page_size)
     if plan.num_levels < 2:
         return Decision(False, flat_us, flat_us, "no shared prefix")
     cascade_us = _cascade_fixed_us(plan.num_levels, plan.stats.num_requests, shape, model)
@@ -284,14 +312,29 @@ def decide(plan: CascadePlan, shape: AttentionShape, model: CostModel = CostMode
     return Decision(use_cascade, flat_us, cascade_us, reason)
 
 
+def missed_pages(plan: CascadePlan, model: CostModel) -> int:
+    """Pages flat decode reads again more than ``model.l2_window_rows`` rows after the last row
+    that read them (:attr:`~.plan.CascadeLevel.repeat_reads` of each shared level); 0 without
+    ``miss_bandwidth`` or for a step with a row of several query tokens (not measured)."""
+    if model.miss_bandwidth is None or plan.stats.num_tokens != plan.stats.num_requests:
+        return 0
+    missed = 0
+    for level in plan.levels[:-1]:
+        gaps, pages = level.repeat_reads
+        missed += int(np.add.reduce(pages[gaps > model.l2_window_rows]))
+    return missed
+
+
 def flat_floor(seq_lens: np.ndarray, query_lens: np.ndarray, page_size: int,
                shape: AttentionShape, model: CostModel) -> Decision | None:
     """:func:`decide`'s verdict for a step no plan of which could run as cascade, from the rows'
     lengths alone (no block ids, no plan); None where some plan might.
 
     Flat attention's estimate needs only each row's page count and query tokens, and is exactly
-    :func:`decide`'s (a plan reads every row's pages once over its levels). Any cascade of the
-    rows costs at least two levels' fixed costs, every request's and the per-step cost; when
+    :func:`decide`'s (a plan reads every row's pages once over its levels) but for the pages read
+    again past the L2 window (:func:`missed_pages`), which need the block ids: at most every page
+    of the rows more than ``l2_window_rows`` rows into the batch, which this takes. Any cascade of
+    the rows costs at least two levels' fixed costs, every request's and the per-step cost; when
     that, with the margin, does not beat flat, :func:`decide` keeps every plan of them flat.
     """
     queries = np.asarray(query_lens, dtype=np.int64)
@@ -301,13 +344,16 @@ def flat_floor(seq_lens: np.ndarray, query_lens: np.ndarray, page_size: int,
         return None
     pages = (np.asarray(seq_lens, dtype=np.int64)[active] + (page_size - 1)) // page_size
     queries = queries[active]
-    padding = 0.0
+    padding, missed = 0.0, 0
     if requests != int(queries.sum()):  # rows of several query tokens: padded prefill tiles
         tile = model.flat_prefill_tile
         padded = np.where(queries > 1, -(-queries // tile) * tile, queries)
         padding = float((padded - queries) @ pages) * page_size
+    elif model.miss_bandwidth is not None and len(active) > model.l2_window_rows + 1:
+        late = active.nonzero()[0] > model.l2_window_rows  # a previous reader that far back
+        missed = int(np.add.reduce(pages[late])) * page_size
     flat_us = _flat_us(int(pages.sum()) * page_size, float(queries @ pages) * page_size,
-                       padding, shape, model)
+                       padding, shape, model, missed)
     least = _cascade_fixed_us(2, requests, shape, model)
     if least * (1 + model.margin) < flat_us:
         return None

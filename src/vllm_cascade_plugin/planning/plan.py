@@ -58,6 +58,22 @@ class CascadeLevel:
         return float(np.diff(self.qo_indptr).astype(np.float64)
                      @ np.diff(self.kv_page_indptr).astype(np.float64))
 
+    @cached_property
+    def repeat_reads(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every read of a group's pages by a row after an earlier row (in batch order) of the
+        group read them: (rows since that earlier row, the group's pages), int64 arrays, empty
+        where each group has one row. What flat attention reads again (the cost model's L2
+        window); once per level object, as :attr:`query_pages`."""
+        counts = np.diff(self.row_indptr)
+        if not counts.size or int(np.maximum.reduce(counts)) < 2:
+            return np.empty(0, np.int64), np.empty(0, np.int64)
+        group = np.repeat(np.arange(counts.size), counts)
+        order = np.lexsort((self.rows, group))  # by group, then batch row
+        rows, group = self.rows[order].astype(np.int64), group[order]
+        again = (group[1:] == group[:-1]).nonzero()[0]
+        pages = np.diff(self.kv_page_indptr).astype(np.int64)
+        return rows[again + 1] - rows[again], pages[group[again + 1]]
+
     def kv_lens(self, page_size: int) -> np.ndarray:
         """int32 ``[G]``: KV tokens each group reads (its pages, the last one partly)."""
         pages = np.diff(self.kv_page_indptr).astype(np.int64)
