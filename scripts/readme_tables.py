@@ -369,7 +369,9 @@ def block_serve() -> list[str]:
                 fraction, sharing = c.get("cascade_step_fraction"), shared_cascade_fraction(c)
                 shown = DASH if fraction is None else f"{100 * fraction:.0f}%"
                 if sharing is not None and fraction:
-                    shown += f" ({100 * sharing:.0f}%)"
+                    middle = c.get("mid_run_shared_cascade_fraction")
+                    mid = "" if middle is None else f"; {100 * middle:.0f}% mid-run"
+                    shown += f" ({100 * sharing:.0f}%{mid})"
                 body.append([backend, workload + (f", TP {tp}" if tp != 1 else ""), rate,
                              cell("output_tok_per_s"), cell("ttft_ms_p99"),
                              cell("tpot_ms_p50", 1), cell("tpot_ms_p99", 1),
@@ -386,7 +388,9 @@ def block_serve() -> list[str]:
               f"{', '.join(dates)} "
               f"({_source(path)}); latencies in ms, lower is better; the plugin's decode "
               "steps as cascade, of all and (in brackets) of those whose rows share a page "
-              "(all but those flat for no shared level or a single request); its flat decode "
+              "(all but those flat for no shared level or a single request), and of those over "
+              "the middle half of a Poisson run's arrivals (mid-run: without the batch's ramp "
+              "up and drain, where it is small); its flat decode "
               "steps as a share of its decode steps, by reason; its planning time per step "
               "in µs (p50 / p99) and its whole host time per step (planning, metadata, graph "
               "captures); a point measured in several runs (request rate: N runs) shows its "

@@ -137,7 +137,8 @@ def test_serve_block_shows_the_plugin_against_flat_per_backend_workload_and_rate
             _serve_row("flashinfer", 2.0, "50%", 1.0), _serve_row("cascade", 2.0, "50%", 1.25),
             _serve_row("flash_attn", 2.0, "50%", 0.9),
             _serve_row("cascade_flash_attn", 2.0, "50%", 1.8, run="r2", flat_reasons=reasons,
-                       planning_us_p50=650.0, planning_us_p99=1900.0, host_us_per_step=1300.0),
+                       planning_us_p50=650.0, planning_us_p99=1900.0, host_us_per_step=1300.0,
+                       mid_run_shared_cascade_fraction=0.994),
             # every request failed: nothing measured, no row
             _serve_row("flash_attn", "burst", "burst", 1.0, completed=0),
             _serve_row("cascade_flash_attn", "burst", "burst", 2.0)]
@@ -157,6 +158,8 @@ def test_serve_block_shows_the_plugin_against_flat_per_backend_workload_and_rate
     assert flash_attn.startswith("| FLASH_ATTN |") and f"(2.00{x})" in flash_attn
     assert "cost model 22%, no shared level 2% |" in flash_attn  # under 0.5% left out
     assert "650 / 1,900 (1,300)" in flash_attn
+    # of the decode steps that share (0.95 of 0.98), and mid-run where the row has it
+    assert "| 95% (97%; 99% mid-run) |" in flash_attn and "mid-run" not in burst
     # measured by two invocations: marked, and the mark explained
     assert f"50% (2.0 req/s){tables.APART} |" in flash_attn
     assert any(line.startswith(tables.APART) for line in lines)
