@@ -230,8 +230,9 @@ class Decision:
 def _prefill_padding_pairs(plan: CascadePlan, tile: int) -> float:
     """Query-key pairs a flat prefill kernel computes beyond the plan's own: each row with
     ``q > 1`` query tokens is padded to whole ``tile``-token query tiles against all its keys
-    (full pages). 0.0 for decode steps (one query per row), without touching the levels."""
-    if plan.stats.num_tokens == plan.stats.num_requests:
+    (full pages). 0.0 for decode steps (one query per row) and for a kernel that pads nothing
+    (``tile`` 1: FlashAttention 3's), without touching the levels."""
+    if plan.stats.num_tokens == plan.stats.num_requests or tile <= 1:
         return 0.0  # every row has one query token (the cost model runs every decode step)
     own = plan.levels[-1]
     queries = np.diff(own.qo_indptr)
@@ -347,8 +348,9 @@ def flat_floor(seq_lens: np.ndarray, query_lens: np.ndarray, page_size: int,
     padding, missed = 0.0, 0
     if requests != int(queries.sum()):  # rows of several query tokens: padded prefill tiles
         tile = model.flat_prefill_tile
-        padded = np.where(queries > 1, -(-queries // tile) * tile, queries)
-        padding = float((padded - queries) @ pages) * page_size
+        if tile > 1:
+            padded = np.where(queries > 1, -(-queries // tile) * tile, queries)
+            padding = float((padded - queries) @ pages) * page_size
     elif model.miss_bandwidth is not None and len(active) > model.l2_window_rows + 1:
         late = active.nonzero()[0] > model.l2_window_rows  # a previous reader that far back
         missed = int(np.add.reduce(pages[late])) * page_size
