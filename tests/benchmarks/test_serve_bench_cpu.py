@@ -985,6 +985,8 @@ def test_whole_loop_writes_rows_after_each_run_and_merges(tmp_path, monkeypatch,
         assert r["host_us_per_step"] == (pytest.approx(2000) if plugin else None)
         assert r["planning_us_p50"] == (pytest.approx(500) if plugin else None)
         assert r["planning_us_p99"] == (pytest.approx(990) if plugin else None)
+        # the fake client ends before the first mid-run read: the keys, without a window
+        assert r["mid_run_window_s"] is None and r["mid_run_shared_cascade_fraction"] is None
     assert len({r["seed"] for r in rows}) == 6  # same prompts in both configs
     [run] = {r["run"] for r in rows}  # one per invocation: when, and which commit
     assert run.startswith(rows[0]["run_id"] + "-") and run == meta_run(out)
