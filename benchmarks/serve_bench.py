@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import shlex
@@ -239,7 +240,7 @@ def measure(bench: Bench, server: Server, w: sw.Workload, config: str) -> Iterat
         snapshots: list[tuple[float, dict[str, Any]]] = []
         poisson = CONFIGS[config].plugin_on and rate != sw.BURST
         code = run_client(cmd, client_log, timeout,
-                          (lambda into=snapshots: snapshot(server, into)) if poisson else None)
+                          functools.partial(snapshot, server, snapshots) if poisson else None)
         after = sr.parse_counters(server.get("/metrics"))
         with server.log.open("rb") as f:
             f.seek(offset)

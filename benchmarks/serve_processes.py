@@ -128,9 +128,9 @@ def run_client(cmd: list[str], log: Path, timeout_s: float,
                                 start_new_session=True)
         try:
             while True:
-                left = deadline - time.monotonic()
+                left = max(deadline - time.monotonic(), 0.0)
                 try:
-                    return proc.wait(timeout=max(min(left, every_s if poll else left), 0.0))
+                    return proc.wait(timeout=min(left, every_s) if poll else left)
                 except subprocess.TimeoutExpired:
                     if time.monotonic() >= deadline:
                         print(f"  client past {timeout_s:.0f} s: stopped", file=sys.stderr)

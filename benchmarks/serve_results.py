@@ -122,6 +122,15 @@ def planning_percentiles(buckets: dict[float, float] | None) -> tuple[float | No
     return (None if p50 is None else p50 * 1e6), (None if p99 is None else p99 * 1e6)
 
 
+def flat_reasons(delta: dict[str, Any]) -> dict[str, float] | None:
+    """{reason: decode steps that ran flat for it / decode steps planned} over ``delta``; None
+    without a decode step."""
+    decode, flat = delta.get("decode_steps_planned"), delta.get("decode_flat_steps")
+    if not decode:
+        return None
+    return {reason: n / decode for reason, n in sorted((flat or {}).items()) if n}
+
+
 def derived(delta: dict[str, Any], plugin_on: bool) -> dict[str, Any]:
     """What a row says of the plugin's host time and flat steps over one run (None with the
     plugin off or a counter missing):
@@ -165,10 +174,7 @@ def derived(delta: dict[str, Any], plugin_on: bool) -> dict[str, Any]:
         seconds = delta.get(part)
         if builder and seconds is not None:
             out[share] = seconds / builder
-    decode, flat = delta.get("decode_steps_planned"), delta.get("decode_flat_steps")
-    if decode:
-        out["flat_reasons"] = {reason: n / decode for reason, n in sorted((flat or {}).items())
-                               if n}
+    out["flat_reasons"] = flat_reasons(delta)
     causes = delta.get("full_graph_capture_causes")
     if causes is not None:
         out["full_graph_capture_causes"] = {c: int(n) for c, n in sorted(causes.items()) if n}
@@ -219,10 +225,8 @@ def shared_cascade_fraction(row: dict[str, Any]) -> float | None:
     return min(fraction / sharing, 1.0) if sharing > 1e-9 else None
 
 
-# The middle of a run's Poisson arrivals, as fractions of their duration from the first
-# request's prefill on: the decode batches of steady serving, without the run's own ramps (the
-# batch grows from nothing while the first requests arrive and drains after the last: small
-# batches, where the cost model rightly keeps cascade off, that a longer run would make rarer).
+# The middle of a run's Poisson arrivals (fractions of their duration from the first prefill):
+# steady serving, without the small batches of the run's own ramp up and drain.
 MID_RUN = (0.25, 0.75)
 
 
@@ -253,7 +257,7 @@ def mid_run(snapshots: Sequence[tuple[float, dict[str, Any]]], before: dict[str,
     cascade, _ = fractions(delta, True)
     if cascade is None:
         return out
-    reasons = derived(delta, True)["flat_reasons"]
+    reasons = flat_reasons(delta)
     out.update(mid_run_window_s=[round(t0 - start, 1), round(t1 - start, 1)],
                mid_run_decode_steps=int(delta["decode_steps_planned"]),
                mid_run_cascade_step_fraction=cascade, mid_run_flat_reasons=reasons,
