@@ -18,7 +18,14 @@ It times the code it runs: to compare two versions of the plugin, run
 also splits each variant's p50 into the planner, the cost model's decision and the rest
 (columns ``<variant>_planner_p50_us`` ..., file ``step_host_parts.json``).
 
-    PYTHONPATH=src:benchmarks python benchmarks/step_host_bench.py [--quick] [--parts] [--out DIR]
+``--cold`` runs, untimed between two steps, work that evicts the planner's code and data from
+the CPU's caches (:func:`evict_caches`), as the rest of a ``vllm serve`` step does (the
+scheduler, vLLM's input preparation, sampling, the API server's output): a step then takes
+what the same step takes inside ``vllm serve``, several times what it takes back to back
+(file ``step_host_cold.json``).
+
+    PYTHONPATH=src:benchmarks python benchmarks/step_host_bench.py [--quick] [--parts] [--cold]
+        [--out DIR]
 """
 
 from __future__ import annotations
@@ -70,6 +77,23 @@ def set_up_session() -> None:
                       cost_model=flash_attn_flat(cost_model_for("fa3", decode_graphs=False)),
                       steady_cost_model=flash_attn_flat(cost_model_for("fa3")),
                       capture_sizes=CAPTURE_SIZES)
+
+
+EVICT_BYTES = 64 << 20  # more than the last-level cache of a server CPU's core complex
+EVICT_OBJECTS = 50_000  # Python objects walked: the interpreter's own working set
+_evict_array: np.ndarray | None = None
+_evict_objects: dict[int, str] = {}
+
+
+def evict_caches() -> None:
+    """Read ``EVICT_BYTES`` of an array and walk ``EVICT_OBJECTS`` Python objects (a dict of
+    strings): the caches hold none of the planner's code or data afterwards."""
+    global _evict_array
+    if _evict_array is None:
+        _evict_array = np.ones(EVICT_BYTES // 8)
+        _evict_objects.update((i, str(i)) for i in range(EVICT_OBJECTS))
+    _evict_array.sum()
+    sum(map(len, _evict_objects.values()))
 
 
 def one_step(batch: DecodeBatch) -> tuple[int, bool, object]:
@@ -166,7 +190,7 @@ class PartTimer:
 
 
 def run(case: Case, batch_type: type[DecodeBatch], steps: int, check: bool, v2: bool = False,
-        parts: dict[str, list[int]] | None = None) -> tuple[list[int], int]:
+        parts: dict[str, list[int]] | None = None, cold: bool = False) -> tuple[list[int], int]:
     """Nanoseconds of each of ``steps`` steps, and how many ran cascade (``v2``: through
     Model Runner V2's hook). With ``check``, every step's plan is compared with a fresh
     :func:`plan_cascade` of the same rows (in the hook's order), and a step the hooks did not
@@ -182,6 +206,8 @@ def run(case: Case, batch_type: type[DecodeBatch], steps: int, check: bool, v2: 
     times, cascade = [], 0
     for _ in range(steps):
         batch.step()
+        if cold:
+            evict_caches()
         ns, ran, plan = one_v2_step(rows) if rows is not None else one_step(batch)
         times.append(ns)
         cascade += ran
@@ -206,7 +232,7 @@ def run(case: Case, batch_type: type[DecodeBatch], steps: int, check: bool, v2: 
 
 
 def measure(case: Case, steps: int, rounds: int, check: bool, with_parts: bool = False,
-            ) -> dict[str, object]:
+            cold: bool = False) -> dict[str, object]:
     """A case's row. ``with_parts``: also each variant's p50 of the planner's, the decision's
     and the rest's share of a step (the rest: reading the rows, the pre-check and the cost
     floor, the step's plan object and counters), rounds' medians."""
@@ -217,7 +243,7 @@ def measure(case: Case, steps: int, rounds: int, check: bool, with_parts: bool =
         shares: dict[str, list[float]] = {}
         for _ in range(rounds):
             parts: dict[str, list[int]] | None = {} if with_parts else None
-            times, cascade = run(case, batch_type, steps, check, v2, parts)
+            times, cascade = run(case, batch_type, steps, check, v2, parts, cold)
             p50.append(float(np.percentile(times, 50)) / 1e3)
             p99.append(float(np.percentile(times, 99)) / 1e3)
             if parts is not None:
@@ -244,22 +270,27 @@ def main() -> None:
     parser.add_argument("--parts", action="store_true",
                         help="also time the planner and the decision apart (their calls "
                              "wrapped: a little slower), into step_host_parts.json")
+    parser.add_argument("--cold", action="store_true",
+                        help="evict the CPU caches between steps (untimed), as the rest of a "
+                             "vllm serve step does, into step_host_cold.json")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "cpu")
     args = parser.parse_args()
     steps, rounds = (20, 1) if args.quick else (args.steps, args.rounds)
     stats.reset()
-    rows = [measure(case, steps, rounds, args.check, args.parts) for case in CASES]
+    rows = [measure(case, steps, rounds, args.check, args.parts, args.cold) for case in CASES]
     for row in rows:
         print(json.dumps(row))
     result = {"date": datetime.date.today().isoformat(), "machine": platform.machine(),
               "cpus": __import__("os").cpu_count(), "numpy": np.__version__,
               "python": platform.python_version(), "steps": steps, "rounds": rounds,
               "command": "PYTHONPATH=src:benchmarks python benchmarks/step_host_bench.py"
-                         + (" --parts" if args.parts else ""),
+                         + (" --parts" if args.parts else "") + (" --cold" if args.cold else ""),
+              "cold": args.cold,
               "rows": rows}
     if not args.quick:
         args.out.mkdir(parents=True, exist_ok=True)
-        name = "step_host_parts.json" if args.parts else "step_host.json"
+        name = ("step_host_parts.json" if args.parts
+                else "step_host_cold.json" if args.cold else "step_host.json")
         (args.out / name).write_text(json.dumps(result, indent=1) + "\n")
 
 

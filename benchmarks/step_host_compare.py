@@ -8,6 +8,7 @@ figure's ratio before / after with its spread.
 
 ``--before`` and ``--after`` are the ``src`` folders of two checkouts; this checkout's
 ``step_host_bench.py`` times both (it calls only the hooks' entry points both have).
+``--cold`` passes ``--cold`` on: the CPU caches evicted between steps, as inside ``vllm serve``.
 """
 
 from __future__ import annotations
@@ -29,16 +30,17 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 
 
-def bench(src: Path, steps: int) -> list[dict[str, object]]:
-    """One ``step_host_bench.py`` run with ``src`` first on the path: its rows."""
+def bench(src: Path, steps: int, cold: bool = False) -> list[dict[str, object]]:
+    """One ``step_host_bench.py`` run with ``src`` first on the path (``cold``: with
+    ``--cold``): its rows."""
     with tempfile.TemporaryDirectory() as out:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [str(src), str(HERE), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
         subprocess.run([sys.executable, str(HERE / "step_host_bench.py"), "--steps", str(steps),
-                        "--out", out], env=env, check=True, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL)
-        rows: list[dict[str, object]] = json.loads(
-            (Path(out) / "step_host.json").read_text())["rows"]
+                        "--out", out, *(["--cold"] if cold else [])], env=env, check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        name = "step_host_cold.json" if cold else "step_host.json"
+        rows: list[dict[str, object]] = json.loads((Path(out) / name).read_text())["rows"]
         return rows
 
 
@@ -74,6 +76,8 @@ def main() -> None:
     parser.add_argument("--after", type=Path, required=True, help="the newer version's src")
     parser.add_argument("--times", type=int, default=5)
     parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--cold", action="store_true",
+                        help="step_host_bench.py --cold: the CPU caches evicted between steps")
     parser.add_argument("--what", default="", help="what each version is (goes to the file)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -81,7 +85,7 @@ def main() -> None:
     for time in range(args.times):  # each version first every other time: warm-up bias
         for run in (0, 1) if time % 2 == 0 else (1, 0):
             (before, after)[run].append(bench((args.before, args.after)[run].resolve(),
-                                              args.steps))
+                                              args.steps, args.cold))
     lines = summary(before, after)
     print("\n".join(lines))
     command = shlex.join(["python", "benchmarks/step_host_compare.py", *sys.argv[1:]])

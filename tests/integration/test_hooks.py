@@ -320,6 +320,34 @@ def test_v2_runner_updates_block_ids_before_dispatch_and_sorts_rows_like_we_do()
     assert compat.v2_batch_order(runner, uniform) == order == list(decode)
 
 
+def test_v2_rows_are_in_the_order_vllms_own_sort_gives():
+    """The hook's numpy order (hooks_dispatch.v2_rows) against the installed vLLM's
+    sort_batch_req_ids on random batches: decode rows, short extends and prefills mixed, ties,
+    decode query lengths of 1 and 3 (speculative decoding's), with and without draft tokens."""
+    from vllm.v1.worker.gpu.model_runner import sort_batch_req_ids
+
+    takes_drafts = "draft_tokens" in inspect.signature(sort_batch_req_ids).parameters
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        decode_query_len = (1, 3)[trial % 2]
+        n = int(rng.integers(1, 300))
+        counts = np.where(rng.random(n) < rng.random(), decode_query_len,
+                          rng.choice([1, 2, 3, 5, 16, 517, 2048], n))
+        tokens = {f"cmpl-{rng.integers(1 << 30):x}-{i}": int(c) for i, c in enumerate(counts)}
+        drafts = ({r: [7] * (c - 1) for r, c in tokens.items() if c == decode_query_len > 1}
+                  if trial % 3 == 0 else {})
+        runner = SimpleNamespace(decode_query_len=decode_query_len)
+        so = SimpleNamespace(num_scheduled_tokens=tokens, scheduled_spec_decode_tokens=drafts)
+        expected = (sort_batch_req_ids(tokens, drafts, decode_query_len) if takes_drafts
+                    else sort_batch_req_ids(tokens, decode_query_len))
+        req_ids, query_lens, order = hooks_dispatch.v2_rows(runner, so)
+        assert req_ids == list(tokens) and query_lens.dtype == np.int32
+        in_order = req_ids if order is None else [req_ids[i] for i in order]
+        assert in_order == expected, (trial, decode_query_len)
+        assert (query_lens if order is None else query_lens[order]).tolist() == [
+            tokens[r] for r in expected]
+
+
 class StagedRows:
     """Stands in for vLLM's pinned/UVA StagedWriteTensor: applies each write to a numpy table."""
 
