@@ -244,6 +244,8 @@ part_serve() {
 #                      90% (rates from the committed flat bursts): what the decode steps the
 #                      cost model keeps flat would cost as cascade. About 14 min on a fresh
 #                      machine.
+#   flashinfer_chat    the FlashInfer pair on chat at 90% (rates from the committed flat
+#                      burst): the chat point's TTFT p99 again.
 serve_slice() {  # name, timeout (s), serve_bench.py arguments...
   local name=$1 limit=$2 start=$SECONDS
   shift 2
@@ -309,6 +311,8 @@ part_serve_grid() {  # run it detached, alone; the slices in SERVE_GRID's order
     policy_moderate) serve_slice policy_moderate 1200 \
       --configs flash_attn,cascade_flash_attn,cascade_flash_attn_always \
       --workloads prefix_2k_x16,chat_1k5_system --rates 90% ;;
+    flashinfer_chat) serve_slice flashinfer_chat 900 --configs flashinfer,cascade \
+      --workloads chat_1k5_system --rates 90% ;;
     *) stamp "serve_grid: no slice named $slice (see the list above part_serve_grid)"; return 1 ;;
     esac
   done
