@@ -219,7 +219,8 @@ def v2_rows(runner: Any, so: Any) -> tuple[list[str], np.ndarray, np.ndarray | N
     Without draft tokens vLLM's ``sort_batch_req_ids`` puts the rows of ``decode_query_len``
     tokens first, in the scheduler's order, then the others by their token count, stably (its
     key in 0.26-0.33, checked against the installed vLLM by tests/integration/test_hooks.py):
-    here a stable argsort, ~10x faster than Python's sort with a key function at 256 rows. With
+    here a stable argsort, cheaper than Python's sort with a key function on large batches
+    (benchmarks/results/cpu/step_host_v2_batch_order_cold.json). With
     draft tokens, vLLM's own sort (:func:`~.compat.v2_batch_order`).
     """
     tokens = so.num_scheduled_tokens
