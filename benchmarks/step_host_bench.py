@@ -87,7 +87,7 @@ _evict_objects: dict[int, str] = {}
 
 def evict_caches() -> None:
     """Read ``EVICT_BYTES`` of an array and walk ``EVICT_OBJECTS`` Python objects (a dict of
-    strings): the caches hold none of the planner's code or data afterwards."""
+    strings): little of the planner's code or data stays in the caches afterwards."""
     global _evict_array
     if _evict_array is None:
         _evict_array = np.ones(EVICT_BYTES // 8)
