@@ -4,7 +4,9 @@ GPU, against FlashInfer's flat prefill attention of the whole batch (an independ
 The decode rows are planned alone, as the step session plans a mixed step; their cascade runs
 eagerly (fused and unfused) and from CUDA graphs over consecutive steps whose prefill rows
 change (other requests, lengths and places in the batch) while the decode rows keep their
-layout: one capture per layer, replays after. Tolerances are ``test_kernels``'.
+layout: one capture per layer, replays after. Tolerances are ``test_kernels``', but the rows
+of a prefill chunk of its own attend to as few as 81 keys, where ``|o|`` can reach 1 and two
+flat kernels then differ by one bf16 ulp of 2^-7: outputs are held to ``check_close_ulp``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from gpu.test_kernels import (  # noqa: F401  (workspace, results: fixtures)
     Pages,
     Shape,
     check_close,
+    check_close_ulp,
     flat_prefill,
     random_layer,
     results,
@@ -97,6 +100,7 @@ def test_split_mixed_steps_match_flat_attention(
     # address); its contents and the step's queries are new each step.
     caches = [random_layer(max(batches, key=lambda b: b.num_blocks), shape, seed=i)
               for i in range(LAYERS)]
+    gen = torch.Generator(DEVICE).manual_seed(7)
     for s, batch in enumerate(batches):
         split_executor_step(executor, planner, batch, shape, padded_rows=32)
         step = executor._step
@@ -105,14 +109,14 @@ def test_split_mixed_steps_match_flat_attention(
         prefill = flat_prefill(workspace, batch, shape)
         for i, cache in enumerate(caches):
             fresh = random_layer(batch, shape, seed=100 * s + i)
-            cache.k.copy_(torch.randn(cache.k.shape, device=DEVICE, dtype=DTYPE))
-            cache.v.copy_(torch.randn(cache.v.shape, device=DEVICE, dtype=DTYPE))
+            cache.k.copy_(torch.randn(cache.k.shape, generator=gen, device=DEVICE, dtype=DTYPE))
+            cache.v.copy_(torch.randn(cache.v.shape, generator=gen, device=DEVICE, dtype=DTYPE))
             layer = dataclasses.replace(cache, q=fresh.q)
             out = torch.full(layer.q.shape, math.nan, dtype=DTYPE, device=DEVICE)
             executor.run(layer.q, layer.k, layer.v, out)
             want, want_lse = prefill.run(layer.q, layer.kv, return_lse=True)
             name = f"{request.node.name}/step{s}/layer{i}"
-            check_close(results, name, out, want, TOL)
+            check_close_ulp(results, name, out, want, TOL)
             decode = torch.from_numpy(np.flatnonzero(
                 np.repeat(batch.query_lens == 1, batch.query_lens))).to(DEVICE)
             # The executor's LSE: the decode rows', in their order (the padded rows after).
