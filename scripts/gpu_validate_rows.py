@@ -9,8 +9,8 @@
 checks (``--checks PASSED FAILED``); a part whose XML is missing (killed at its time limit,
 crashed) counts one failure. ``table`` writes the latest row of each named part, in that order;
 with ``--previous`` (the committed gpu_validate.json) a part this run did not run keeps its
-earlier row, and every row carries ``last_passed``: the date and commit of the latest run of
-that part without a failure (null: none yet).
+earlier row, and every row carries ``last_passed``: the date, commit and GPU of the latest run
+of that part without a failure (null: none yet).
 ``join`` merges result files that pytest-xdist workers wrote one each (``name.gw0.json``, ...)
 into ``name.json``. The commit is ``CASCADE_COMMIT`` (the device's copy of the checkout has no
 git history), else git's, else "unknown".
@@ -41,6 +41,17 @@ def commit() -> str:
         return "unknown"
 
 
+def gpu_name() -> str:
+    """The first GPU's name as ``nvidia-smi`` gives it (the lent machine may be an H100 or an
+    H200), else "unknown"."""
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                              capture_output=True, text=True, check=True,
+                              timeout=30).stdout.splitlines()[0].strip() or "unknown"
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return "unknown"
+
+
 def junit_counts(path: Path) -> tuple[int, int, int]:
     """(passed, failed, skipped) of a pytest JUnit XML file; errors count as failures."""
     root = ET.parse(path).getroot()
@@ -56,7 +67,8 @@ def junit_counts(path: Path) -> tuple[int, int, int]:
 def row(args: argparse.Namespace) -> dict:
     record = {"part": args.part, "commit": commit(),
               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
-              "passed": 0, "failed": 0, "skipped": 0, "seconds": round(args.seconds)}
+              "gpu": gpu_name(), "passed": 0, "failed": 0, "skipped": 0,
+              "seconds": round(args.seconds)}
     if args.junit is not None:
         if args.junit.is_file():
             record["passed"], record["failed"], record["skipped"] = junit_counts(args.junit)
@@ -91,7 +103,8 @@ def table(out: Path, parts: list[str], previous: Path | None = None) -> list[dic
                 latest[record["part"]] = record
                 if passed(record):
                     last_passed[record["part"]] = {"date": record["date"],
-                                                   "commit": record["commit"]}
+                                                   "commit": record["commit"],
+                                                   "gpu": record.get("gpu", "unknown")}
     rows = [{**latest[p], "last_passed": last_passed.get(p)} for p in parts if p in latest]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=1) + "\n")

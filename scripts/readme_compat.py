@@ -62,6 +62,14 @@ ROWS: list[tuple[str, str, str, tuple[str, ...]]] = [
 ]
 
 
+def _when(run: dict) -> str:
+    """A run's date and commit, and its GPU where it was not an H200 (rows without ``gpu`` are
+    from the H200 runs before rows recorded it)."""
+    gpu = run.get("gpu", "H200")
+    other = "" if "H200" in gpu else f" on {gpu.removeprefix('NVIDIA ').split()[0]}"
+    return f"{run['date']}, {run['commit']}{other}"
+
+
 def _cell(parts: tuple[str, ...], results: dict[str, dict]) -> str:
     if not parts:
         return "—"
@@ -72,13 +80,11 @@ def _cell(parts: tuple[str, ...], results: dict[str, dict]) -> str:
         if row is None:
             cells.append(f"`{part}`: not run")
         elif last is None:
-            cells.append(f"`{part}`: not yet ({row['failed']} failed {row['date']}, "
-                         f"{row['commit']})")
+            cells.append(f"`{part}`: not yet ({row['failed']} failed {_when(row)})")
         elif row["failed"]:  # passed before, failed in its latest run
-            cells.append(f"`{part}` {last['date']}, {last['commit']} ({row['failed']} failed "
-                         f"{row['date']}, {row['commit']})")
+            cells.append(f"`{part}` {_when(last)} ({row['failed']} failed {_when(row)})")
         else:
-            cells.append(f"`{part}` {last['date']}, {last['commit']}")
+            cells.append(f"`{part}` {_when(last)}")
     return "; ".join(cells)
 
 

@@ -67,12 +67,13 @@ def test_the_table_keeps_earlier_rows_and_the_last_pass(tmp_path):
     lines = [{"part": "serving", "commit": "new", "date": "2026-12-01", "passed": 0, "failed": 1,
               "skipped": 0, "seconds": 50},
              {"part": "kernels", "commit": "new", "date": "2026-12-01", "passed": 75,
-              "failed": 0, "skipped": 0, "seconds": 200}]
+              "failed": 0, "skipped": 0, "seconds": 200, "gpu": "NVIDIA H100 80GB HBM3"}]
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     rows = module.table(tmp_path / "out.json", ["kernels", "serving", "soak", "tp"], previous)
     by_part = {r["part"]: r for r in rows}
     assert list(by_part) == ["kernels", "serving", "soak"]  # tp: never run, no row
-    assert by_part["kernels"]["last_passed"] == {"date": "2026-12-01", "commit": "new"}
+    assert by_part["kernels"]["last_passed"] == {"date": "2026-12-01", "commit": "new",
+                                                 "gpu": "NVIDIA H100 80GB HBM3"}
     # Failed now: the row is today's, the last pass the earlier one.
     assert by_part["serving"]["failed"] == 1
     assert by_part["serving"]["last_passed"] == {"date": "2026-11-30", "commit": "old"}
@@ -92,3 +93,20 @@ def test_join_merges_the_xdist_workers_files(tmp_path, shape):
     merged = json.loads((part / "kernel_correctness.json").read_text())
     assert (merged if shape == "list" else merged["cases"]) == [1, 2, 3]
     assert not list(part.glob("*.gw*.json"))
+
+
+def test_the_readme_cell_names_a_gpu_other_than_the_h200():
+    spec = importlib.util.spec_from_file_location("readme_compat", SCRIPT.with_name(
+        "readme_compat.py"))
+    assert spec is not None and spec.loader is not None
+    compat = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compat)
+    h100 = {"date": "2026-12-05", "commit": "new", "gpu": "NVIDIA H100 80GB HBM3"}
+    results = {
+        "kernels": {"part": "kernels", **h100, "passed": 82, "failed": 0, "last_passed": h100},
+        "soak": {"part": "soak", "date": "2026-12-05", "commit": "b", "gpu": "NVIDIA H200",
+                 "passed": 0, "failed": 1,
+                 "last_passed": {"date": "2026-12-01", "commit": "a"}},  # before rows had a gpu
+    }
+    assert compat._cell(("kernels", "soak"), results) == (
+        "`kernels` 2026-12-05, new on H100; `soak` 2026-12-01, a (1 failed 2026-12-05, b)")
