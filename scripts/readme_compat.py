@@ -3,7 +3,8 @@
 Rendered by ``scripts/readme_tables.py`` (block ``compatibility``). A row names the parts of
 ``scripts/gpu_validate.sh`` that check it on the GPU; its last column is read from
 ``benchmarks/results/h200/gpu_validate.json`` (each part's ``last_passed``: the date and commit
-of its latest run without a failure), so the table says, per row, when the GPU last agreed.
+of its latest run without a failure, and its GPU where it was not an H200), so the table says,
+per row, when the GPU last agreed.
 """
 
 from __future__ import annotations
