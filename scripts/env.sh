@@ -2,8 +2,10 @@
 # reuses) the virtual environment for one pinned requirements file and installs this checkout
 # into it. Usage:
 #   source scripts/env.sh [requirements/vllm-0.26.0.txt]
+# A file <name>.overrides.txt beside the requirements file, where there is one, replaces what a
+# dependency declares (uv's --override: vLLM 0.34.0 pins a FlashInfer the index never served).
 # The environment lives outside the clone, under ${CASCADE_VENV_CACHE:-~/.cache/vllm-cascade-plugin},
-# keyed by the hash of the requirements file and the Python version; a missing or half-built one
+# keyed by the hash of the requirements file, its overrides and the Python version; a missing or half-built one
 # is (re)built from PyPI (~4.5 GB of downloads, ~10 min cold). Exports VENV and puts its bin/
 # first on PATH. All that the test environments take on disk is in that one folder (README,
 # Development): uv's cache of the downloads is its uv/ (the FlashInfer overlays' too), on the
@@ -14,7 +16,10 @@ set -euo pipefail
 _root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 _req=${1:-$_root/requirements/vllm-0.26.0.txt}
 _py=${CASCADE_PYTHON:-python3}
-_key=$( { cat "$_req"; "$_py" -c 'import sys; print(sys.version)'; } | sha256sum | cut -c1-16)
+_overrides=${_req%.txt}.overrides.txt
+[ -f "$_overrides" ] || _overrides=
+_key=$( { cat "$_req" ${_overrides:+"$_overrides"}; "$_py" -c 'import sys; print(sys.version)'; } \
+        | sha256sum | cut -c1-16)
 _cache=${CASCADE_VENV_CACHE:-$HOME/.cache/vllm-cascade-plugin}
 VENV="$_cache/venv-$(basename "$_req" .txt)-$_key"
 _uv=(env UV_CACHE_DIR="$_cache/uv" UV_LINK_MODE=hardlink "$VENV/bin/uv")
@@ -23,7 +28,8 @@ if [ ! -f "$VENV/.complete" ]; then
   rm -rf "$VENV"; mkdir -p "$_cache"
   "$_py" -m venv "$VENV"
   "$VENV/bin/python" -m pip install -q --no-cache-dir --upgrade pip uv
-  "${_uv[@]}" pip install -q --python "$VENV/bin/python" -r "$_req"
+  "${_uv[@]}" pip install -q --python "$VENV/bin/python" -r "$_req" \
+    ${_overrides:+--override "$_overrides"}
   touch "$VENV/.complete"
 else
   echo "[env] reusing $VENV"

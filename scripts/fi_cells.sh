@@ -62,7 +62,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from vllm_cascade_plugin.integration.compat import check_environment
+from vllm_cascade_plugin.integration.compat.releases import check_environment
 
 release, overlay = sys.argv[1:]
 spec = importlib.util.find_spec("flashinfer")

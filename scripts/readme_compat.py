@@ -23,7 +23,7 @@ ROWS: list[tuple[str, str, str, tuple[str, ...]]] = [
      ("kernels", "engine_flashinfer", "engine_graphs")),
     ("`FLASH_ATTN` backend (vLLM's default on Hopper)", "works; as the row above",
      "H200: engine on vs off (FlashInfer the second kernel), both runners, no sharing, a "
-     "corrupted plan; CPU suite on 0.26.0 and 0.33.0", ("engine_flash_attn",)),
+     "corrupted plan; CPU suite on 0.26.0, 0.33.0 and 0.34.0", ("engine_flash_attn",)),
     ("`vllm serve` (engine-core process, async scheduling), vLLM's CUDA graphs",
      "works; `enforce_eager`: CPU only",
      "H200: a batch changing every step (graphs replayed, outputs agree), at "
@@ -33,6 +33,10 @@ ROWS: list[tuple[str, str, str, tuple[str, ...]]] = [
     ("vLLM 0.26.0 + FlashInfer 0.7.0.post1, 0.7.2.post1, 0.7.4; vLLM 0.33.0 + FlashInfer "
      "0.7.2.post1", "registers, plans",
      "CPU suite per release (hooks, registration, builder and impl on real vLLM objects)", ()),
+    ("vLLM 0.34.0 + FlashInfer 0.7.4 (0.34 pins 0.7.3, never published), Model Runner V2 "
+     "(0.34 has no other)", "registers, plans; no GPU run",
+     "CPU suite as on 0.33.0 (hooks, registration, builders and impls on real vLLM objects, "
+     "patched signatures); the GPU machine's torch 2.11 cannot run vLLM 0.34 (torch 2.14)", ()),
     ("vLLM 0.27 to 0.32", "accepted",
      "every vLLM symbol the plugin uses read in each release's source; not run", ()),
     ("FP8 KV cache (`fp8`/`fp8_e4m3`, per-layer scales)",
@@ -48,13 +52,15 @@ ROWS: list[tuple[str, str, str, tuple[str, ...]]] = [
      ("speculative",)),
     ("speculative decoding: `suffix`", "opt-in (`CASCADE_UNVERIFIED=1`), flat by default",
      "CPU suite (its drafter is not on the validation machine)", ()),
-    ("speculative decoding: other methods or async scheduling", "runs flat",
+    ("speculative decoding: other methods or async scheduling (vLLM 0.34's default with "
+     "every method: pass `--no-async-scheduling`)", "runs flat",
      "reason logged once and shown by `check`", ()),
     ("tensor parallelism", "opt-in (`CASCADE_UNVERIFIED=1`), flat by default",
      "needs two GPUs; whole-step graphs are off at TP > 1", ("tp",)),
     ("sliding-window attention", "those layers run flat",
-     "H200: a model mixing sliding-window and full layers in both KV-cache layouts (V1 runner: "
-     "its full layers run cascade with `--disable-hybrid-kv-cache-manager`)", ("sliding",)),
+     "H200: a model mixing sliding-window and full layers in both KV-cache layouts (V1 runner, "
+     "vLLM 0.26-0.33: its full layers run cascade with `--disable-hybrid-kv-cache-manager`)",
+     ("sliding",)),
     ("`vllm-cascade demo`, `examples/`", "run", "H200, as a user runs them",
      ("demo", "examples")),
     ("prefix caching off; other attention backends; ALiBi, sinks, context or pipeline "

@@ -9,6 +9,8 @@
 #     is marked. The marked ones run beside them, and are the FlashInfer matrix's cell for 0.6.14;
 #   - vLLM 0.33.0 + FlashInfer 0.7.2.post1: the test suite, in two runs side by side (unmarked,
 #     marked; FlashInfer usable in both: 0.33's own imports read FlashInfer's files);
+#   - vLLM 0.34.0 + FlashInfer 0.7.4 (Model Runner V2 only; 0.34 pins FlashInfer 0.7.3, which the
+#     package index never served: requirements/vllm-0.34.0.overrides.txt): the same two runs;
 #   - the FlashInfer matrix's other cells beside vLLM 0.26.0: the marked tests under each
 #     release (scripts/flashinfer_matrix.sh, scripts/fi_cells.sh).
 # GPU tests (tests/gpu) skip without CUDA. Every stage runs; the command fails if any failed, and
@@ -20,6 +22,8 @@ cd "$(dirname "$0")/.."
 # Environments first, one after the other: the second links the wheels it shares with the first
 # (the same files in uv's cache, ~3 GB) where two builds side by side would each unpack their
 # own. Failing to build one stops everything (nothing ran in the wrong one).
+source scripts/env.sh requirements/vllm-0.34.0.txt
+venv_034=$VENV
 source scripts/env.sh requirements/vllm-0.33.0.txt
 venv_033=$VENV
 source scripts/env.sh requirements/vllm-0.26.0.txt  # first on PATH: ruff, mypy, the matrix
@@ -62,11 +66,15 @@ unmarked() {  # requirements file, environment, then pytest args: with FlashInfe
 # Longest first: the table at the end shows each stage's time.
 stage "vLLM 0.33.0 suite, tests not marked flashinfer" \
   suite requirements/vllm-0.33.0.txt "$venv_033" -m "not flashinfer" "$@"
+stage "vLLM 0.34.0 suite, tests not marked flashinfer" \
+  suite requirements/vllm-0.34.0.txt "$venv_034" -m "not flashinfer" "$@"
 stage "vLLM 0.26.0 suite, tests not marked flashinfer (FlashInfer unusable)" \
   unmarked requirements/vllm-0.26.0.txt "$venv_026" "$@"
 stage "ruff and mypy" lint
 stage "vLLM 0.33.0 suite, tests marked flashinfer" \
   suite requirements/vllm-0.33.0.txt "$venv_033" -m flashinfer "$@"
+stage "vLLM 0.34.0 suite, tests marked flashinfer (FlashInfer 0.7.4)" \
+  suite requirements/vllm-0.34.0.txt "$venv_034" -m flashinfer "$@"
 for cell in "${fi_cells[@]}"; do
   [ "${cell%% *}" = "$fi_base" ] && continue
   stage "FlashInfer ${cell%% *} beside vLLM 0.26.0: tests marked flashinfer" fi_cell "$cell" "$@"

@@ -89,14 +89,20 @@ def test_every_knob_is_in_the_configuration_table():
 def test_every_runtime_patch_of_vllm_is_listed():
     pytest.importorskip("vllm")
     from vllm_cascade_plugin.integration import hooks
+    from vllm_cascade_plugin.integration.compat import releases
+
+    def runner(module: str) -> str:
+        return "V2" if ".worker.gpu." in module else "V1"
 
     text = README.read_text()
     listed = re.findall(r"^\| (V[12]) `(\w+)\.(\w+)` \|", text, re.M)
-    patched = []
-    for owner, name, _ in hooks.patch_targets():
-        runner = "V2" if ".worker.gpu." in owner.__module__ else "V1"
-        patched.append((runner, owner.__name__, name))
-    assert sorted(listed) == sorted(patched)
+    # Every method patched in some supported release (V1's only up to 0.33) ...
+    recorded = {(runner(module), owner, name) for methods in releases.PATCHED_METHODS.values()
+                for module, owner, name in methods}
+    assert sorted(listed) == sorted(recorded)
+    # ... and the installed release's patches among them.
+    assert {(runner(owner.__module__), owner.__name__, name)
+            for owner, name, _ in hooks.patch_targets()} <= recorded
     assert "register_backend(" in text  # the backend registration in __init__.py
 
 

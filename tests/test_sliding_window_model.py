@@ -71,9 +71,10 @@ def vllm_layout(model_dir: str) -> dict:
         init_attn_backend = None
 
     vllm.v1.utils.PIN_MEMORY = False
-    config = EngineArgs(model=model_dir, load_format="dummy", skip_tokenizer_init=True,
-                        block_size=oracle_model.PAGE_SIZE, enforce_eager=True,
-                        max_model_len=4096, enable_prefix_caching=True).create_engine_config()
+    with vllm_cpu.triton_for_the_cpu_platform():
+        config = EngineArgs(model=model_dir, load_format="dummy", skip_tokenizer_init=True,
+                            block_size=oracle_model.PAGE_SIZE, enforce_eager=True,
+                            max_model_len=4096, enable_prefix_caching=True).create_engine_config()
     from vllm.v1.attention.backends import utils
 
     if hasattr(utils, "resolve_kv_cache_layout"):  # vLLM 0.29+: the engine core resolves it

@@ -122,6 +122,12 @@ KNOBS: tuple[Knob, ...] = (
     Knob("CASCADE_UNVERIFIED", "unverified", False, _bool, "1/true/on or 0/false/off",
          "Cascade where this release is not verified on a GPU: tensor parallelism above 1 and "
          "suffix speculative decoding. Off: those engines run flat, saying why at startup."),
+    Knob("CASCADE_ALLOW_UNTESTED_VLLM", "allow_untested_vllm", False, _bool,
+         "1/true/on or 0/false/off",
+         "Run on a vLLM release newer than the newest one the plugin is tested with, where every "
+         "vLLM method the plugin patches reads as in that release (checked at startup, which "
+         "refuses naming the first changed method). Off: such a vLLM runs without the plugin, "
+         "with one warning."),
 )
 
 
@@ -141,6 +147,7 @@ class CascadeConfig:
     debug: bool = False
     fp8_kv: bool = False
     unverified: bool = False
+    allow_untested_vllm: bool = False
 
 
 

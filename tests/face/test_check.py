@@ -125,12 +125,31 @@ def test_check_with_arguments_the_cascade_can_serve_exits_0_on_a_gpu_and_3_witho
     """Exit status 0 means it will run here: not on a machine without a CUDA GPU, where
     everything else being in place is status 3 (the report's last line says which)."""
     monkeypatch.setattr(check, "gpu", lambda: gpu)
-    assert cli.main(["check", "my/model", "--speculative-config", NGRAM]) == status
+    assert cli.main(["check", "my/model", "--speculative-config", NGRAM,
+                     "--no-async-scheduling"]) == status
     out = " ".join(capsys.readouterr().out.split())
     assert "nothing keeps the cascade off" in out
     assert "no --attention-backend, so vLLM picks it: FLASH_ATTN on Hopper" in out
     assert out.endswith(f"Exit status {status}: {' '.join(check.EXIT_STATUS[status].split())}")
     assert ("GPU none" in out) is (gpu is None)
+
+
+@pytest.mark.flashinfer  # check reports the installed FlashInfer
+def test_check_reads_speculative_decoding_without_an_async_flag_as_the_installed_vllm_runs_it(
+        plugin_on, capsys, monkeypatch):
+    """vLLM 0.34 schedules asynchronously by default with every speculative method (0.26-0.33
+    turned it off for n-gram drafting), and a plan from asynchronous speculative steps would
+    read rejected tokens: there check must say the steps run flat."""
+    from packaging.version import Version
+
+    from vllm_cascade_plugin.integration.compat.releases import installed_version
+
+    monkeypatch.setattr(check, "gpu", lambda: None)
+    async_default = Version(installed_version("vllm") or "0") >= Version("0.34.0")
+    status = cli.main(["check", "my/model", "--speculative-config", NGRAM])
+    out = " ".join(capsys.readouterr().out.split())
+    assert status == (1 if async_default else 3)
+    assert ("upper bounds of each request's sequence length" in out) is async_default
 
 
 @pytest.mark.flashinfer  # check reports the installed FlashInfer

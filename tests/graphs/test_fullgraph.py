@@ -255,18 +255,19 @@ def wrappers(monkeypatch):
     """hooks' two whole-step wrappers around stand-in originals with vLLM's real signatures."""
     import inspect
 
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    from vllm_cascade_plugin.integration import hooks_graphs, hooks_step
+    from vllm_cascade_plugin.integration import compat, hooks_graphs, hooks_step
 
     def original(*args, **kwargs):
         original.calls.append((args, kwargs))
         return "original"
 
     original.calls = []
-    # V1's wrapper binds the call to the original's signature (functools.wraps: vLLM's own).
-    original.__signature__ = inspect.signature(  # type: ignore[attr-defined]
-        GPUModelRunner._model_forward)
+    if compat.v1_model_runner():
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        # V1's wrapper binds the call to the original's signature (functools.wraps: vLLM's own).
+        original.__signature__ = inspect.signature(  # type: ignore[attr-defined]
+            GPUModelRunner._model_forward)
     recorder = Recorder()
     monkeypatch.setattr(hooks_graphs, "full_graphs", lambda runner: recorder)
     monkeypatch.setattr("vllm.forward_context.get_forward_context", lambda: "ctx")
@@ -276,10 +277,12 @@ def wrappers(monkeypatch):
     step.cascade = True
     monkeypatch.setattr(hooks_step, "pending", step)
     return SimpleNamespace(hooks_step=hooks_step, original=original, recorder=recorder,
-                           runner=runner, step=step, v1=hooks_graphs.v1_model_forward(original),
+                           runner=runner, step=step,
+                           v1=compat.v1_model_runner() and hooks_graphs.v1_model_forward(original),
                            v2=hooks_graphs.v2_run_pw_graph(original))
 
 
+@pytest.mark.v1_runner
 def test_v1_wrapper_hands_a_cascade_steps_model_call_to_the_graphs(wrappers):
     w, ids, pos = wrappers, torch.zeros(4, dtype=torch.long), torch.arange(4)
     assert w.v1(w.runner, ids, positions=pos) == ("graphs", "original")
@@ -290,6 +293,7 @@ def test_v1_wrapper_hands_a_cascade_steps_model_call_to_the_graphs(wrappers):
     assert w.original.calls == [((w.runner, ids), {"positions": pos})]  # the call as made
 
 
+@pytest.mark.v1_runner
 @pytest.mark.parametrize("case", ["no step", "other runner", "flat step", "model kwargs"])
 def test_v1_wrapper_leaves_every_other_model_call_alone(wrappers, monkeypatch, case):
     w = wrappers

@@ -1,82 +1,45 @@
 """Guards for every runtime patch of vLLM (hooks.py): they fail loudly when vLLM changes.
 
-They run against whichever vLLM is installed; CI runs them on 0.26.0 and on 0.33.0.
+They run against whichever vLLM is installed; CI runs them on 0.26.0, 0.33.0 and 0.34.0.
 """
 
+import ast
 import dataclasses
 import inspect
+import textwrap
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from packaging.version import Version
 
 from vllm_cascade_plugin.config import CascadeConfig
 from vllm_cascade_plugin.integration import compat, hooks, hooks_dispatch, hooks_step
+from vllm_cascade_plugin.integration.compat import releases, sources
 from vllm_cascade_plugin.planning.cost import AttentionShape
 from vllm_cascade_plugin.step import session
 
-# The full parameter list of every patched vLLM method, by (module tail, class, method), written
-# as Python writes a signature without defaults: a name, "*name"/"**name" for variadics, a bare
-# "*" before keyword-only and "/" after positional-only parameters. A parameter vLLM adds, drops,
-# renames, moves or makes keyword-only fails the guard: each wrapper reads and forwards these
-# (some by position), so a new release's must be looked at before it is recorded here.
-V1_RUNNER_EXECUTE = ["self", "scheduler_output", "intermediate_tensors"]
-V1_DETERMINE = ["self", "num_tokens", "num_reqs", "num_scheduled_tokens_np",
-                "max_num_scheduled_tokens", "use_cascade_attn", "allow_microbatching",
-                "force_eager", "force_uniform_decode", "force_has_lora",
-                "force_num_active_loras", "num_encoder_reqs"]
-V1_DISPATCH = ["self", "num_tokens", "uniform_decode", "has_lora", "num_active_loras",
-               "valid_modes", "invalid_modes"]
-V2_APPEND = ["self", "req_index", "new_block_ids", "overwrite"]
-V2_EXECUTE = ["self", "scheduler_output", "intermediate_tensors", "dummy_run",
-              "skip_attn_for_dummy_run", "is_profile"]
-V2_DISPATCH = ["self", "num_reqs", "num_tokens", "uniform_token_count", "num_active_loras"]
-V1_FORWARD = ["self", "input_ids", "positions", "intermediate_tensors", "inputs_embeds",
-              "**model_kwargs"]
-V2_RUN_PW_GRAPH = ["self", "model", "model_inputs"]
-SIGNATURES = {
-    (0, 26): {
-        ("gpu_model_runner", "GPUModelRunner", "execute_model"): V1_RUNNER_EXECUTE,
-        ("gpu_model_runner", "GPUModelRunner", "_determine_batch_execution_and_padding"):
-            V1_DETERMINE,
-        ("cudagraph_dispatcher", "CudagraphDispatcher", "dispatch"): V1_DISPATCH,
-        ("block_table", "BlockTables", "append_block_ids"): V2_APPEND,
-        ("model_runner", "GPUModelRunner", "execute_model"): V2_EXECUTE,
-        ("cudagraph_utils", "CudaGraphManager", "dispatch"): V2_DISPATCH,
-        ("gpu_model_runner", "GPUModelRunner", "_model_forward"): V1_FORWARD,
-        ("cudagraph_utils", "CudaGraphManager", "run_pw_graph"): V2_RUN_PW_GRAPH,
-    },
-}
-# 0.33: Model Runner V2's dummy runs take more (after every parameter the wrapper reads), and its
-# dispatch takes a query-length bound (0.28+, compat.V2_FULL_GRAPH_ARGUMENTS) and a microbatch
-# count.
-SIGNATURES[(0, 33)] = {
-    **SIGNATURES[(0, 26)],
-    ("model_runner", "GPUModelRunner", "execute_model"): [
-        *V2_EXECUTE, "context_len", "valid_dummy_state_slots", "randomize_inputs"],
-    ("cudagraph_utils", "CudaGraphManager", "dispatch"): [
-        *V2_DISPATCH, "max_query_len", "num_ubatches"],
-}
-
 
 def vllm_release() -> tuple[int, int]:
-    from packaging.version import Version
-
-    release = Version(compat.installed_version("vllm") or "0").release
+    release = Version(releases.installed_version("vllm") or "0").release
     return (*release, 0, 0)[:2]
 
 
-def expected_signatures() -> dict[tuple[str, str, str], list[str]]:
-    """The signatures recorded for the installed vLLM: the newest release's at or before it
-    (one between two recorded releases is checked against the older one, and fails where it
-    differs)."""
-    at = [release for release in SIGNATURES if release <= vllm_release()]
-    assert at, f"no signatures recorded for vLLM {vllm_release()}"
-    return SIGNATURES[max(at)]
+def expected_signatures() -> dict[tuple[str, str, str], tuple[str, ...]]:
+    """The signatures recorded for the installed vLLM (compat.releases.PATCHED_METHODS, written
+    by hand from each release's source): the newest record at or before it (one between two
+    recorded releases is checked against the older one, and fails where it differs)."""
+    version = releases.installed_version("vllm") or "0"
+    assert releases._release(version) >= Version("0.26.0"), f"no record for vLLM {version}"
+    return releases.recorded_methods(version)
 
 
-def written(fn) -> list[str]:
-    """``fn``'s parameters as SIGNATURES writes them: names, order and kinds, no defaults."""
+def key(owner: type, name: str) -> tuple[str, str, str]:
+    return (owner.__module__, owner.__name__, name)
+
+
+def written(fn) -> tuple[str, ...]:
+    """``fn``'s parameters as the records write them: names, order and kinds, no defaults."""
     kinds = inspect.Parameter
     out: list[str] = []
     params = list(inspect.signature(fn).parameters.values())
@@ -89,7 +52,7 @@ def written(fn) -> list[str]:
         if p.kind is kinds.POSITIONAL_ONLY and (
                 i + 1 == len(params) or params[i + 1].kind is not kinds.POSITIONAL_ONLY):
             out.append("/")
-    return out
+    return tuple(out)
 
 
 # Every way a V2 batch can match a captured graph: a new one could let a cascade step into a
@@ -110,15 +73,41 @@ def parameters(fn):
                          ids=lambda t: f"{t[0].__module__}.{t[0].__name__}.{t[1]}")
 def test_patched_vllm_method_has_exactly_the_recorded_parameters(target):
     owner, name, _ = target
-    expected = expected_signatures()[(owner.__module__.rsplit(".", 1)[1], owner.__name__, name)]
-    assert written(original(getattr(owner, name))) == expected
+    assert written(original(getattr(owner, name))) == expected_signatures()[key(owner, name)]
 
 
 def test_every_patched_method_has_a_recorded_signature():
-    keys = {(owner.__module__.rsplit(".", 1)[1], owner.__name__, name)
-            for owner, name, _ in hooks.patch_targets()}
-    for release, signatures in SIGNATURES.items():
-        assert set(signatures) == keys, release
+    assert {key(owner, name) for owner, name, _ in hooks.patch_targets()} == set(
+        expected_signatures())
+
+
+def test_model_runner_v1_is_patched_exactly_where_vllm_has_it():
+    """0.26-0.33 have both runners; 0.34 removed V1 (and its CUDA-graph dispatcher)."""
+    has_v1 = releases._release(releases.installed_version("vllm") or "0") < Version("0.34.0")
+    patched = {owner.__module__ for owner, _, _ in hooks.patch_targets()}
+    assert compat.v1_model_runner() is has_v1
+    assert ("vllm.v1.worker.gpu_model_runner" in patched) is has_v1
+    assert ("vllm.v1.cudagraph_dispatcher" in patched) is has_v1
+
+
+@pytest.mark.parametrize("target", hooks.patch_targets(),
+                         ids=lambda t: f"{t[0].__module__}.{t[0].__name__}.{t[1]}")
+def test_reading_a_patched_method_from_its_source_gives_what_python_gives(target):
+    """The startup check of an untested vLLM reads parameters from source files (no import):
+    for every patched method of the installed vLLM it must read what inspect reads."""
+    owner, name, _ = target
+    tree = sources.parse(sources.module_file(owner.__module__))
+    assert tree is not None
+    found = sources.definitions(tree, f"{owner.__name__}.{name}")
+    assert found and sources.written_signature(found[-1]) == written(
+        original(getattr(owner, name)))
+
+
+def test_the_installed_vllm_reads_as_its_record_from_source_and_no_record_is_untested():
+    """What ``CASCADE_ALLOW_UNTESTED_VLLM`` checks, run on the installed (tested) vLLM against
+    its own record: nothing changed; and no record is for a release past the newest tested."""
+    assert max(releases.PATCHED_METHODS) == Version(releases.NEWEST_TESTED_VLLM).release[:2]
+    assert releases.patched_method_changes(releases.installed_version("vllm") or "") == []
 
 
 def test_the_signature_guard_fails_on_a_parameter_added_anywhere_or_a_changed_kind():
@@ -142,11 +131,17 @@ def test_the_signature_guard_fails_on_a_parameter_added_anywhere_or_a_changed_ki
     def variadic(self, /, *args, flag=False, **kwargs):
         pass
 
-    assert written(recorded) == V1_RUNNER_EXECUTE
-    for changed in (trailing, middle, keyword_only, swapped):
-        assert written(changed) != V1_RUNNER_EXECUTE, changed.__name__
-    assert written(keyword_only) == ["self", "scheduler_output", "*", "intermediate_tensors"]
-    assert written(variadic) == ["self", "/", "*args", "flag", "**kwargs"]
+    def from_source(fn) -> tuple[str, ...]:  # what the startup check of an untested vLLM reads
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+        return sources.written_signature(sources.definitions(tree, fn.__name__)[0])
+
+    recorded_list = ("self", "scheduler_output", "intermediate_tensors")
+    for read in (written, from_source):
+        assert read(recorded) == recorded_list
+        for changed in (trailing, middle, keyword_only, swapped):
+            assert read(changed) != recorded_list, changed.__name__
+        assert read(keyword_only) == ("self", "scheduler_output", "*", "intermediate_tensors")
+        assert read(variadic) == ("self", "/", "*args", "flag", "**kwargs")
 
 
 def test_install_wraps_every_target_once():
@@ -178,6 +173,7 @@ def active_session():
 
 # ----------------------------------------------------------------------------------- V1 runner
 
+@pytest.mark.v1_runner
 def test_v1_runner_plans_from_committed_rows_before_it_picks_cuda_graphs():
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -191,6 +187,7 @@ def test_v1_runner_plans_from_committed_rows_before_it_picks_cuda_graphs():
     assert "self.cudagraph_dispatcher.dispatch(" in decide and "invalid_modes=" in decide
 
 
+@pytest.mark.v1_runner
 def test_v1_dispatcher_honours_invalid_modes_and_is_the_runners():
     from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -200,6 +197,7 @@ def test_v1_dispatcher_honours_invalid_modes_and_is_the_runners():
         GPUModelRunner.__init__)
 
 
+@pytest.mark.v1_runner
 def test_v1_block_table_rows_are_the_builder_rows():
     from vllm.v1.worker.block_table import BlockTable
     from vllm.v1.worker.gpu_input_batch import InputBatch
@@ -415,15 +413,22 @@ def captured_graphs():
     from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor, CudaGraphManager
 
     hooks.install()
-    full = [BatchExecutionDescriptor(CUDAGraphMode.FULL, 8, 8, uniform_token_count=1)]
+    uniform = BatchExecutionDescriptor(CUDAGraphMode.FULL, 8, 8, uniform_token_count=1)
+    token_keyed = []
     if "max_query_len" in {f.name for f in dataclasses.fields(BatchExecutionDescriptor)}:
-        full.append(BatchExecutionDescriptor(CUDAGraphMode.FULL, 8, 8, max_query_len=1))
+        token_keyed.append(BatchExecutionDescriptor(CUDAGraphMode.FULL, 8, 8, max_query_len=1))
+    token_keyed.append(BatchExecutionDescriptor(CUDAGraphMode.PIECEWISE, 8, None))
     manager = object.__new__(CudaGraphManager)
     manager._graphs_captured = True
-    manager._candidates = {(8, 0): [*full, BatchExecutionDescriptor(CUDAGraphMode.PIECEWISE, 8,
-                                                                    None)]}
     manager._resolve_effective_loras = lambda n: n
-    return manager, len(full)
+    if "_decode_descs" in inspect.getsource(CudaGraphManager.__init__):
+        # 0.34: uniform decode graphs by (query length, LoRAs, microbatches), then request
+        # count (entry n: the smallest graph that takes n requests); the rest by token count.
+        manager._decode_descs = {(1, 0, 1): [uniform] * 9}
+        manager._candidates = {(8, 0): token_keyed}
+    else:
+        manager._candidates = {(8, 0): [uniform, *token_keyed]}
+    return manager, len(token_keyed)
 
 
 def test_v2_dispatch_avoids_full_graphs_only_on_cascade_steps():

@@ -17,7 +17,7 @@ import pytest
 
 from fresh_python import vllm_process
 from vllm_cascade_plugin import BACKEND_PATH, FLASH_ATTN_BACKEND_PATH
-from vllm_cascade_plugin.integration.compat import flashinfer_api_problems
+from vllm_cascade_plugin.integration.compat.releases import flashinfer_api_problems
 
 VLLM_DEFAULT = "vllm.v1.attention.backends.flashinfer.FlashInferBackend"
 VLLM_FLASH_ATTN = "vllm.v1.attention.backends.flash_attn.FlashAttentionBackend"
@@ -144,10 +144,10 @@ def test_bad_toggle_aborts_startup_with_an_actionable_message():
 @pytest.mark.flashinfer
 @pytest.mark.parametrize(("distribution", "name", "version"), [
     ("flashinfer-python", "FlashInfer", "0.5.3"), ("flashinfer-python", "FlashInfer", "0.8.0"),
-    ("vllm", "vLLM", "0.25.1"), ("vllm", "vLLM", "0.34.0")])
+    ("vllm", "vLLM", "0.25.1")])
 def test_unsupported_version_warns_once_and_stays_off(distribution, name, version):
     prelude = f"""
-    import vllm_cascade_plugin.integration.compat as compat
+    import vllm_cascade_plugin.integration.compat.releases as compat
     real = compat.installed_version
     compat.installed_version = lambda d: {version!r} if d == {distribution!r} else real(d)
     """
@@ -156,6 +156,53 @@ def test_unsupported_version_warns_once_and_stays_off(distribution, name, versio
     assert result["fa_path"] == VLLM_FLASH_ATTN and not result["fa_overridden"]
     assert log.count("stays off") == 1
     assert f"{name} {version} is outside the supported range" in log
+
+
+# vLLM posing as a release newer than the tested range (0.35.0); ``record``: what the newest
+# tested release's record of the patched methods becomes, as Python source for the child.
+UNTESTED = """
+import vllm_cascade_plugin.integration.compat.releases as releases
+real = releases.installed_version
+installed = real("vllm")
+releases.installed_version = lambda d: "0.35.0" if d == "vllm" else real(d)
+record = {record}
+assert record
+releases.PATCHED_METHODS[max(releases.PATCHED_METHODS)] = record
+"""
+# The installed vLLM's own record: every patched method reads as recorded.
+AS_RECORDED = "releases.recorded_methods(installed)"
+# The same, with one parameter more in CudaGraphManager.dispatch.
+ONE_CHANGED = ("{k: v + ('new_flag',) if k[1:] == ('CudaGraphManager', 'dispatch') else v "
+               "for k, v in releases.recorded_methods(installed).items()}")
+
+
+@pytest.mark.flashinfer
+def test_a_vllm_newer_than_the_tested_range_warns_once_and_stays_off():
+    result, log = probe(UNTESTED.format(record=AS_RECORDED), CASCADE_ATTENTION="1")
+    assert not result["overridden"] and not result["fa_overridden"]
+    assert log.count("stays off") == 1
+    assert "vLLM 0.35.0 is newer than the newest release the plugin is tested with" in log
+    assert "CASCADE_ALLOW_UNTESTED_VLLM=1" in log
+
+
+@pytest.mark.flashinfer
+def test_allowing_an_untested_vllm_registers_where_every_patched_method_reads_as_recorded():
+    result, log = probe(UNTESTED.format(record=AS_RECORDED), CASCADE_ATTENTION="1",
+                        CASCADE_ALLOW_UNTESTED_VLLM="1")
+    assert result["path"] == BACKEND_PATH and result["overridden"]
+    assert result["fa_path"] == FLASH_ATTN_BACKEND_PATH and result["fa_overridden"]
+    assert result["heavy_imports"] == []  # the check reads source files, imports nothing heavy
+    assert log.count("runs on vLLM 0.35.0, newer than the newest release it is tested") == 1
+
+
+def test_allowing_an_untested_vllm_whose_patched_method_changed_refuses_to_start_naming_it():
+    proc = run_python(UNTESTED.format(record=ONE_CHANGED) + PROBE, CASCADE_ATTENTION="1",
+                      CASCADE_ALLOW_UNTESTED_VLLM="1")
+    assert proc.returncode != 0
+    (line,) = [x for x in proc.stderr.splitlines() if "ConfigError: " in x]
+    assert "CASCADE_ALLOW_UNTESTED_VLLM is on, but vLLM 0.35.0 changed a method" in line
+    assert "vllm.v1.worker.gpu.cudagraph_utils.CudaGraphManager.dispatch(" in line
+    assert "Unset CASCADE_ALLOW_UNTESTED_VLLM" in line
 
 
 @pytest.mark.flashinfer
@@ -178,7 +225,7 @@ def test_the_imported_flashinfer_is_the_installed_distribution():
     """The matrix's cells check the distribution they find; this, that it is what imports."""
     import flashinfer
 
-    from vllm_cascade_plugin.integration.compat import _flashinfer_dir, installed_version
+    from vllm_cascade_plugin.integration.compat.releases import _flashinfer_dir, installed_version
 
     assert flashinfer.__version__ == installed_version("flashinfer-python")
     assert Path(flashinfer.__file__).parent == _flashinfer_dir()

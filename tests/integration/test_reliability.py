@@ -566,7 +566,15 @@ GLUE_FAILURES = [
 ]
 
 
-@pytest.mark.parametrize(("hook", "glue", "inject", "reason", "flat"), GLUE_FAILURES,
+def v1_marked(cases: list, hook=lambda case: case) -> list:
+    """The cases, Model Runner V1's marked (skipped where vLLM has no V1 runner: 0.34+)."""
+    return [pytest.param(*(c if isinstance(c, tuple) else (c,)),
+                         marks=pytest.mark.v1_runner if hook(c).startswith("V1 ") else ())
+            for c in cases]
+
+
+@pytest.mark.parametrize(("hook", "glue", "inject", "reason", "flat"),
+                         v1_marked(GLUE_FAILURES, lambda case: case[0]),
                          ids=[f"{hook}: {glue}" for hook, glue, *_ in GLUE_FAILURES])
 def test_a_hook_whose_own_code_fails_runs_vllms_call_once_and_returns_its_result(
         planning, monkeypatch, plugin_log, hook, glue, inject, reason, flat):
@@ -586,9 +594,10 @@ def test_a_hook_whose_own_code_fails_runs_vllms_call_once_and_returns_its_result
         assert step.cascade is False and planning.current is None
 
 
+@pytest.mark.parametrize("hook", v1_marked(["V1 execute_model", "V2 execute_model"]))
 def test_a_hook_failing_again_is_counted_again_and_logged_once(planning, monkeypatch,
-                                                              plugin_log):
-    target, make, call = HOOKS["V1 execute_model"]
+                                                              plugin_log, hook):
+    target, make, call = HOOKS[hook]
     original = VllmMethod(vllm_method(*target))
     wrapped = make(original)
     monkeypatch.setattr(hooks_step, "PendingStep", fail)
@@ -620,10 +629,15 @@ def test_v2_dispatch_whose_code_fails_after_vllms_choice_keeps_it_and_runs_the_s
     assert stats.snapshot().fallbacks == {"runner hook error": 1}
 
 
-def test_a_failure_after_a_whole_step_capture_runs_the_step_eagerly(planning, monkeypatch):
+WHOLE_STEP_HOOKS = v1_marked(["V1 _model_forward", "V2 CudaGraphManager.run_pw_graph"])
+
+
+@pytest.mark.parametrize("hook", WHOLE_STEP_HOOKS)
+def test_a_failure_after_a_whole_step_capture_runs_the_step_eagerly(planning, monkeypatch,
+                                                                    hook):
     """A run inside a CUDA-graph capture computes nothing until the graph replays: when the
     graphs' code fails after it, the step's result is an eager run's."""
-    target, make, call = HOOKS["V1 _model_forward"]
+    target, make, call = HOOKS[hook]
     original = VllmMethod(vllm_method(*target))
     wrapped = make(original)
     args, kwargs = call(monkeypatch)
@@ -635,7 +649,7 @@ def test_a_failure_after_a_whole_step_capture_runs_the_step_eagerly(planning, mo
     assert stats.snapshot().fallbacks == {"runner hook error": 1}
 
 
-@pytest.mark.parametrize("hook", list(HOOKS))
+@pytest.mark.parametrize("hook", v1_marked(list(HOOKS)))
 def test_vllms_own_exception_leaves_a_hook_unchanged_and_is_not_retried(planning, monkeypatch,
                                                                         hook):
     target, make, call = HOOKS[hook]
@@ -650,12 +664,14 @@ def test_vllms_own_exception_leaves_a_hook_unchanged_and_is_not_retried(planning
     assert stats.snapshot().fallbacks == {}
 
 
-def test_vllms_own_exception_leaves_the_real_whole_step_graphs_unchanged(planning, monkeypatch):
+@pytest.mark.parametrize("hook", WHOLE_STEP_HOOKS)
+def test_vllms_own_exception_leaves_the_real_whole_step_graphs_unchanged(planning, monkeypatch,
+                                                                         hook):
     """Through fullgraph.StepGraphs, whose eligibility check fails on this stand-in context
     (counted as its own fallback): the model call's exception is still the one that comes out."""
     from vllm_cascade_plugin.graphs import fullgraph
 
-    target, make, call = HOOKS["V1 _model_forward"]
+    target, make, call = HOOKS[hook]
     error = RuntimeError("vLLM's own failure")
     original = VllmMethod(vllm_method(*target), error=error)
     wrapped = make(original)

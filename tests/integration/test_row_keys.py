@@ -42,6 +42,7 @@ def _enclosing(text: str, at: int) -> str:
     return re.findall(r"\n    def (\w+)\(", text[:at])[-1]
 
 
+@pytest.mark.v1_runner
 def test_v1_writes_a_row_anew_only_for_a_request_new_or_resumed():
     """The V1 promise: a request's row is written whole by ``add_request`` (new and resumed
     requests go there) and otherwise only appended to, in ``_update_states``; rows move with

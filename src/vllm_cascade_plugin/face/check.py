@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 
 from ..config import KNOBS, CascadeConfig, ConfigError, Knob, load_config
 from ..integration import support
-from ..integration.compat import (
+from ..integration.compat.releases import (
     GPU_VERIFIED_VLLM,
     SUPPORTED_FLASHINFER,
     SUPPORTED_VLLM,
@@ -136,8 +136,14 @@ def _report(vllm_args: list[str], found_gpu: str | None) -> int:
     refused: str | None = None
     try:
         config = load_config()
+        if report.untested is not None and config.allow_untested_vllm:
+            from ..integration.registration import refuse_changed_methods
+
+            refuse_changed_methods(report.vllm or "")
     except ConfigError as exc:
         refused = str(exc)
+    if report.untested is not None and not (config is not None and config.allow_untested_vllm):
+        reasons.insert(0, report.untested)
     for knob in KNOBS:
         raw = os.environ.get(knob.env)
         say([f"  {knob.env:<26} {repr(raw) if raw is not None else 'unset':<10} -> "
@@ -213,6 +219,10 @@ def _engine_arguments(argv: list[str], config: CascadeConfig | None = None) -> i
     except ValueError as exc:
         say([f"With the vLLM arguments given: cannot read them ({exc})."])
         return WILL_NOT_RUN
+    if values["async_scheduling"] is None and values["speculative_config"] is not None:
+        from ..integration.compat.releases import async_scheduling_by_default
+
+        values["async_scheduling"] = async_scheduling_by_default()
     reasons = support.engine_argument_reasons(values, config.fp8_kv, config.unverified)
     backend = values["attention_backend"]
     where = (f"--attention-backend {backend}" if backend is not None

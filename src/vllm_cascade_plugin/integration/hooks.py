@@ -9,12 +9,13 @@ Steps without sharing keep exactly the graphs vLLM would use without the plugin.
 Each wrapper calls the original exactly once, never replaces it, and passes its result or
 exception through unchanged; its own failures are counted, logged once, and cost the step its
 cascade, never the engine. Every patched method exists with the arguments we read in vLLM 0.26
-through 0.33; what differs between releases is asked of :mod:`.compat`. The list is mirrored in
+through 0.34; what differs between releases is asked of :mod:`.compat`. The list is mirrored in
 the README and guarded by ``tests/integration/test_hooks.py``, which compares each patched
-method's whole parameter list with the one recorded for the release and fails loudly on any
-change.
+method's whole parameter list with the one recorded for the release
+(:data:`.compat.releases.PATCHED_METHODS`) and fails loudly on any change.
 
-V1 runner (``VLLM_USE_V2_MODEL_RUNNER=0``), ``vllm.v1.worker.gpu_model_runner.GPUModelRunner``:
+V1 runner (``VLLM_USE_V2_MODEL_RUNNER=0``, 0.26-0.33; 0.34 has no V1 runner),
+``vllm.v1.worker.gpu_model_runner.GPUModelRunner``:
   ``execute_model``  remember a real step; forget its plan when the step ends;
   ``_determine_batch_execution_and_padding``  plan the step (its CPU block table is committed);
   ``vllm.v1.cudagraph_dispatcher.CudagraphDispatcher.dispatch``  ``invalid_modes`` gets FULL on
@@ -39,6 +40,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+from . import compat
 from .hooks_dispatch import (
     v1_determine_batch_execution,
     v1_dispatch,
@@ -61,23 +63,29 @@ def _wrap(owner: type, name: str, make: Callable[[Callable[..., Any]], Callable[
 
 
 def patch_targets() -> list[tuple[type, str, Callable[[Callable[..., Any]], Callable[..., Any]]]]:
-    """(class, method, wrapper factory) for every patch; imports vLLM's runner modules."""
-    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
+    """(class, method, wrapper factory) for every patch; imports vLLM's runner modules. Model
+    Runner V1's only where the installed vLLM has it (0.26-0.33)."""
     from vllm.v1.worker.gpu.block_table import BlockTables
     from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1Runner
 
-    return [
-        (V1Runner, "execute_model", execute_model),
-        (V1Runner, "_determine_batch_execution_and_padding", v1_determine_batch_execution),
-        (CudagraphDispatcher, "dispatch", v1_dispatch),
+    targets: list[tuple[type, str, Callable[[Callable[..., Any]], Callable[..., Any]]]] = [
         (BlockTables, "append_block_ids", v2_append_block_ids),
         (V2Runner, "execute_model", execute_model),
         (CudaGraphManager, "dispatch", v2_dispatch),
-        (V1Runner, "_model_forward", v1_model_forward),
         (CudaGraphManager, "run_pw_graph", v2_run_pw_graph),
     ]
+    if compat.v1_model_runner():
+        from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1Runner
+
+        targets += [
+            (V1Runner, "execute_model", execute_model),
+            (V1Runner, "_determine_batch_execution_and_padding", v1_determine_batch_execution),
+            (CudagraphDispatcher, "dispatch", v1_dispatch),
+            (V1Runner, "_model_forward", v1_model_forward),
+        ]
+    return targets
 
 
 def install() -> None:

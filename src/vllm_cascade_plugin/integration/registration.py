@@ -29,16 +29,23 @@ def register_backends() -> None:
     global _announced
     from ..config import load_config
 
-    if not load_config().enabled:
+    config = load_config()
+    if not config.enabled:
         return
-    from .compat import check_environment
+    from .compat.releases import check_environment
 
     report = check_environment()
-    if not report.supported:
+    problems = list(report.problems)
+    if report.untested is not None:
+        if config.allow_untested_vllm:
+            refuse_changed_methods(report.vllm or "")
+        else:
+            problems.insert(0, report.untested)
+    if problems:
         if not _announced:
             logger.warning(
                 "vllm-cascade-plugin stays off (CASCADE_ATTENTION is set): %s. "
-                "vLLM runs without cascade attention.", "; ".join(report.problems))
+                "vLLM runs without cascade attention.", "; ".join(problems))
             _announced = True
         return
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
@@ -53,6 +60,29 @@ def register_backends() -> None:
             "--attention-backend FLASHINFER); each worker logs which one carries it.",
             report.vllm, report.flashinfer)
         _announced = True
+
+
+def refuse_changed_methods(vllm_version: str) -> None:
+    """With ``CASCADE_ALLOW_UNTESTED_VLLM`` on a vLLM newer than the tested range: raise
+    :class:`~vllm_cascade_plugin.config.ConfigError`, naming the first method, where a vLLM
+    method the plugin patches does not read as in the newest tested release; else warn once that
+    the plugin runs untested."""
+    global _announced
+    from ..config import ConfigError
+    from .compat.releases import NEWEST_TESTED_VLLM, UNTESTED_VLLM_KNOB, patched_method_changes
+
+    changes = patched_method_changes(NEWEST_TESTED_VLLM)
+    if changes:
+        more = f" (and {len(changes) - 1} more)" if len(changes) > 1 else ""
+        raise ConfigError(
+            f"vllm-cascade-plugin: {UNTESTED_VLLM_KNOB} is on, but vLLM {vllm_version} changed a "
+            f"method the plugin patches: {changes[0]}{more}. Unset {UNTESTED_VLLM_KNOB} (vLLM then "
+            f"runs without the plugin) or install vLLM {NEWEST_TESTED_VLLM}.")
+    if not _announced:
+        logger.warning(
+            "vllm-cascade-plugin runs on vLLM %s, newer than the newest release it is tested "
+            "with (%s), because %s is on; every vLLM method it patches reads as in %s.",
+            vllm_version, NEWEST_TESTED_VLLM, UNTESTED_VLLM_KNOB, NEWEST_TESTED_VLLM)
 
 
 def registration_problems() -> list[str]:

@@ -1,138 +1,29 @@
-"""Every vLLM and FlashInfer version difference the plugin knows about, in one place (where vLLM
-keeps the FlashAttention 3 kernels the FA3 executor runs: :mod:`~vllm_cascade_plugin.execution.
-vllm_kernels`).
+"""Every vLLM and FlashInfer version difference the plugin knows about, in one package (where
+vLLM keeps the FlashAttention 3 kernels the FA3 executor runs:
+:mod:`~vllm_cascade_plugin.execution.vllm_kernels`): this module, how releases differ inside a
+vLLM worker; :mod:`.releases`, which releases the plugin runs on and what their patched methods
+read like; :mod:`.sources`, reading parameters from source files.
 
-The top of this module is import-light (stdlib + packaging): ``register()`` runs it in every vLLM
-process and must not import torch-heavy modules or FlashInfer. Version checks read installed
-distribution metadata; FlashInfer's API is checked by parsing its source files (``ast``) for the
-classes, methods and parameters we call, which needs no import and no GPU. Feature detection beats
-version comparison wherever both are possible.
+Import-light at the top (stdlib only): the functions import vLLM and torch lazily. Feature
+detection beats version comparison wherever both are possible.
 """
 
 from __future__ import annotations
 
-import ast
 import functools
-import importlib.metadata
-import importlib.util
 import inspect
 from collections.abc import Callable
-from dataclasses import MISSING, dataclass, field, fields
-from pathlib import Path
+from dataclasses import MISSING, fields
 from typing import Any
 
-from packaging.specifiers import SpecifierSet
-from packaging.version import InvalidVersion, Version
-
-SUPPORTED_VLLM = SpecifierSet(">=0.26.0,<0.34")
-SUPPORTED_FLASHINFER = SpecifierSet(">=0.6.8,<0.8")
-GPU_VERIFIED_VLLM = "0.26.0"
-
-# What the GPU executor calls: (module in the flashinfer package, qualified name, parameters).
-FLASHINFER_API: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("prefill", "BatchPrefillWithPagedKVCacheWrapper.__init__",
-     ("float_workspace_buffer", "kv_layout")),
-    ("prefill", "BatchPrefillWithPagedKVCacheWrapper.plan",
-     ("qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len",
-      "num_qo_heads", "num_kv_heads", "page_size", "causal", "sm_scale", "logits_soft_cap",
-      "q_data_type", "kv_data_type")),
-    ("prefill", "BatchPrefillWithPagedKVCacheWrapper.run",
-     ("q", "paged_kv_cache", "out", "lse", "return_lse")),
-    ("cascade", "merge_state_in_place", ("v", "s", "v_other", "s_other")),
-)
+from . import sources
+from .releases import V1_RUNNER_MODULE
 
 
-def installed_version(distribution: str) -> str | None:
-    """The installed version of ``distribution``, or None when it is not installed."""
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def _in_range(version: str, supported: SpecifierSet) -> bool:
-    # Local (+cu130) and post releases of a supported release are supported too.
-    try:
-        return Version(Version(version).base_version) in supported
-    except InvalidVersion:
-        return False
-
-
-def _flashinfer_dir() -> Path | None:
-    spec = importlib.util.find_spec("flashinfer")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(next(iter(spec.submodule_search_locations)))
-
-
-def _parameters(tree: ast.Module, qualname: str) -> set[str] | None:
-    """Union of the parameter names of every definition of ``qualname`` (overloads included)."""
-    *outer, name = qualname.split(".")
-    scopes: list[ast.AST] = [tree]
-    for part in outer:
-        scopes = [n for s in scopes for n in ast.iter_child_nodes(s)
-                  if isinstance(n, ast.ClassDef) and n.name == part]
-    found: set[str] | None = None
-    for scope in scopes:
-        for node in ast.iter_child_nodes(scope):
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == name:
-                a = node.args
-                names = {p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs)}
-                found = names if found is None else found | names
-    return found
-
-
-def flashinfer_api_problems(package_dir: Path | None = None) -> list[str]:
-    """What of :data:`FLASHINFER_API` the installed FlashInfer lacks (empty when all is there)."""
-    package_dir = package_dir or _flashinfer_dir()
-    if package_dir is None:
-        return ["the flashinfer package cannot be found"]
-    problems: list[str] = []
-    trees: dict[str, ast.Module | None] = {}
-    for module, qualname, wanted in FLASHINFER_API:
-        if module not in trees:
-            candidates = (package_dir / f"{module}.py", package_dir / module / "__init__.py")
-            source = next((p for p in candidates if p.is_file()), None)
-            trees[module] = ast.parse(source.read_text(encoding="utf-8")) if source else None
-        tree = trees[module]
-        have = _parameters(tree, qualname) if tree is not None else None
-        if have is None:
-            problems.append(f"flashinfer.{module}.{qualname} is missing")
-        elif missing := [p for p in wanted if p not in have]:
-            problems.append(
-                f"flashinfer.{module}.{qualname} lacks parameter(s) {', '.join(missing)}")
-    return problems
-
-
-@dataclass(frozen=True)
-class EnvironmentReport:
-    vllm: str | None
-    flashinfer: str | None
-    problems: list[str] = field(default_factory=list)
-
-    @property
-    def supported(self) -> bool:
-        return not self.problems
-
-
-def check_environment() -> EnvironmentReport:
-    """Installed versions against what we support, plus FlashInfer's API; imports neither."""
-    vllm_version = installed_version("vllm")
-    fi_version = installed_version("flashinfer-python")
-    problems: list[str] = []
-    for name, found, supported in (("vLLM", vllm_version, SUPPORTED_VLLM),
-                                   ("FlashInfer", fi_version, SUPPORTED_FLASHINFER)):
-        if found is None:
-            problems.append(f"{name} is not installed (supported: {supported})")
-        elif not _in_range(found, supported):
-            problems.append(f"{name} {found} is outside the supported range {supported}")
-    if fi_version is not None:
-        problems += flashinfer_api_problems()
-    return EnvironmentReport(vllm_version, fi_version, problems)
-
-
-# --------------------------------------------------------------------------------------------
-# Runtime differences inside vLLM workers (these import vLLM and torch lazily).
+def v1_model_runner() -> bool:
+    """Whether the installed vLLM has Model Runner V1 (0.26-0.33; 0.34 removed it, and with it
+    ``CudagraphDispatcher``): its hooks are installed only then."""
+    return sources.module_file(V1_RUNNER_MODULE) is not None
 
 
 def flashinfer_kv_layout(builder: Any) -> str:
@@ -324,10 +215,17 @@ def vllm_uses_cuda_graphs(vllm_config: Any) -> bool:
 
 def cudagraph_capture_sizes(vllm_config: Any) -> tuple[int, ...]:
     """The token counts vLLM captures CUDA graphs for and pads a step to, ascending; empty
-    without CUDA graphs (``compilation_config.cudagraph_capture_sizes``, 0.26-0.33)."""
+    without CUDA graphs. A cascade step asks vLLM for a graph without a uniform token count,
+    which only the token-keyed graphs match: ``compilation_config.cudagraph_capture_sizes``
+    (0.26-0.33); from 0.34 ``prefill_cudagraph_capture_token_sizes`` (what 0.34 resolves for
+    every batch that is not a uniform decode batch; ``cudagraph_capture_sizes`` then holds the
+    decode graphs' token counts too, which a cascade step never gets)."""
     if not vllm_uses_cuda_graphs(vllm_config):
         return ()
-    sizes = getattr(vllm_config.compilation_config, "cudagraph_capture_sizes", None) or ()
+    compilation = vllm_config.compilation_config
+    sizes = getattr(compilation, "prefill_cudagraph_capture_token_sizes", None)
+    if sizes is None:
+        sizes = getattr(compilation, "cudagraph_capture_sizes", None) or ()
     return tuple(sorted(int(size) for size in sizes))
 
 
