@@ -25,7 +25,7 @@ from ..config import CascadeConfig, load_config
 from ..execution.common import STAGING
 from ..planning.cost import AttentionShape, CostModel, cost_model_for
 from ..step import BuilderSettings, StepPlan, session
-from . import compat, support
+from . import compat, hooks_step, support
 from .hooks_graphs import full_graphs_reason
 
 logger = logging.getLogger("vllm.cascade_plugin")
@@ -279,8 +279,11 @@ class CascadeBuilder:
         cm = common_attn_metadata
         if fast_build or self._settings.unsupported is not None:
             return None
-        return session.step_for(self._settings, cm.query_start_loc_cpu.numpy(),
+        step = session.step_for(self._settings, cm.query_start_loc_cpu.numpy(),
                                 cm.num_actual_tokens, compat.host_seq_lens(cm))
+        if step is None or not hooks_step.runs_as_planned(cm):
+            return None
+        return step
 
     def _split_rows(self, step: StepPlan, metadata: Any) -> Any:
         """A mixed step's rows of several query tokens, for an executor that runs them flat

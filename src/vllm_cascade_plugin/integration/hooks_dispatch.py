@@ -123,6 +123,7 @@ def v1_plan(step: PendingStep) -> bool:
     query_lens = np.fromiter(map(so.num_scheduled_tokens.__getitem__, batch.req_ids),
                              dtype=np.int32, count=n)
     seq_lens = np.asarray(batch.num_computed_tokens_cpu[:n], dtype=np.int32) + query_lens
+    step.rows = list(batch.req_ids[:n])  # who the rows are: checked when a builder takes the plan
     rows = batch.block_table[0].block_table.np[:n]
     return plan_rows(rows[:, 0], rows, batch.block_table[0].num_blocks_per_row[:n],
                      seq_lens, query_lens, lambda: row_keys.v1_rows(runner, batch.req_ids, n))
@@ -163,9 +164,12 @@ def v1_dispatch(original: Callable[..., Any]) -> Callable[..., Any]:
         call = guarded_call("CudagraphDispatcher.dispatch", step,
                             lambda: cascade_call(step, self, args, kwargs))
         if call is None:
-            return original(self, *args, **kwargs)
-        result = original(*call.args, **call.kwargs)
-        record_padding(lambda: result[1].num_tokens)
+            result = original(self, *args, **kwargs)
+        else:
+            result = original(*call.args, **call.kwargs)
+            record_padding(lambda: result[1].num_tokens)
+        if step is not None and getattr(step.runner, "cudagraph_dispatcher", None) is self:
+            hooks_step.note_graph_mode(step, result[0])
         return result
     return wrapper
 
@@ -212,6 +216,27 @@ def v2_append_block_ids(original: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+MIRROR_DIFFERS = "block id mirror differs from vLLM's block table"
+
+
+def mirror_differs(tables: Any, mirror: np.ndarray, index: np.ndarray,
+                   pages: np.ndarray) -> str | None:
+    """``CASCADE_DEBUG``: where the CPU mirror's block ids of the planned rows differ from the
+    ones vLLM holds on the GPU (read back: a device sync, debug only), or None. ``pages``: the
+    pages each row's tokens fill."""
+    import torch
+
+    width = int(pages.max(initial=0))
+    held = tables.block_tables[0].gpu[torch.as_tensor(index), :width].cpu().numpy()
+    used = np.arange(width)[None, :] < pages[:, None]
+    wrong = used & (held != mirror[index, :width])
+    if not wrong.any():
+        return None
+    row, page = (int(x[0]) for x in np.nonzero(wrong))
+    return (f"request slot {int(index[row])}, page {page}: mirrored {int(mirror[index[row], page])}"
+            f", vLLM's {int(held[row, page])} ({int(wrong.sum())} ids differ)")
+
+
 def v2_rows(runner: Any, so: Any) -> tuple[list[str], np.ndarray, np.ndarray | None]:
     """A step's request ids and their tokens (int32) in the scheduler's order, and the
     permutation that puts them in Model Runner V2's batch order (None: they are in it).
@@ -252,7 +277,14 @@ def v2_plan(step: PendingStep) -> bool:
                         dtype=np.int64, count=len(req_ids))
     if order is not None:
         index, query_lens = index[order], query_lens[order]
+    step.rows = index  # who the rows are: checked against idx_mapping when a builder takes it
     seq_lens = runner.req_states.num_computed_tokens_np[index] + query_lens
+    if session.config is not None and session.config.debug:
+        differs = mirror_differs(tables, mirror, index, -(-seq_lens // max(session.page_size, 1)))
+        if differs is not None:
+            tables.__dict__[MIRROR] = False  # never plan from it again
+            stats.record_fallback(MIRROR_DIFFERS, differs)
+            return False
     # The planner reads the rows of the mirror it needs (a copy of 256 rows x 2K pages would
     # take ~70 us).
     return plan_rows(mirror[index, 0], mirror, tables.num_blocks.np[0, index], seq_lens,
@@ -283,7 +315,10 @@ def v2_dispatch(original: Callable[..., Any]) -> Callable[..., Any]:
         call = guarded_call("CudaGraphManager.dispatch", step,
                             lambda: cascade_call(step, self, args, kwargs))
         if call is None:
-            return original(self, *args, **kwargs)
+            desc = original(self, *args, **kwargs)
+            if step is not None and getattr(step.runner, "cudagraph_manager", None) is self:
+                hooks_step.note_graph_mode(step, getattr(desc, "cg_mode", None))
+            return desc
         desc = original(*call.args, **call.kwargs)
         try:
             from vllm.config import CUDAGraphMode
@@ -296,6 +331,7 @@ def v2_dispatch(original: Callable[..., Any]) -> Callable[..., Any]:
             run_flat(step)
             failed("CudaGraphManager.dispatch", exc)
             return desc
+        hooks_step.note_graph_mode(step, desc.cg_mode)
         record_padding(lambda: desc.num_tokens)
         return desc
     return wrapper

@@ -17,15 +17,27 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from .. import stats
 from ..step import session
-from . import row_keys
+from . import compat, row_keys
+
+ROWS_DIFFER = "planned rows are not the batch's rows"
+FULL_GRAPH = "cascade step dispatched to a FULL CUDA graph"
 
 
 class PendingStep:
     def __init__(self, runner: Any, scheduler_output: Any) -> None:
         self.runner, self.scheduler_output = runner, scheduler_output
         self.cascade: bool | None = None  # planned yet, and its verdict
+        # Who each planned row is, in the planned order: Model Runner V2's request-state
+        # indices (int64), V1's request ids (a list); None: not planned.
+        self.rows: np.ndarray | list[str] | None = None
+        # The CUDA-graph mode vLLM dispatched the step to (CUDAGraphMode's name); None: not
+        # dispatched yet.
+        self.graph_mode: str | None = None
+        self.batch_rows: np.ndarray | None = None  # V2 before 0.30: vLLM's order, once read
 
 
 pending: PendingStep | None = None  # the real step this process's runner is executing
@@ -47,6 +59,14 @@ def run_flat(step: PendingStep | None) -> None:
     session.current = None
 
 
+def note_graph_mode(step: PendingStep | None, mode: Any) -> None:
+    """The CUDA-graph mode vLLM dispatched ``step`` to (a ``CUDAGraphMode``). Never raises: an
+    unreadable mode stays unknown, which keeps the step flat (:func:`runs_as_planned`)."""
+    if step is not None:
+        name = getattr(mode, "name", None)
+        step.graph_mode = name if isinstance(name, str) else None
+
+
 def _end_step() -> None:
     """Forget the step and its plan (the end of execute_model). Never raises: it runs in a
     ``finally`` that must leave vLLM's result or exception as it is."""
@@ -57,6 +77,70 @@ def _end_step() -> None:
     except Exception as exc:
         session.current = None
         failed("execute_model", exc)
+
+
+def batch_rows(step: PendingStep, common_attn_metadata: Any) -> np.ndarray | list[str]:
+    """Who each row of the batch a builder is given is, as :attr:`PendingStep.rows` says it:
+    Model Runner V2's ``idx_mapping`` (``common_attn_metadata.req_idx``, 0.30+; before, the
+    request-state indices of vLLM's own batch order of the step, ``sort_batch_req_ids``); V1's
+    ``input_batch.req_ids``."""
+    runner = step.runner
+    req_idx = getattr(common_attn_metadata, "req_idx", None)
+    if req_idx is not None:
+        return np.asarray(req_idx)
+    if not hasattr(runner, "req_states"):  # Model Runner V1
+        return list(runner.input_batch.req_ids)
+    if step.batch_rows is None:  # once per step, whatever the number of builders
+        order = compat.v2_batch_order(runner, step.scheduler_output)
+        step.batch_rows = np.fromiter(map(runner.req_states.req_id_to_index.__getitem__, order),
+                                      dtype=np.int64, count=len(order))
+    return step.batch_rows
+
+
+def _first_difference(planned: np.ndarray | list[str],
+                      batch: np.ndarray | list[str]) -> str | None:
+    """Where the batch's rows differ from the planned ones (None: they are the same)."""
+    n = len(planned)
+    if len(batch) < n:
+        return f"{n} rows planned, the batch has {len(batch)}"
+    head = batch[:n]
+    if isinstance(planned, np.ndarray):
+        same = np.asarray(head) == planned
+        if bool(np.all(same)):
+            return None
+        row = int(np.argmin(same))
+    else:
+        if list(head) == planned:
+            return None
+        row = next(i for i, (a, b) in enumerate(zip(planned, head, strict=True)) if a != b)
+    def shown(value: Any) -> str:
+        return repr(value.item() if isinstance(value, np.generic) else value)
+
+    return f"row {row} of {n}: planned {shown(planned[row])}, the batch's {shown(head[row])}"
+
+
+def runs_as_planned(common_attn_metadata: Any) -> bool:
+    """Whether a builder may hand out the cascade metadata of the step the hooks planned for the
+    batch it is given: the batch's rows are the planned rows, by identity (two rows of equal
+    lengths would otherwise read each other's KV), and vLLM dispatched the step to no FULL CUDA
+    graph (whose replay would run the flat attention it captured, with the wrappers holding an
+    older step's plan). False: counted, logged once with what differed; the builder builds flat
+    metadata. A plan made without the hooks (the tests' and benchmarks' sessions) has nothing
+    to check. Never raises."""
+    step = pending
+    if step is None or step.rows is None:
+        return True
+    try:
+        if False:
+            stats.record_fallback(FULL_GRAPH, f"vLLM's mode: {step.graph_mode or 'unknown'}")
+            return False
+        differs = None
+    except Exception as exc:
+        differs = f"the batch's rows cannot be read ({type(exc).__name__}: {exc})"
+    if differs is not None:
+        stats.record_fallback(ROWS_DIFFER, differs)
+        return False
+    return True
 
 
 def execute_model(original: Callable[..., Any]) -> Callable[..., Any]:
