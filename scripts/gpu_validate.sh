@@ -24,9 +24,10 @@
 #                      graphs; a corrupted plan and a one-page error must fail
 #   engine_graphs      the same with CASCADE_FULL_GRAPHS=0 (the per-layer graphs)
 #   kernels            tests/gpu/test_kernels.py, test_kernels_split.py, test_graphs.py,
-#                      test_staging.py: executors vs flat attention and an fp32 reference;
-#                      graphed decode steps; mixed steps split; the graph pools; uploads staged
-#                      through the pinned ring
+#                      test_staging.py, test_merge_empty_levels.py: executors vs flat
+#                      attention and an fp32 reference; graphed decode steps; mixed steps split;
+#                      the graph pools; uploads staged through the pinned ring; every merge on
+#                      levels that saw no key (FlashInfer 0.7's -inf rows)
 #   serving            tests/gpu/test_serving.py: the engine as `vllm serve` runs it, a batch
 #                      that changes every step (graphs replay, outputs agree)
 #   fp8                tests/gpu/test_kernels_fp8.py and the FP8 engine tests (CASCADE_FP8_KV=1)
@@ -90,8 +91,8 @@ part_engine() { part_engine_flashinfer; }
 part_engine_graphs() { pytest_part engine_graphs 900 -n 2 tests/gpu/test_engine.py -k layer_graphs; }
 part_kernels() {
   pytest_part kernels 600 -n 4 tests/gpu/test_graphs.py tests/gpu/test_kernels.py \
-    tests/gpu/test_kernels_split.py tests/gpu/test_staging.py \
-    -k "graphs or fa3 or fp32_reference or graphed or corrupted or staging or split"
+    tests/gpu/test_kernels_split.py tests/gpu/test_staging.py tests/gpu/test_merge_empty_levels.py \
+    -k "graphs or fa3 or fp32_reference or graphed or corrupted or staging or split or empty"
 }
 part_serving() { pytest_part serving 720 tests/gpu/test_serving.py -k changing_batch; }
 part_serving_memory() { pytest_part serving_memory 420 tests/gpu/test_serving.py -k 0_92; }

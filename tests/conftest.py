@@ -53,6 +53,17 @@ def fresh_builder_registry():
 
 
 @pytest.fixture(autouse=True)
+def no_pending_step():
+    """No engine step is in flight when a test starts (``hooks_step.pending``), whatever a test
+    before it left: a builder checks the step it is handed against the pending one."""
+    from vllm_cascade_plugin.integration import hooks_step
+
+    hooks_step.pending = None
+    yield
+    hooks_step.pending = None
+
+
+@pytest.fixture(autouse=True)
 def fresh_layout_book():
     """Graphed steps' per-request widths are remembered per process (``graph_layout.BOOK``):
     each test starts with none, as a fresh engine does."""
