@@ -73,7 +73,15 @@ def test_two_empty_levels_merge_to_zero_with_lse_minus_inf(merge):
     zeros = torch.zeros(N, H, D, dtype=torch.bfloat16, device="cuda")
     empty = torch.full((N, H), -math.inf, device="cuda")
     if merge == "flashinfer":
+        import flashinfer
         from flashinfer import merge_state_in_place
+        from packaging.version import Version
+
+        if Version(flashinfer.__version__) < Version("0.7.0"):
+            # Seen on 0.6.14 (H100): NaN output. Upstream #4401 made it 0 and -inf in 0.7. The
+            # executors never merge two empty states: the per-request level, the state every
+            # shared level merges into, holds each query's own token.
+            pytest.skip(f"FlashInfer {flashinfer.__version__} merges two empty states to NaN")
 
         v, s = zeros.clone(), empty.clone()
         merge_state_in_place(v, s, zeros.clone(), empty.clone())

@@ -113,10 +113,11 @@ def _first_difference(planned: np.ndarray | list[str],
         if list(head) == planned:
             return None
         row = next(i for i, (a, b) in enumerate(zip(planned, head, strict=True)) if a != b)
-    def shown(value: Any) -> str:
-        return repr(value.item() if isinstance(value, np.generic) else value)
+    return f"row {row} of {n}: planned {_shown(planned[row])}, the batch's {_shown(head[row])}"
 
-    return f"row {row} of {n}: planned {shown(planned[row])}, the batch's {shown(head[row])}"
+
+def _shown(value: Any) -> str:
+    return repr(value.item() if isinstance(value, np.generic) else value)
 
 
 def runs_as_planned(common_attn_metadata: Any) -> bool:
@@ -131,10 +132,10 @@ def runs_as_planned(common_attn_metadata: Any) -> bool:
     if step is None or step.rows is None:
         return True
     try:
-        if False:
+        if step.graph_mode is None or step.graph_mode == "FULL":
             stats.record_fallback(FULL_GRAPH, f"vLLM's mode: {step.graph_mode or 'unknown'}")
             return False
-        differs = None
+        differs = _first_difference(step.rows, batch_rows(step, common_attn_metadata))
     except Exception as exc:
         differs = f"the batch's rows cannot be read ({type(exc).__name__}: {exc})"
     if differs is not None:
