@@ -195,6 +195,7 @@ def test_allowing_an_untested_vllm_registers_where_every_patched_method_reads_as
     assert log.count("runs on vLLM 0.35.0, newer than the newest release it is tested") == 1
 
 
+@pytest.mark.flashinfer
 def test_allowing_an_untested_vllm_whose_patched_method_changed_refuses_to_start_naming_it():
     proc = run_python(UNTESTED.format(record=ONE_CHANGED) + PROBE, CASCADE_ATTENTION="1",
                       CASCADE_ALLOW_UNTESTED_VLLM="1")

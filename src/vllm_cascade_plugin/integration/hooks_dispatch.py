@@ -169,7 +169,7 @@ def v1_dispatch(original: Callable[..., Any]) -> Callable[..., Any]:
             result = original(*call.args, **call.kwargs)
             record_padding(lambda: result[1].num_tokens)
         if step is not None and getattr(step.runner, "cudagraph_dispatcher", None) is self:
-            hooks_step.note_graph_mode(step, result[0])
+            hooks_step.note_graph_mode(step, lambda: result[0])
         return result
     return wrapper
 
@@ -317,7 +317,7 @@ def v2_dispatch(original: Callable[..., Any]) -> Callable[..., Any]:
         if call is None:
             desc = original(self, *args, **kwargs)
             if step is not None and getattr(step.runner, "cudagraph_manager", None) is self:
-                hooks_step.note_graph_mode(step, getattr(desc, "cg_mode", None))
+                hooks_step.note_graph_mode(step, lambda: desc.cg_mode)
             return desc
         desc = original(*call.args, **call.kwargs)
         try:
@@ -331,7 +331,7 @@ def v2_dispatch(original: Callable[..., Any]) -> Callable[..., Any]:
             run_flat(step)
             failed("CudaGraphManager.dispatch", exc)
             return desc
-        hooks_step.note_graph_mode(step, desc.cg_mode)
+        hooks_step.note_graph_mode(step, lambda: desc.cg_mode)
         record_padding(lambda: desc.num_tokens)
         return desc
     return wrapper

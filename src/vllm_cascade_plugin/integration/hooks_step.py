@@ -59,12 +59,17 @@ def run_flat(step: PendingStep | None) -> None:
     session.current = None
 
 
-def note_graph_mode(step: PendingStep | None, mode: Any) -> None:
-    """The CUDA-graph mode vLLM dispatched ``step`` to (a ``CUDAGraphMode``). Never raises: an
-    unreadable mode stays unknown, which keeps the step flat (:func:`runs_as_planned`)."""
-    if step is not None:
-        name = getattr(mode, "name", None)
-        step.graph_mode = name if isinstance(name, str) else None
+def note_graph_mode(step: PendingStep | None, mode: Callable[[], Any]) -> None:
+    """The CUDA-graph mode vLLM dispatched ``step`` to (``mode()``, a ``CUDAGraphMode``). Never
+    raises: an unreadable mode stays unknown, which keeps the step flat
+    (:func:`runs_as_planned`)."""
+    if step is None:
+        return
+    try:
+        name = mode().name
+    except Exception:
+        name = None
+    step.graph_mode = name if isinstance(name, str) else None
 
 
 def _end_step() -> None:
