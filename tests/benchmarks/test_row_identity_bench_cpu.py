@@ -1,0 +1,30 @@
+"""benchmarks/row_identity_bench.py on the CPU: each variant's step passes the check it times
+(its planned rows are the batch's), and a row moved makes the same check fail."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from vllm_cascade_plugin.integration import hooks_step
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+bench = importlib.import_module("row_identity_bench")
+
+
+@pytest.mark.parametrize("variant", ["v2_req_idx", "v2_decode_order", "v2_mixed_order", "v1"])
+def test_each_variant_times_a_check_that_passes_and_fails_when_rows_move(variant):
+    step, cm = bench.steps(8)[variant]
+    assert bench.time_check(step, cm, number=2, repeat=1) > 0
+    if isinstance(step.rows, np.ndarray):
+        step.rows = step.rows[::-1].copy()
+    else:
+        step.rows = step.rows[::-1]
+    try:
+        assert not hooks_step.runs_as_planned(cm)
+    finally:
+        hooks_step.pending = None
