@@ -36,11 +36,8 @@ def register_backends() -> None:
 
     report = check_environment()
     problems = list(report.problems)
-    if report.untested is not None:
-        if config.allow_untested_vllm:
-            refuse_changed_methods(report.vllm or "")
-        else:
-            problems.insert(0, report.untested)
+    if report.untested is not None and not config.allow_untested_vllm:
+        problems.insert(0, report.untested)
     if problems:
         if not _announced:
             logger.warning(
@@ -48,6 +45,8 @@ def register_backends() -> None:
                 "vLLM runs without cascade attention.", "; ".join(problems))
             _announced = True
         return
+    if report.untested is not None:  # allowed: only where no patched method changed
+        refuse_changed_methods(report.vllm or "")
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     for name, path in BACKENDS.items():
@@ -67,7 +66,6 @@ def refuse_changed_methods(vllm_version: str) -> None:
     :class:`~vllm_cascade_plugin.config.ConfigError`, naming the first method, where a vLLM
     method the plugin patches does not read as in the newest tested release; else warn once that
     the plugin runs untested."""
-    global _announced
     from ..config import ConfigError
     from .compat.releases import NEWEST_TESTED_VLLM, UNTESTED_VLLM_KNOB, patched_method_changes
 
