@@ -25,7 +25,7 @@ what the same step takes inside ``vllm serve``, several times what it takes back
 (file ``step_host_cold.json``).
 
     PYTHONPATH=src:benchmarks python benchmarks/step_host_bench.py [--quick] [--parts] [--cold]
-        [--out DIR]
+        [--cases TEXT] [--name FILE] [--out DIR]
 """
 
 from __future__ import annotations
@@ -67,6 +67,11 @@ CASES = (
     Case("4x8K, 64 rows", requests=64, groups=4, shared_pages=512, own_tokens=(64, 320)),
     Case("chat 1.5K, 128 rows", requests=128, groups=1, shared_pages=96, own_tokens=(256, 1152)),
     Case("1x32K, 256 rows", requests=256, groups=1, shared_pages=2048, own_tokens=(64, 256)),
+    # nothing shared (every request's prompt its own): the hooks' pre-check keeps each step flat
+    Case("no sharing, 128 rows", requests=128, groups=128, shared_pages=96,
+         own_tokens=(256, 1152)),
+    Case("no sharing, 256 rows", requests=256, groups=256, shared_pages=96,
+         own_tokens=(256, 1152)),
 )
 
 
@@ -273,24 +278,33 @@ def main() -> None:
     parser.add_argument("--cold", action="store_true",
                         help="evict the CPU caches between steps (untimed), as the rest of a "
                              "vllm serve step does, into step_host_cold.json")
+    parser.add_argument("--cases", default="",
+                        help="only the cases whose name contains this text (default: all)")
+    parser.add_argument("--name", default=None,
+                        help="the result file's name (default: step_host.json, "
+                             "step_host_parts.json or step_host_cold.json, by the flags)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "cpu")
     args = parser.parse_args()
     steps, rounds = (20, 1) if args.quick else (args.steps, args.rounds)
     stats.reset()
-    rows = [measure(case, steps, rounds, args.check, args.parts, args.cold) for case in CASES]
+    rows = [measure(case, steps, rounds, args.check, args.parts, args.cold) for case in CASES
+            if args.cases in case.name]
     for row in rows:
         print(json.dumps(row))
     result = {"date": datetime.date.today().isoformat(), "machine": platform.machine(),
               "cpus": __import__("os").cpu_count(), "numpy": np.__version__,
               "python": platform.python_version(), "steps": steps, "rounds": rounds,
               "command": "PYTHONPATH=src:benchmarks python benchmarks/step_host_bench.py"
-                         + (" --parts" if args.parts else "") + (" --cold" if args.cold else ""),
+                         + (" --parts" if args.parts else "") + (" --cold" if args.cold else "")
+                         + f" --steps {steps} --rounds {rounds}"
+                         + (f" --cases '{args.cases}'" if args.cases else "")
+                         + (f" --name {args.name}" if args.name else ""),
               "cold": args.cold,
               "rows": rows}
     if not args.quick:
         args.out.mkdir(parents=True, exist_ok=True)
-        name = ("step_host_parts.json" if args.parts
-                else "step_host_cold.json" if args.cold else "step_host.json")
+        name = args.name or ("step_host_parts.json" if args.parts
+                             else "step_host_cold.json" if args.cold else "step_host.json")
         (args.out / name).write_text(json.dumps(result, indent=1) + "\n")
 
 
