@@ -65,7 +65,7 @@ def time_check(step: Any, cm: Any, number: int, repeat: int) -> float:
     hooks_step.pending = step
 
     def call() -> bool:
-        step.batch_rows = None
+        step.vllm_order = None
         return hooks_step.runs_as_planned(cm)
 
     assert call(), "the planned rows are the batch's: the check must pass"

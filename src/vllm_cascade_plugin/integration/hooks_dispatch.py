@@ -164,12 +164,10 @@ def v1_dispatch(original: Callable[..., Any]) -> Callable[..., Any]:
         call = guarded_call("CudagraphDispatcher.dispatch", step,
                             lambda: cascade_call(step, self, args, kwargs))
         if call is None:
-            result = original(self, *args, **kwargs)
-        else:
-            result = original(*call.args, **call.kwargs)
-            record_padding(lambda: result[1].num_tokens)
-        if step is not None and getattr(step.runner, "cudagraph_dispatcher", None) is self:
-            hooks_step.note_graph_mode(step, lambda: result[0])
+            return original(self, *args, **kwargs)
+        result = original(*call.args, **call.kwargs)
+        record_padding(lambda: result[1].num_tokens)
+        hooks_step.note_graph_mode(step, lambda: result[0])
         return result
     return wrapper
 
@@ -315,10 +313,7 @@ def v2_dispatch(original: Callable[..., Any]) -> Callable[..., Any]:
         call = guarded_call("CudaGraphManager.dispatch", step,
                             lambda: cascade_call(step, self, args, kwargs))
         if call is None:
-            desc = original(self, *args, **kwargs)
-            if step is not None and getattr(step.runner, "cudagraph_manager", None) is self:
-                hooks_step.note_graph_mode(step, lambda: desc.cg_mode)
-            return desc
+            return original(self, *args, **kwargs)
         desc = original(*call.args, **call.kwargs)
         try:
             from vllm.config import CUDAGraphMode

@@ -37,7 +37,7 @@ class PendingStep:
         # The CUDA-graph mode vLLM dispatched the step to (CUDAGraphMode's name); None: not
         # dispatched yet.
         self.graph_mode: str | None = None
-        self.batch_rows: np.ndarray | None = None  # V2 before 0.30: vLLM's order, once read
+        self.vllm_order: np.ndarray | None = None  # V2 before 0.30: vLLM's batch order, once read
 
 
 pending: PendingStep | None = None  # the real step this process's runner is executing
@@ -95,11 +95,11 @@ def batch_rows(step: PendingStep, common_attn_metadata: Any) -> np.ndarray | lis
         return np.asarray(req_idx)
     if not hasattr(runner, "req_states"):  # Model Runner V1
         return list(runner.input_batch.req_ids)
-    if step.batch_rows is None:  # once per step, whatever the number of builders
+    if step.vllm_order is None:  # once per step, whatever the number of builders
         order = compat.v2_batch_order(runner, step.scheduler_output)
-        step.batch_rows = np.fromiter(map(runner.req_states.req_id_to_index.__getitem__, order),
+        step.vllm_order = np.fromiter(map(runner.req_states.req_id_to_index.__getitem__, order),
                                       dtype=np.int64, count=len(order))
-    return step.batch_rows
+    return step.vllm_order
 
 
 def _first_difference(planned: np.ndarray | list[str],
