@@ -44,6 +44,7 @@ import serve_results as sr
 import serve_workloads as sw
 from bench_common import commit
 from serve_processes import Server, free_port, run_client
+from serve_profile import Window, profiler_args, summarize, traces
 
 HOST = sw.HOST  # loopback only
 
@@ -137,14 +138,15 @@ def baseline(config: str) -> str:
 
 
 def server_command(config: Config, model_dir: Path, port: int, max_len: int,
-                   args: argparse.Namespace) -> list[str]:
+                   args: argparse.Namespace, name: str = "") -> list[str]:
     return [*sw.VLLM, "serve", str(model_dir), "--host", HOST, "--port", str(port),
             "--attention-backend", config.backend, "--load-format", "dummy",
             "--enable-prefix-caching", "--no-enable-flashinfer-autotune",
             "--max-model-len", str(max_len),
             "--gpu-memory-utilization", str(args.gpu_memory_utilization),
             "--tensor-parallel-size", str(args.tensor_parallel_size), "--seed", str(args.seed),
-            "--tokenizer", str(model_dir), "--disable-uvicorn-access-log", *config.args]
+            "--tokenizer", str(model_dir), "--disable-uvicorn-access-log", *config.args,
+            *(profiler_args(Path(args.work_dir) / "traces" / name) if args.profile else [])]
 
 
 def server_env(config: Config, prometheus_dir: Path) -> dict[str, str]:
@@ -261,10 +263,39 @@ def measure(bench: Bench, server: Server, w: sw.Workload, config: str) -> Iterat
             capture_warnings=warnings,
             extra={"rate_spec": item,
                    "sustainable_rate": bench.known.get(baseline(config), {}).get(w.name),
+                   "offered_load": sr.offered_load(rate, bench.known.get(baseline(config), {})
+                                                   .get(w.name)),
                    "seed": int(cmd[cmd.index("--seed") + 1]), "run_id": bench.run_id,
                    "run": bench.run,
                    "max_model_len": bench.max_len, "prompt_len": w.input_len,
                    "output_len": w.output_len, **middle})
+
+
+def profile_run(bench: Bench, server: Server, w: sw.Workload, config: str) -> None:
+    """``--profile``'s rate once more (the same prompts) under vLLM's torch profiler; the
+    summary of its trace to ``serve_profile/`` beside ``--out``, no row (serve_profile.py)."""
+    for item, rate, cmd, result_path in bench.runs(w, config, server.port, True):
+        if item != bench.args.profile or rate is None:
+            continue
+        requests = int(cmd[cmd.index("--num-prompts") + 1])
+        arrivals_s = requests / float(rate) if rate != sw.BURST else 10.0
+        cmd[cmd.index("--result-filename") + 1] = "profiled-" + result_path.name
+        window = Window(server.url, 0.4 * arrivals_s, bench.args.profile_s)
+        trace_dir = Path(bench.args.work_dir) / "traces" / config  # server_command names it
+        before = set(traces(trace_dir))
+        server.reset_prefix_cache()
+        print(f"[{config}] {w.name} rate {rate}: profiled run", flush=True)
+        run_client(cmd, bench.work / "client-logs" / f"profiled-{result_path.stem}.log",
+                   bench.args.run_timeout, window)
+        window.finish()
+        summaries = [summarize(p) for p in traces(trace_dir) if p not in before]
+        out = bench.args.out.parent / "serve_profile" / f"{w.name}-{item.strip('%')}-{config}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"run": bench.run, "workload": w.name, "config": config,
+                                   "rate_spec": item, "request_rate": rate,
+                                   "window_s": bench.args.profile_s, "traces": summaries},
+                                  indent=1))
+        print(f"  profile summary: {out}", flush=True)
 
 
 def snapshot(server: Server, into: list[tuple[float, dict[str, Any]]]) -> None:
@@ -282,7 +313,8 @@ def print_dry_run(bench: Bench, configs: list[str], workloads: list[sw.Workload]
         env = server_env(CONFIGS[config], bench.work / f"prometheus-{config}")
         shown = [f"{k}={env[k]}" for k in (*CONFIGS[config].env, "PROMETHEUS_MULTIPROC_DIR",
                                            "VLLM_SERVER_DEV_MODE")]
-        cmd = server_command(CONFIGS[config], bench.model_dir, port, bench.max_len, bench.args)
+        cmd = server_command(CONFIGS[config], bench.model_dir, port, bench.max_len, bench.args,
+                             config)
         print(f"# server {config}: {' '.join(shown)} {shlex.join(cmd)}")
         for w in workloads:
             print(f"#   {w.name} warm-up: {shlex.join(bench.warmup(w, port, False))}")
@@ -340,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         port = free_port(port)
         prometheus = bench.work / f"prometheus-{config}"
         prometheus.mkdir(parents=True)  # empty: the run id is new
-        cmd = server_command(CONFIGS[config], bench.model_dir, port, bench.max_len, args)
+        cmd = server_command(CONFIGS[config], bench.model_dir, port, bench.max_len, args, config)
         log = log_dir / f"serve-{config}-{run_id}.log"
         print(f"[{config}] vllm serve on port {port}, log {log}", flush=True)
         try:
@@ -351,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
                         new.append(row)
                         sr.write_results(args.out, sr.merge_rows(old, new), meta)
                         print(json.dumps({k: row[k] for k in sr.ROW_KEYS}), flush=True)
+                    if args.profile and args.profile in bench.rates_for(w.name):
+                        profile_run(bench, server, w, config)
         except Exception:  # this config failed (its rows so far are written); the others run
             traceback.print_exc()
             failed.append(config)
@@ -405,6 +439,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="seconds for a server to answer /health")
     p.add_argument("--run-timeout", type=float, default=1800.0,
                    help="seconds one vllm bench serve may take")
+    p.add_argument("--profile", default=None, metavar="RATE",
+                   help="one of --rates (e.g. 110%%): after a workload's runs, run it once more "
+                        "under vLLM's torch profiler and summarize the trace (serve_profile.py)")
+    p.add_argument("--profile-s", type=float, default=4.0, help="seconds the profile lasts")
     p.add_argument("--plot", action="store_true", help="write serve.png beside --out at the end")
     p.add_argument("--plot-only", action="store_true", help="only plot --out, run nothing")
     p.add_argument("--dry-run", action="store_true",

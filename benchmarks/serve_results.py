@@ -131,6 +131,14 @@ def flat_reasons(delta: dict[str, Any]) -> dict[str, float] | None:
     return {reason: n / decode for reason, n in sorted((flat or {}).items()) if n}
 
 
+def offered_load(rate: float | str, sustainable: float | None) -> float | None:
+    """A Poisson rate as a fraction of the flat config's sustainable rate measured on the same
+    workload (its burst's completed / duration); None for a burst or an unknown rate."""
+    if rate == BURST or not sustainable:
+        return None
+    return round(float(rate) / sustainable, 3)
+
+
 def derived(delta: dict[str, Any], plugin_on: bool) -> dict[str, Any]:
     """What a row says of the plugin's host time and flat steps over one run (None with the
     plugin off or a counter missing):

@@ -77,6 +77,11 @@ def _workloads() -> dict[str, Workload]:
     # answers. The shared part is small: the case where the cascade must not cost anything.
     w["chat_1k5_system"] = Workload("chat_1k5_system", "chat", prefix_len=1536, suffix_len=640,
                                     range_ratio=0.6, output_len=128)
+    # Prefill-heavy chat: a 1K-token system prompt, 256-768 tokens of each user's own, 96-token
+    # answers. Most steps carry a prefill chunk; the decode-only steps the cascade can take are
+    # few and their shared part is small.
+    w["chat_1k_prefill_heavy"] = Workload("chat_1k_prefill_heavy", "chat", prefix_len=1024,
+                                          suffix_len=512, range_ratio=0.5, output_len=96)
     return w
 
 

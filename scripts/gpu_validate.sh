@@ -249,6 +249,9 @@ part_serve() {
 #                      machine.
 #   flashinfer_chat    the FlashInfer pair on chat at 90% (rates from the committed flat
 #                      burst): the chat point's TTFT p99 again.
+#   chat_capacity      vLLM's default backend flat and the plugin on prefill-heavy chat at
+#                      50%, 90% and 110% of flat's burst rate, then 110% once more under vLLM's
+#                      torch profiler (serve_profile/: the GPU's idle gaps, the host's waits).
 serve_slice() {  # name, timeout (s), serve_bench.py arguments...
   local name=$1 limit=$2 start=$SECONDS
   shift 2
@@ -316,6 +319,8 @@ part_serve_grid() {  # run it detached, alone; the slices in SERVE_GRID's order
       --workloads prefix_2k_x16,chat_1k5_system --rates 90% ;;
     flashinfer_chat) serve_slice flashinfer_chat 900 --configs flashinfer,cascade \
       --workloads chat_1k5_system --rates 90% ;;
+    chat_capacity) serve_slice chat_capacity 1200 --configs flash_attn,cascade_flash_attn \
+      --workloads chat_1k_prefill_heavy --rates burst,50%,90%,110% --profile 110% ;;
     *) stamp "serve_grid: no slice named $slice (see the list above part_serve_grid)"; return 1 ;;
     esac
   done
