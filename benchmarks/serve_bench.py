@@ -149,13 +149,22 @@ def server_command(config: Config, model_dir: Path, port: int, max_len: int,
             *(profiler_args(Path(args.work_dir) / "traces" / name) if args.profile else [])]
 
 
-def server_env(config: Config, prometheus_dir: Path) -> dict[str, str]:
+TIMELINE = Path(__file__).resolve().parent / "step_timeline"  # --step-timeline's probe
+
+
+def server_env(config: Config, prometheus_dir: Path,
+               timeline: Path | None = None) -> dict[str, str]:
+    """``timeline``: the file the step-timeline probe (``step_timeline/``) writes, or None."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CASCADE_")}
     env.update(config.env, PROMETHEUS_MULTIPROC_DIR=str(prometheus_dir),
                VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1")
-    if config.pythonpath:
-        env["PYTHONPATH"] = os.pathsep.join(
-            [*config.pythonpath, *filter(None, [env.get("PYTHONPATH")])])
+    pythonpath = list(config.pythonpath)
+    if timeline is not None:
+        if pythonpath:
+            raise ValueError("--step-timeline shadows the config's own sitecustomize probe")
+        pythonpath, env["CASCADE_BENCH_TIMELINE_FILE"] = [str(TIMELINE)], str(timeline)
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join([*pythonpath, *filter(None, [env.get("PYTHONPATH")])])
     return env
 
 
@@ -209,6 +218,10 @@ class Bench:
                                     (self.work / "results", name))
             yield item, rate, cmd, self.work / "results" / name
 
+    def timeline(self, config: str) -> Path | None:
+        """The step-timeline probe's file of ``config``'s server (None: no probe)."""
+        return self.work / f"timeline-{config}.json" if self.args.step_timeline else None
+
     def rates_for(self, workload: str) -> list[str]:
         return self.rates.get(workload, self.rates.get("*", []))
 
@@ -235,6 +248,7 @@ def measure(bench: Bench, server: Server, w: sw.Workload, config: str) -> Iterat
             print("  the prefix cache was not reset: the run's own seed keeps it fresh",
                   file=sys.stderr)
         before = sr.parse_counters(server.get("/metrics"))
+        timeline = sr.read_timeline(bench.timeline(config))
         offset = server.log.stat().st_size
         print(f"[{config}] {w.name} rate {rate}: {cmd[cmd.index('--num-prompts') + 1]} requests",
               flush=True)
@@ -244,6 +258,8 @@ def measure(bench: Bench, server: Server, w: sw.Workload, config: str) -> Iterat
         code = run_client(cmd, client_log, timeout,
                           functools.partial(snapshot, server, snapshots) if poisson else None)
         after = sr.parse_counters(server.get("/metrics"))
+        time.sleep(1.5 if timeline is not None else 0)  # the probe writes every second
+        timeline = sr.timeline_deltas(timeline, sr.read_timeline(bench.timeline(config)))
         with server.log.open("rb") as f:
             f.seek(offset)
             warnings = sr.count_capture_warnings(f.read().decode(errors="replace"))
@@ -268,7 +284,7 @@ def measure(bench: Bench, server: Server, w: sw.Workload, config: str) -> Iterat
                    "seed": int(cmd[cmd.index("--seed") + 1]), "run_id": bench.run_id,
                    "run": bench.run,
                    "max_model_len": bench.max_len, "prompt_len": w.input_len,
-                   "output_len": w.output_len, **middle})
+                   "output_len": w.output_len, **middle, **timeline})
 
 
 def profile_run(bench: Bench, server: Server, w: sw.Workload, config: str) -> None:
@@ -310,7 +326,8 @@ def snapshot(server: Server, into: list[tuple[float, dict[str, Any]]]) -> None:
 def print_dry_run(bench: Bench, configs: list[str], workloads: list[sw.Workload]) -> None:
     for i, config in enumerate(configs):
         port = bench.args.port + i
-        env = server_env(CONFIGS[config], bench.work / f"prometheus-{config}")
+        env = server_env(CONFIGS[config], bench.work / f"prometheus-{config}",
+                         bench.timeline(config))
         shown = [f"{k}={env[k]}" for k in (*CONFIGS[config].env, "PROMETHEUS_MULTIPROC_DIR",
                                            "VLLM_SERVER_DEV_MODE")]
         cmd = server_command(CONFIGS[config], bench.model_dir, port, bench.max_len, bench.args,
@@ -376,7 +393,8 @@ def main(argv: list[str] | None = None) -> int:
         log = log_dir / f"serve-{config}-{run_id}.log"
         print(f"[{config}] vllm serve on port {port}, log {log}", flush=True)
         try:
-            with Server(cmd, server_env(CONFIGS[config], prometheus), log, port) as server:
+            env = server_env(CONFIGS[config], prometheus, bench.timeline(config))
+            with Server(cmd, env, log, port) as server:
                 server.wait_healthy(args.server_timeout)
                 for w in workloads:
                     for row in measure(bench, server, w, config):
@@ -443,6 +461,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="one of --rates (e.g. 110%%): after a workload's runs, run it once more "
                         "under vLLM's torch profiler and summarize the trace (serve_profile.py)")
     p.add_argument("--profile-s", type=float, default=4.0, help="seconds the profile lasts")
+    p.add_argument("--step-timeline", action="store_true",
+                   help="every server with the step-timeline probe (step_timeline/): rows gain "
+                        "the GPU's time per step waiting for the host")
     p.add_argument("--plot", action="store_true", help="write serve.png beside --out at the end")
     p.add_argument("--plot-only", action="store_true", help="only plot --out, run nothing")
     p.add_argument("--dry-run", action="store_true",

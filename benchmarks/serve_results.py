@@ -131,6 +131,34 @@ def flat_reasons(delta: dict[str, Any]) -> dict[str, float] | None:
     return {reason: n / decode for reason, n in sorted((flat or {}).items()) if n}
 
 
+def read_timeline(path: Path | None) -> dict[str, Any] | None:
+    """The step-timeline probe's running totals (``step_timeline/sitecustomize.py``), None
+    without a probe; zeros before its first write."""
+    if path is None:
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {"steps": 0, "gpu_step_ms": 0.0, "gpu_wait_ms": 0.0, "waits_over_1ms": 0}
+
+
+def timeline_deltas(before: dict[str, Any] | None,
+                    after: dict[str, Any] | None) -> dict[str, Any]:
+    """A run's row keys from the probe's totals before and after it: steps, the GPU's time per
+    step running them and waiting for the host between them, the share of waiting."""
+    if before is None or after is None:
+        return {}
+    steps = after["steps"] - before["steps"]
+    run = after["gpu_step_ms"] - before["gpu_step_ms"]
+    wait = after["gpu_wait_ms"] - before["gpu_wait_ms"]
+    return {"timeline_steps": steps,
+            "gpu_step_ms_per_step": round(run / steps, 4) if steps else None,
+            "gpu_wait_ms_per_step": round(wait / steps, 4) if steps else None,
+            "gpu_wait_fraction": round(wait / (run + wait), 4) if run + wait > 0 else None,
+            "gpu_waits_over_1ms": after["waits_over_1ms"] - before["waits_over_1ms"],
+            "gpu_wait_p99_ms_recent": after.get("wait_p99_ms")}
+
+
 def offered_load(rate: float | str, sustainable: float | None) -> float | None:
     """A Poisson rate as a fraction of the flat config's sustainable rate measured on the same
     workload (its burst's completed / duration); None for a burst or an unknown rate."""

@@ -146,8 +146,13 @@ class V2Rows:
         self.keys[:n] = b.keys
         self.computed[:n] = b.seq_lens - b.query_lens
         scheduled = dict(zip(self.req_ids, b.query_lens.tolist(), strict=True))
-        return PendingStep(self.runner, SimpleNamespace(num_scheduled_tokens=scheduled,
-                                                        scheduled_spec_decode_tokens={}))
+        # What vLLM's scheduler says changed: a churn step's prefilling row is a new request
+        # (the bench keeps its id; the plugin does not reuse a new step's slots).
+        new = [None] if bool(np.any(b.query_lens > 1)) else []
+        return PendingStep(self.runner, SimpleNamespace(
+            num_scheduled_tokens=scheduled, scheduled_spec_decode_tokens={},
+            scheduled_new_reqs=new, finished_req_ids=set(new and {"done"}),
+            scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=set())))
 
     def order(self, step: PendingStep) -> np.ndarray:
         """The rows in vLLM's batch order (what the V2 hook planned)."""

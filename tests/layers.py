@@ -43,7 +43,7 @@ GPU = "numpy torch triton flashinfer"
 RULES: dict[str, Rule] = {
     "config": _rule(),
     "stats": _rule("config", "prometheus_client"),
-    "planning": _rule("", "numpy"),
+    "planning": _rule("", "numpy numba"),
     "step": _rule("config stats planning", "numpy"),
     "graphs": _rule("config stats planning step", "torch"),
     "execution": _rule(

@@ -1132,7 +1132,8 @@ def test_the_serving_grid_of_gpu_validate_is_a_valid_bench(tmp_path, capsys):
                                                "host_delay_2k", "burst_pair",
                                                "mixed_bursts", "chat_burst",
                                                "capture_bursts", "chat", "policy_moderate",
-                                               "flashinfer_chat"}
+                                               "flashinfer_chat", "chat_capacity",
+                                               "never_slower"}
     assert all(name == log for name, log, _ in slices)
     for _, _, args in slices:
         argv = shlex.split(args)

@@ -135,27 +135,25 @@ def test_snapshot_is_a_copy(clock):
     assert stats.snapshot().fallbacks["x"] == 1
 
 
-def test_prometheus_counters_mirror_the_records():
+def test_prometheus_counters_publish_what_was_counted():
+    from collections import Counter
+
     from prometheus_client import CollectorRegistry
 
     registry = CollectorRegistry()
     counters = PrometheusCounters(registry, tp_rank="0")
-    counters.planned(decode=True)
-    counters.planned(decode=False)
-    counters.cascade(1000, 100, decode=True, page_bytes=10)
-    counters.fallback("kernel error")
-    counters.graphed()
-    counters.capture_failure()
-    counters.captured(0.25)
-    counters.captured(0.5)
-    counters.planning(0.125, 0.0625)
-    counters.pool_bytes(4096)
-    counters.pool_bytes(8192)
+    counters.publish(stats.Counters(
+        steps_planned=2, decode_steps_planned=1, steps_cascade=1, decode_steps_cascade=1,
+        pages_flat=1000, pages_cascade=100, fallbacks=Counter({"kernel error": 1}),
+        decode_steps_graphed=1, graph_capture_failures=1, graph_captures=2,
+        graph_capture_s=0.75, planning_s=0.125, planning_cpu_s=0.0625, graph_pool_bytes=4096),
+        page_bytes=10)
+    counters.publish(stats.Counters(steps_planned=1, graph_pool_bytes=8192), page_bytes=10)
 
     def value(name: str, **labels: str) -> float | None:
         return registry.get_sample_value(f"vllm_cascade_{name}_total", {"tp_rank": "0", **labels})
 
-    assert value("steps_planned") == 2 and value("decode_steps_planned") == 1
+    assert value("steps_planned") == 3 and value("decode_steps_planned") == 1
     assert value("steps_cascade") == 1 and value("decode_steps_cascade") == 1
     assert value("kv_pages_flat") == 1000 and value("kv_pages_cascade") == 100
     assert value("kv_bytes_saved") == 9000

@@ -159,16 +159,33 @@ def test_the_log_line_names_each_flat_reason_with_the_predicted_ratio(clock, cap
             f"kernel planning error 1, {c.NO_SHARED} 1;") in line
 
 
-def test_prometheus_counts_flat_steps_by_reason_and_planning_per_step():
+def test_prometheus_counts_flat_steps_by_reason_and_planning_per_step(monkeypatch):
+    """Steps counted through ``stats``, published to the metrics by ``snapshot()``."""
     from prometheus_client import CollectorRegistry
 
     registry = CollectorRegistry()
-    metrics = PrometheusCounters(registry, tp_rank="0")
-    metrics.ended(0.0004, c.COST_MODEL, True, 1.25, c.PATH_COST_FLOOR)
-    metrics.ended(0.0004, c.COST_MODEL, False, 0.75, c.PATH_SCRATCH)
-    metrics.ended(0.002, None, True, None, c.PATH_SCRATCH)  # cascade: its planning time only
-    metrics.ended(0.00001, "planner error", True, None)  # no path said: "other"
-    metrics.builder(0.5, 0.125, 0.25, 0.0625)
+    monkeypatch.setattr(stats, "_metrics", PrometheusCounters(registry, tp_rank="0"))
+
+    def step(seconds: float, reason: str | None, decode: bool, ratio: float | None,
+             path: str | None) -> None:
+        stats.record_planned(decode)
+        stats.record_planning(seconds)
+        if path is not None:
+            stats.plan_path(path)
+        if reason is None:
+            stats.record_cascade(10, 2, decode)
+        elif reason == "planner error":
+            stats.record_fallback(reason, level=QUIET)
+        else:
+            stats.flat_decision(reason, ratio)
+
+    step(0.0004, c.COST_MODEL, True, 1.25, c.PATH_COST_FLOOR)
+    step(0.0004, c.COST_MODEL, False, 0.75, c.PATH_SCRATCH)
+    step(0.002, None, True, None, c.PATH_SCRATCH)  # cascade: its planning time only
+    step(0.00001, "planner error", True, None, None)  # no path said: "other"
+    stats.end_step()
+    stats.record_builder(0.5, 0.125, 0.25, 0.0625)
+    stats.snapshot()
 
     def value(name: str, **labels: str) -> float | None:
         return registry.get_sample_value(f"vllm_cascade_{name}", {"tp_rank": "0", **labels})
@@ -179,6 +196,7 @@ def test_prometheus_counts_flat_steps_by_reason_and_planning_per_step():
     assert value("flat_cost_ratio_total", reason=c.COST_MODEL) == 2.0
     assert value("flat_cost_ratio_total", reason="planner error") is None
     assert value("step_planning_seconds_count") == 4
+    assert value("step_planning_seconds_sum") == pytest.approx(0.00281)
     assert value("step_planning_seconds_bucket", le="0.0005") == 3
     assert value("step_planning_seconds_bucket", le="0.002") == 4
     assert value("planning_path_steps_total", path=c.PATH_SCRATCH) == 2
@@ -189,3 +207,8 @@ def test_prometheus_counts_flat_steps_by_reason_and_planning_per_step():
     assert value("builder_staging_seconds_total") == 0.125
     assert value("builder_launch_seconds_total") == 0.0625
     assert value("builder_cpu_seconds_total") == 0.25
+    stats.record_planned(True)  # a second publication adds only what was counted since
+    stats.end_step()
+    stats.snapshot()
+    assert value("step_planning_seconds_count") == 5
+    assert value("flat_steps_total", reason=c.COST_MODEL) == 2

@@ -40,8 +40,8 @@ def plan_rows(first_pages: np.ndarray, block_table: np.ndarray, num_blocks: np.n
     skipped for a step that continues the last one
     (:meth:`~.planning.planner.CascadePlanner.continues`).
     """
-    needed = -(-seq_lens // max(session.page_size, 1))
-    if np.any(num_blocks < needed):
+    facts = session.row_facts(first_pages, seq_lens, query_lens, num_blocks)
+    if facts.short:
         session.flat_step("block table shorter than the sequence", query_lens)
         return False
     config = session.config
@@ -55,9 +55,9 @@ def plan_rows(first_pages: np.ndarray, block_table: np.ndarray, num_blocks: np.n
     keyed = config is not None and config.plan_from_changes
     # The last step's decode rows one token longer: it shares and may win as that one did.
     if not session.continues(seq_lens, query_lens, row_keys if keyed else None, row_index):
-        if session.skip_unshared(first_pages, seq_lens, query_lens):
+        if session.skip_unshared(first_pages, seq_lens, query_lens, facts):
             return False
-        if session.cannot_win(seq_lens, query_lens):  # no plan of these rows could beat flat
+        if session.cannot_win(seq_lens, query_lens, facts):  # no plan of them could beat flat
             return False
     keys_read = row_keys() if keyed else None
     if keys_read is not None:
@@ -225,7 +225,7 @@ def mirror_differs(tables: Any, mirror: np.ndarray, index: np.ndarray,
     import torch
 
     width = int(pages.max(initial=0))
-    held = tables.block_tables[0].gpu[torch.as_tensor(index), :width].cpu().numpy()
+    held = tables.block_tables[0].gpu[torch.from_numpy(np.array(index)), :width].cpu().numpy()
     used = np.arange(width)[None, :] < pages[:, None]
     wrong = used & (held != mirror[index, :width])
     if not wrong.any():
@@ -260,6 +260,27 @@ def v2_rows(runner: Any, so: Any) -> tuple[list[str], np.ndarray, np.ndarray | N
     return req_ids, counts, np.argsort(np.where(decode, -1, counts), kind="stable")
 
 
+LAST_SLOTS = "_cascade_last_slots"  # runner attribute: (request ids, their slots) last step
+
+
+def _v2_slots(runner: Any, so: Any, req_ids: list[str]) -> np.ndarray:
+    """The request-state slots of ``req_ids`` (read-only). A step with no request new,
+    resumed (a new one in 0.34) or finished whose ids are the last step's, in its order (steady
+    decode), has its slots: a list comparison instead of a dict lookup per row."""
+    last = runner.__dict__.get(LAST_SLOTS)
+    cached = getattr(so, "scheduled_cached_reqs", None)
+    steady = (getattr(so, "finished_req_ids", None) == set()
+              and getattr(so, "scheduled_new_reqs", None) == []
+              and not getattr(cached, "resumed_req_ids", None))
+    if steady and last is not None and last[0] == req_ids:
+        return last[1]
+    index = np.fromiter(map(runner.req_states.req_id_to_index.__getitem__, req_ids),
+                        dtype=np.int64, count=len(req_ids))
+    index.flags.writeable = False
+    runner.__dict__[LAST_SLOTS] = (req_ids, index)
+    return index
+
+
 def v2_plan(step: PendingStep) -> bool:
     runner, so = step.runner, step.scheduler_output
     tables = runner.block_tables
@@ -271,8 +292,7 @@ def v2_plan(step: PendingStep) -> bool:
         stats.record_fallback("no CPU block ids")
         return False
     req_ids, query_lens, order = v2_rows(runner, so)
-    index = np.fromiter(map(runner.req_states.req_id_to_index.__getitem__, req_ids),
-                        dtype=np.int64, count=len(req_ids))
+    index = _v2_slots(runner, so, req_ids)
     if order is not None:
         index, query_lens = index[order], query_lens[order]
     step.rows = index  # who the rows are: checked against idx_mapping when a builder takes it

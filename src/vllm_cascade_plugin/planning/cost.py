@@ -55,14 +55,18 @@ Python (108 to 128 µs of host time per layer against 25 to 33 µs for flat deco
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .plan import CascadeLevel, CascadePlan
 
+if TYPE_CHECKING:
+    from .compiled import RowFacts
+
 __all__ = ["COST_MODELS", "FLASH_ATTN_FLAT", "FLASH_ATTN_MISS_BANDWIDTH", "AttentionShape",
            "CostModel", "Decision", "cost_model_for", "decide", "flash_attn_flat", "flat_floor",
-           "missed_pages"]
+           "flat_floor_from_facts", "missed_pages"]
 
 
 @dataclass(frozen=True)
@@ -324,6 +328,28 @@ def missed_pages(plan: CascadePlan, model: CostModel) -> int:
         gaps, pages = level.repeat_reads
         missed += int(np.add.reduce(pages[gaps > model.l2_window_rows]))
     return missed
+
+
+def flat_floor_from_facts(facts: RowFacts, num_rows: int, page_size: int, shape: AttentionShape,
+                          model: CostModel) -> Decision | None:
+    """:func:`flat_floor` from the rows' :class:`~.compiled.RowFacts` (computed with
+    ``model.flat_prefill_tile`` and ``model.l2_window_rows``) of a step of ``num_rows`` rows:
+    the same verdict without reading the rows again."""
+    if not facts.requests:
+        return None
+    padding, missed = 0.0, 0
+    if facts.requests != facts.tokens:  # rows of several query tokens: padded prefill tiles
+        if model.flat_prefill_tile > 1:
+            padding = float(facts.padding) * page_size
+    elif model.miss_bandwidth is not None and num_rows > model.l2_window_rows + 1:
+        missed = facts.late_pages * page_size
+    flat_us = _flat_us(facts.pages * page_size, float(facts.pairs) * page_size, padding, shape,
+                       model, missed)
+    least = _cascade_fixed_us(2, facts.requests, shape, model)
+    if least * (1 + model.margin) < flat_us:
+        return None
+    return Decision(False, flat_us, least,
+                    f"flat: cascade at least {least:.0f} us vs flat {flat_us:.0f} us")
 
 
 def flat_floor(seq_lens: np.ndarray, query_lens: np.ndarray, page_size: int,

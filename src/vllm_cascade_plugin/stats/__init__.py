@@ -19,6 +19,7 @@ nothing. The clock is read once per planned step (a monotonic clock, ~50 ns).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import threading
@@ -32,10 +33,10 @@ from .histogram import bucket
 from .line import format_line
 
 __all__ = ["Counters", "end_step", "flat_decision", "format_line", "log_once", "logger",
-           "page_bytes", "plain", "plan_path", "planning", "record_builder", "record_capture",
-           "record_capture_cause", "record_capture_failure", "record_cascade", "record_fallback",
-           "record_graphed_step", "record_planned", "record_planning", "reset",
-           "set_graph_pool_bytes", "set_page_bytes", "snapshot"]
+           "page_bytes", "plain", "plan_path", "planning", "publish", "record_builder",
+           "record_capture", "record_capture_cause", "record_capture_failure", "record_cascade",
+           "record_fallback", "record_graphed_step", "record_planned", "record_planning",
+           "reset", "set_graph_pool_bytes", "set_page_bytes", "snapshot"]
 
 logger = logging.getLogger("vllm.cascade_plugin")
 
@@ -63,6 +64,11 @@ _interval_s: float | None = None  # CASCADE_LOG_INTERVAL, read on the first plan
 _next_log = 0.0
 _last_logged = Counters()
 _metrics: Any = None  # prometheus.PrometheusCounters once created; False when unavailable
+# The counters as last published to the metrics, and how often a thread publishes (a step
+# counts in plain Python; the metrics' writes would cost it tens of µs: prometheus.py).
+PUBLISH_S = 0.5
+_published = Counters()
+_publish_lock = threading.Lock()
 
 
 def set_page_bytes(page_bytes: int) -> None:
@@ -84,16 +90,13 @@ def record_planned(decode: bool) -> None:
     global _open
     now = _clock()
     with _lock:
-        ended = _end_locked()
+        _end_locked()
         line = _due_line(now)  # the steps before this one, every one ended
         _counters.steps_planned += 1
         _counters.decode_steps_planned += decode
         _open = _OpenStep(decode)
-    sink = _sink()
-    if sink is not None:
-        if ended is not None:
-            sink.ended(*ended)
-        sink.planned(decode)
+    if _metrics is None:
+        _sink()
     if line is not None:
         logger.info(*line)
 
@@ -101,28 +104,21 @@ def record_planned(decode: bool) -> None:
 def end_step() -> None:
     """The open step (if any) ends: counted as cascade or flat with its reason."""
     with _lock:
-        ended = _end_locked()
-    if ended is None:
-        return
-    sink = _sink()
-    if sink is not None:
-        sink.ended(*ended)
+        _end_locked()
 
 
-def _end_locked() -> tuple[float, str | None, bool, float | None, str] | None:
-    """Under the lock: end the open step; (planning seconds, flat reason or None for a cascade
-    step, decode, predicted cascade/flat ratio, planning path) for the metrics, or None
-    without one."""
+def _end_locked() -> None:
+    """Under the lock: end the open step."""
     global _open
     step, _open = _open, None
     if step is None:
-        return None
+        return
     _counters.planning_buckets[bucket(step.planning_s)] += 1
     path = step.path or PATH_OTHER
     _counters.planning_paths[path] += 1
     _counters.planning_path_s[path] = _counters.planning_path_s.get(path, 0.0) + step.planning_s
     if step.cascade:
-        return step.planning_s, None, step.decode, None, path
+        return
     reason = step.reason or UNUSED
     _counters.flat_reasons[reason] += 1
     if step.decode:
@@ -130,7 +126,6 @@ def _end_locked() -> tuple[float, str | None, bool, float | None, str] | None:
     if step.ratio is not None:
         ratios = _counters.flat_cost_ratio
         ratios[reason] = ratios.get(reason, 0.0) + step.ratio
-    return step.planning_s, reason, step.decode, step.ratio, path
 
 
 def plan_path(path: str) -> None:
@@ -161,18 +156,12 @@ def record_cascade(pages_flat: int, pages_cascade: int, decode: bool) -> None:
         _counters.decode_steps_cascade += decode
         _counters.pages_flat += pages_flat
         _counters.pages_cascade += pages_cascade
-    sink = _sink()
-    if sink is not None:
-        sink.cascade(pages_flat, pages_cascade, decode, _page_bytes)
 
 
 def record_graphed_step() -> None:
     """A cascade decode step whose attention replayed a CUDA graph (once per step)."""
     with _lock:
         _counters.decode_steps_graphed += 1
-    sink = _sink()
-    if sink is not None:
-        sink.graphed()
 
 
 def record_capture(seconds: float) -> None:
@@ -180,27 +169,18 @@ def record_capture(seconds: float) -> None:
     with _lock:
         _counters.graph_captures += 1
         _counters.graph_capture_s += seconds
-    sink = _sink()
-    if sink is not None:
-        sink.captured(seconds)
 
 
 def record_capture_cause(cause: str) -> None:
     """A whole-step CUDA graph was captured because ``cause`` was new in its key."""
     with _lock:
         _counters.full_graph_capture_causes[cause] += 1
-    sink = _sink()
-    if sink is not None:
-        sink.capture_cause(cause)
 
 
 def set_graph_pool_bytes(total: int) -> None:
     """GPU memory all of the plugin's CUDA-graph pools in this process hold now."""
     with _lock:
         _counters.graph_pool_bytes = int(total)
-    sink = _sink()
-    if sink is not None:
-        sink.pool_bytes(total)
 
 
 def record_planning(seconds: float, cpu_seconds: float = 0.0) -> None:
@@ -211,9 +191,6 @@ def record_planning(seconds: float, cpu_seconds: float = 0.0) -> None:
         _counters.planning_cpu_s += cpu_seconds
         if _open is not None:
             _open.planning_s += seconds
-    sink = _sink()
-    if sink is not None:
-        sink.planning(seconds, cpu_seconds)
 
 
 @contextlib.contextmanager
@@ -247,17 +224,11 @@ def record_builder(seconds: float, staging_seconds: float = 0.0,
         _counters.builder_staging_s += staging_seconds
         _counters.builder_launch_s += launch_seconds
         _counters.builder_cpu_s += cpu_seconds
-    sink = _sink()
-    if sink is not None:
-        sink.builder(seconds, staging_seconds, cpu_seconds, launch_seconds)
 
 
 def record_capture_failure() -> None:
     with _lock:
         _counters.graph_capture_failures += 1
-    sink = _sink()
-    if sink is not None:
-        sink.capture_failure()
 
 
 def record_fallback(reason: str, detail: str = "", *, level: int = logging.WARNING) -> None:
@@ -269,9 +240,6 @@ def record_fallback(reason: str, detail: str = "", *, level: int = logging.WARNI
             _open.reason = reason
         first = reason not in _logged
         _logged.add(reason)
-    sink = _sink()
-    if sink is not None:
-        sink.fallback(reason)
     if first:
         logger.log(level, "vllm-cascade-plugin: falling back to flat attention (%s)%s; "
                    "logged once per reason.", reason, f": {detail}" if detail else "")
@@ -286,15 +254,44 @@ def log_once(key: str, message: str, *args: object, level: int = logging.INFO) -
 
 
 def snapshot() -> Counters:
+    """A copy of the counters; what they counted is published to the metrics first."""
+    publish()
     with _lock:
         return copy(_counters)
 
 
+def publish() -> None:
+    """Add what was counted since the last publication to the Prometheus metrics (where they
+    exist): the publisher thread's every :data:`PUBLISH_S`, :func:`snapshot` and the process's
+    exit call it."""
+    global _published
+    sink = _sink()
+    if sink is None:
+        return
+    with _publish_lock:
+        with _lock:
+            since = difference(_counters, _published)
+            _published = copy(_counters)
+        try:
+            sink.publish(since, _page_bytes)
+        except Exception as exc:  # metrics are a convenience: never fail a step for them
+            log_once("metrics failed", "vllm-cascade-plugin: Prometheus metrics not updated "
+                     "(%s: %s).", type(exc).__name__, exc, level=logging.WARNING)
+
+
+def _publisher() -> None:
+    while True:
+        time.sleep(PUBLISH_S)
+        publish()
+
+
 def reset() -> None:
     """Forget counts, the open step, logged reasons and the log line's timer (tests)."""
-    global _counters, _interval_s, _last_logged, _open, _planning_depth
+    global _counters, _interval_s, _last_logged, _open, _planning_depth, _published
+    publish()  # the metrics keep what was counted before
     with _lock:
         _counters = Counters()
+        _published = Counters()
         _open = None
         _planning_depth = 0
         _logged.clear()
@@ -310,6 +307,8 @@ def _sink() -> Any:
             from .prometheus import PrometheusCounters
 
             _metrics = PrometheusCounters()
+            threading.Thread(target=_publisher, name="vllm-cascade-metrics", daemon=True).start()
+            atexit.register(publish)
         except Exception as exc:  # metrics are a convenience: never fail a step for them
             _metrics = False
             logger.info("vllm-cascade-plugin: no Prometheus metrics in this process (%s: %s).",

@@ -12,6 +12,10 @@ Every series carries ``tp_rank``: tensor-parallel workers plan the same steps, s
 Flat steps carry their ``reason`` (one of a few fixed strings: ``counters.FLAT_REASONS`` and the
 fallbacks' reasons); per-step planning time is a histogram in fixed buckets
 (``histogram.BOUNDS_S``), whose percentiles ``histogram.quantile`` reads.
+
+The worker counts in plain Python (:mod:`vllm_cascade_plugin.stats`) and publishes what it counted
+here in batches (:meth:`PrometheusCounters.publish`): in multiprocess mode every ``inc`` is a
+locked write to a memory-mapped file, about ten of them per step.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
-from .counters import PATH_OTHER
+from .counters import Counters
 from .histogram import BOUNDS_S
 
 PREFIX = "vllm_cascade_"
@@ -122,68 +126,74 @@ class PrometheusCounters:
         self.kv_bytes_saved = counter(
             "kv_bytes_saved",
             "KV-cache bytes cascade attention did not read, over all layers of this worker.")
+        # Counters field -> metric, for publish().
+        self._plain = (
+            ("steps_planned", self.steps_planned), ("steps_cascade", self.steps_cascade),
+            ("decode_steps_planned", self.decode_steps_planned),
+            ("decode_steps_cascade", self.decode_steps_cascade),
+            ("decode_steps_graphed", self.decode_steps_graphed),
+            ("graph_capture_failures", self.graph_capture_failures),
+            ("graph_captures", self.graph_captures),
+            ("graph_capture_s", self.graph_capture_seconds),
+            ("planning_s", self.planning_seconds), ("planning_cpu_s", self.planning_cpu_seconds),
+            ("builder_s", self.builder_seconds),
+            ("builder_staging_s", self.builder_staging_seconds),
+            ("builder_launch_s", self.builder_launch_seconds),
+            ("builder_cpu_s", self.builder_cpu_seconds),
+            ("pages_flat", self.kv_pages_flat), ("pages_cascade", self.kv_pages_cascade))
+        self._labelled = (
+            ("flat_reasons", self._flat_steps), ("decode_flat_reasons", self._decode_flat_steps),
+            ("planning_paths", self._planning_path_steps),
+            ("planning_path_s", self._planning_path_seconds),
+            ("flat_cost_ratio", self._flat_cost_ratio), ("fallbacks", self._fallbacks),
+            ("full_graph_capture_causes", self._full_graph_captures))
+        self._pool_bytes = 0
+        self._bulk: bool | None = None  # whether _observe adds to the histogram's own counts
 
-    def planned(self, decode: bool) -> None:
-        self.steps_planned.inc()
-        if decode:
-            self.decode_steps_planned.inc()
+    def publish(self, d: Counters, page_bytes: int) -> None:
+        """Add what was counted since the last publication (``d``, a :func:`~.counters.difference`;
+        its levels: now's) to the metrics. ``page_bytes``: bytes of one KV page over every
+        layer a plan serves (0: unknown, no bytes counted)."""
+        for name, metric in self._plain:
+            value = getattr(d, name)
+            if value:
+                metric.inc(value)
+        saved = d.pages_flat - d.pages_cascade
+        if page_bytes and saved > 0:
+            self.kv_bytes_saved.inc(saved * page_bytes)
+        for name, metric in self._labelled:
+            for label, value in getattr(d, name).items():
+                if value:
+                    self._child(metric, label).inc(value)
+        if any(d.planning_buckets):
+            self._observe(d.planning_buckets, sum(d.planning_path_s.values()))
+        if d.graph_pool_bytes != self._pool_bytes:
+            self._pool_bytes = d.graph_pool_bytes
+            self.graph_pool_bytes.set(d.graph_pool_bytes)
 
-    def cascade(self, pages_flat: int, pages_cascade: int, decode: bool, page_bytes: int) -> None:
-        self.steps_cascade.inc()
-        if decode:
-            self.decode_steps_cascade.inc()
-        self.kv_pages_flat.inc(pages_flat)
-        self.kv_pages_cascade.inc(pages_cascade)
-        if page_bytes and pages_flat > pages_cascade:
-            self.kv_bytes_saved.inc((pages_flat - pages_cascade) * page_bytes)
-
-    def graphed(self) -> None:
-        self.decode_steps_graphed.inc()
-
-    def captured(self, seconds: float) -> None:
-        self.graph_captures.inc()
-        self.graph_capture_seconds.inc(seconds)
+    def _observe(self, counts: list[int], seconds: float) -> None:
+        """``counts[i]`` steps in bucket ``i`` of the planning histogram, ``seconds`` in all.
+        prometheus_client's histogram stores a count per bucket and a sum, which are added to
+        directly where they are as this code knows them (checked once); else one observation
+        per step at its bucket's bound."""
+        h = self.step_planning_seconds
+        if self._bulk is None:
+            buckets = getattr(h, "_buckets", None)
+            self._bulk = (isinstance(buckets, list) and len(buckets) == len(counts)
+                          and hasattr(h, "_sum") and list(getattr(h, "_upper_bounds", ()))
+                          == [*BOUNDS_S, float("inf")])
+        if self._bulk:
+            for i, n in enumerate(counts):
+                if n:
+                    h._buckets[i].inc(n)
+            h._sum.inc(seconds)
+            return
+        for bound, n in zip([*BOUNDS_S, BOUNDS_S[-1] * 2], counts, strict=True):
+            for _ in range(n):
+                h.observe(bound)
 
     def _child(self, metric: Any, label: str) -> Any:
         child = self._children.get((id(metric), label))
         if child is None:
             child = self._children[(id(metric), label)] = metric.labels(self._rank, label)
         return child
-
-    def capture_cause(self, cause: str) -> None:
-        self._child(self._full_graph_captures, cause).inc()
-
-    def pool_bytes(self, total: int) -> None:
-        self.graph_pool_bytes.set(total)
-
-    def planning(self, seconds: float, cpu_seconds: float = 0.0) -> None:
-        self.planning_seconds.inc(seconds)
-        self.planning_cpu_seconds.inc(cpu_seconds)
-
-    def builder(self, seconds: float, staging_seconds: float = 0.0,
-                cpu_seconds: float = 0.0, launch_seconds: float = 0.0) -> None:
-        self.builder_seconds.inc(seconds)
-        self.builder_staging_seconds.inc(staging_seconds)
-        self.builder_launch_seconds.inc(launch_seconds)
-        self.builder_cpu_seconds.inc(cpu_seconds)
-
-    def ended(self, planning_s: float, flat_reason: str | None, decode: bool,
-              ratio: float | None, path: str = PATH_OTHER) -> None:
-        """A planned step ended: its planning time and path; flat (with its reason) or cascade
-        (None)."""
-        self.step_planning_seconds.observe(planning_s)
-        self._child(self._planning_path_steps, path).inc()
-        self._child(self._planning_path_seconds, path).inc(planning_s)
-        if flat_reason is None:
-            return
-        self._child(self._flat_steps, flat_reason).inc()
-        if decode:
-            self._child(self._decode_flat_steps, flat_reason).inc()
-        if ratio is not None:
-            self._child(self._flat_cost_ratio, flat_reason).inc(ratio)
-
-    def capture_failure(self) -> None:
-        self.graph_capture_failures.inc()
-
-    def fallback(self, reason: str) -> None:
-        self._child(self._fallbacks, reason).inc()

@@ -26,13 +26,15 @@ import numpy as np
 
 from .. import stats
 from ..config import CascadeConfig
-from ..planning.cost import AttentionShape, CostModel, Decision, decide, flat_floor
+from ..planning.compiled import compile_once
+from ..planning.cost import AttentionShape, CostModel, Decision, decide
 from ..planning.graph_layout import graph_shape
 from ..planning.invariants import plan_violations
 from ..planning.plan import CascadePlan
 from ..planning.planner import CascadePlanner, nothing_shared
-from ..stats.counters import COST_MODEL, MIXED, NOT_CAPTURED, PATH_COST_FLOOR, PATH_UNSHARED
+from ..stats.counters import COST_MODEL, MIXED, NOT_CAPTURED
 from .plan import BuilderSettings, StepPlan, flat_attention, flat_reason, unshared_reason
+from .prechecks import PreChecks
 
 __all__ = ["BuilderSettings", "StepPlan", "StepSession", "session"]
 
@@ -42,7 +44,7 @@ MAX_LAYOUTS = 4096  # graph layouts remembered (then forgotten all at once)
 STEADY, FIRST = "graphed", "first of its layout"
 
 
-class StepSession:
+class StepSession(PreChecks):
     """Per-process planning state: every builder's settings, the settings steps are planned
     with, and the current step's plan."""
 
@@ -131,33 +133,20 @@ class StepSession:
         self.disabled_reason = settings.unsupported
         self._planner = CascadePlanner(max_levels=config.max_levels,
                                        min_shared_pages=config.min_shared_pages)
+        if settings.unsupported is None:
+            done, seconds, why = compile_once()
+            if done:
+                stats.log_once("compiled", "vllm-cascade-plugin: the step pre-checks are "
+                               "compiled (numba, %.2f s; cached on disk for the next start).",
+                               seconds)
+            else:
+                stats.log_once("compiled", "vllm-cascade-plugin: numba did not compile the step "
+                               "pre-checks (%s); they run in numpy, a little slower.", why,
+                               level=logging.WARNING)
 
     @property
     def active(self) -> bool:
         return self.disabled_reason is None and self._planner is not None
-
-    def skip_unshared(self, first_pages: np.ndarray, seq_lens: np.ndarray,
-                      query_lens: np.ndarray) -> bool:
-        """Count a real step that provably shares no page as planned and flat; True if so.
-
-        The runner hooks ask this first, from each row's first block id, and call
-        :meth:`plan_step` (which needs the whole block table) only when it answers False.
-        With ``CASCADE_DEBUG=1`` the planner runs anyway and must agree (see :meth:`plan_step`).
-        """
-        self.current = None
-        if not self.active or (self.config is not None and self.config.debug):
-            return False
-        with stats.planning():
-            try:
-                if not nothing_shared(first_pages, seq_lens, query_lens, self.page_size):
-                    return False
-            except Exception as exc:  # the full planner decides instead
-                stats.record_fallback("planner error", f"{type(exc).__name__}: {exc}")
-                return False
-            stats.record_planned(bool(np.all(np.asarray(query_lens) == 1)))
-            stats.plan_path(PATH_UNSHARED)
-            stats.flat_decision(unshared_reason(query_lens))
-        return True
 
     def continues(self, seq_lens: np.ndarray, query_lens: np.ndarray,
                   row_keys: np.ndarray | Callable[[], np.ndarray | None] | None,
@@ -168,55 +157,6 @@ class StepSession:
         answer False, and are not asked."""
         return (self.active and row_keys is not None and self._planner is not None
                 and self._planner.continues(seq_lens, query_lens, row_keys, row_index))
-
-    def cannot_win(self, seq_lens: np.ndarray, query_lens: np.ndarray) -> bool:
-        """Count a real step no plan of which could run as cascade (the cost model's floor,
-        :func:`~.planning.cost.flat_floor`, charged as :meth:`_decide` charges first) as planned
-        and flat, for the reason :meth:`_decide` would give; True if so. Not with
-        ``CASCADE_DEBUG`` (every step is planned and checked) or ``CASCADE_POLICY=always``.
-        A mixed step is planned whole (every query token) unless ``CASCADE_SPLIT_MIXED`` splits
-        it (:meth:`_split_lens`)."""
-        self.current = None
-        config = self.config
-        if (not self.active or config is None or config.debug or config.policy == "always"
-                or self.shape is None):
-            return False
-        with stats.planning():
-            try:
-                query = np.asarray(query_lens)
-                decode = bool(np.all(query == 1))
-                steady, split = self.steady_cost_model, self._split_lens(query)
-                model = (steady if decode and steady is not None
-                         and self.graphable(int(query.sum())) else self.cost_model)
-                if split is not None:  # the decode rows' cascade against their flat attention
-                    assert self.split_cost_model is not None
-                    model = self.split_cost_model
-                floor = flat_floor(seq_lens, query if split is None else split,
-                                   self.page_size, self.shape, model)
-            except Exception as exc:  # the full planner decides instead
-                stats.record_fallback("planner error", f"{type(exc).__name__}: {exc}")
-                return False
-            if floor is None:
-                return False
-        stats.record_planned(decode)
-        stats.plan_path(PATH_COST_FLOOR)
-        reason = flat_reason(decode, query)
-        stats.flat_decision(reason, floor.cascade_us / floor.flat_us)
-        return True
-
-    def _split_lens(self, query_lens: np.ndarray) -> np.ndarray | None:
-        """For a mixed step the executor splits (``CASCADE_SPLIT_MIXED``): the query lengths its
-        plan covers, 1 for each row of one query token and 0 (padding, to the planner) for the
-        others, which run flat; None where the step is planned whole, every query token, and
-        charged the eager cost (not mixed, the split off, no split cost, or more decode rows
-        than vLLM's largest CUDA-graph capture size: the decode rows would run eagerly)."""
-        if self.split_cost_model is None or self.config is None or not self.config.split_mixed:
-            return None
-        one = np.asarray(query_lens) == 1
-        decode_rows = int(np.count_nonzero(one))
-        if not decode_rows or decode_rows == len(one) or not self.graphable(decode_rows):
-            return None
-        return one.astype(np.int32)
 
     def flat_step(self, reason: str, query_lens: np.ndarray) -> None:
         """Count a real step the runner hooks cannot plan (``reason``, counted as a fallback)

@@ -1,0 +1,138 @@
+"""The step session's pre-checks: what the runner hooks ask of a step's rows before the
+planner reads its block table (:class:`PreChecks`, a part of
+:class:`~vllm_cascade_plugin.step.StepSession`). Most steps of a serving run stop here: one
+compiled pass over the rows (:mod:`~vllm_cascade_plugin.planning.compiled`) answers both."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .. import stats
+from ..planning.compiled import RowFacts, row_facts
+from ..planning.cost import AttentionShape, CostModel, flat_floor, flat_floor_from_facts
+from ..planning.planner import nothing_shared
+from ..stats.counters import PATH_COST_FLOOR, PATH_UNSHARED
+from .plan import flat_reason, unshared_reason
+
+if TYPE_CHECKING:
+    from ..config import CascadeConfig
+
+
+class PreChecks:
+    """The pre-checks; the session's state they read is declared here."""
+
+    config: CascadeConfig | None
+    shape: AttentionShape | None
+    page_size: int
+    cost_model: CostModel
+    steady_cost_model: CostModel | None
+    split_cost_model: CostModel | None
+    current: Any
+
+    @property
+    def active(self) -> bool:  # the session's
+        raise NotImplementedError
+
+    def graphable(self, num_tokens: int) -> bool:  # the session's
+        raise NotImplementedError
+
+    def row_facts(self, first_pages: np.ndarray, seq_lens: np.ndarray, query_lens: np.ndarray,
+                  num_blocks: np.ndarray) -> RowFacts:
+        """What the pre-checks need of a step's rows, in one pass (:mod:`~.planning.compiled`;
+        the floor's terms for :attr:`cost_model`'s prefill tile and L2 window)."""
+        model = self.cost_model
+        return row_facts(first_pages, seq_lens, query_lens, num_blocks, max(self.page_size, 1),
+                         model.flat_prefill_tile, model.l2_window_rows)
+
+    def skip_unshared(self, first_pages: np.ndarray, seq_lens: np.ndarray,
+                      query_lens: np.ndarray, facts: RowFacts | None = None) -> bool:
+        """Count a real step that provably shares no page as planned and flat; True if so.
+
+        The runner hooks ask this first, from each row's first block id (``facts``: from
+        :meth:`row_facts`), and call :meth:`plan_step` (which needs the whole block table) only
+        when it answers False. With ``CASCADE_DEBUG=1`` the planner runs anyway and must agree
+        (see :meth:`plan_step`).
+        """
+        self.current = None
+        if not self.active or (self.config is not None and self.config.debug):
+            return False
+        with stats.planning():
+            try:
+                if facts is not None:
+                    if facts.maybe_shared:
+                        return False
+                elif not nothing_shared(first_pages, seq_lens, query_lens, self.page_size):
+                    return False
+            except Exception as exc:  # the full planner decides instead
+                stats.record_fallback("planner error", f"{type(exc).__name__}: {exc}")
+                return False
+            stats.record_planned(_all_decode(query_lens, facts))
+            stats.plan_path(PATH_UNSHARED)
+            stats.flat_decision(unshared_reason(query_lens))
+        return True
+
+    def cannot_win(self, seq_lens: np.ndarray, query_lens: np.ndarray,
+                   facts: RowFacts | None = None) -> bool:
+        """Count a real step no plan of which could run as cascade (the cost model's floor,
+        :func:`~.planning.cost.flat_floor`, charged as :meth:`_decide` charges first) as planned
+        and flat, for the reason :meth:`_decide` would give; True if so. Not with
+        ``CASCADE_DEBUG`` (every step is planned and checked) or ``CASCADE_POLICY=always``.
+        A mixed step is planned whole (every query token) unless ``CASCADE_SPLIT_MIXED`` splits
+        it (:meth:`_split_lens`). ``facts``: the rows' :meth:`row_facts`, if read."""
+        self.current = None
+        config = self.config
+        if (not self.active or config is None or config.debug or config.policy == "always"
+                or self.shape is None):
+            return False
+        with stats.planning():
+            try:
+                query = np.asarray(query_lens)
+                decode = _all_decode(query, facts)
+                steady, split = self.steady_cost_model, self._split_lens(query)
+                tokens = facts.tokens if facts is not None else int(query.sum())
+                model = (steady if decode and steady is not None
+                         and self.graphable(tokens) else self.cost_model)
+                if split is not None:  # the decode rows' cascade against their flat attention
+                    assert self.split_cost_model is not None
+                    model = self.split_cost_model
+                if (facts is not None and split is None
+                        and model.flat_prefill_tile == self.cost_model.flat_prefill_tile
+                        and model.l2_window_rows == self.cost_model.l2_window_rows):
+                    floor = flat_floor_from_facts(facts, len(query), self.page_size, self.shape,
+                                                  model)
+                else:
+                    floor = flat_floor(seq_lens, query if split is None else split,
+                                       self.page_size, self.shape, model)
+            except Exception as exc:  # the full planner decides instead
+                stats.record_fallback("planner error", f"{type(exc).__name__}: {exc}")
+                return False
+            if floor is None:
+                return False
+        stats.record_planned(decode)
+        stats.plan_path(PATH_COST_FLOOR)
+        reason = flat_reason(decode, query)
+        stats.flat_decision(reason, floor.cascade_us / floor.flat_us)
+        return True
+
+    def _split_lens(self, query_lens: np.ndarray) -> np.ndarray | None:
+        """For a mixed step the executor splits (``CASCADE_SPLIT_MIXED``): the query lengths its
+        plan covers, 1 for each row of one query token and 0 (padding, to the planner) for the
+        others, which run flat; None where the step is planned whole, every query token, and
+        charged the eager cost (not mixed, the split off, no split cost, or more decode rows
+        than vLLM's largest CUDA-graph capture size: the decode rows would run eagerly)."""
+        if self.split_cost_model is None or self.config is None or not self.config.split_mixed:
+            return None
+        one = np.asarray(query_lens) == 1
+        decode_rows = int(np.count_nonzero(one))
+        if not decode_rows or decode_rows == len(one) or not self.graphable(decode_rows):
+            return None
+        return one.astype(np.int32)
+
+
+def _all_decode(query_lens: np.ndarray, facts: RowFacts | None) -> bool:
+    """Whether every row has exactly one query token (a decode step)."""
+    if facts is not None:
+        return facts.requests == facts.tokens == len(query_lens)
+    return bool(np.all(np.asarray(query_lens) == 1))
