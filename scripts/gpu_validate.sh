@@ -256,6 +256,8 @@ part_serve() {
 #                      step-timeline probe (the GPU's wait for the host per step): prefill-heavy
 #                      chat at 50% (twice), 90% and 110% and two bursts; no sharing; a long
 #                      shared document at 50% and a burst. About 14 min on a fresh machine.
+#   never_slower_chat  the same on prefill-heavy chat only, once per load (about 9 min on a
+#                      fresh machine at SERVE_DURATION=15).
 serve_slice() {  # name, timeout (s), serve_bench.py arguments...
   local name=$1 limit=$2 start=$SECONDS
   shift 2
@@ -325,6 +327,8 @@ part_serve_grid() {  # run it detached, alone; the slices in SERVE_GRID's order
       --workloads chat_1k5_system --rates 90% ;;
     chat_capacity) serve_slice chat_capacity 1200 --configs flash_attn,cascade_flash_attn \
       --workloads chat_1k_prefill_heavy --rates burst,50%,90%,110% --profile 110% ;;
+    never_slower_chat) serve_slice never_slower_chat 900 --configs flash_attn,cascade_flash_attn \
+      --workloads chat_1k_prefill_heavy --step-timeline --rates burst,50%,90%,110% ;;
     never_slower) serve_slice never_slower 1500 --configs flash_attn,cascade_flash_attn \
       --workloads chat_1k_prefill_heavy,random_2k,prefix_8k_x4 --step-timeline \
       --rates "chat_1k_prefill_heavy=burst*2,50%*2,90%,110%;random_2k=burst,90%;prefix_8k_x4=burst,50%" ;;

@@ -1133,7 +1133,7 @@ def test_the_serving_grid_of_gpu_validate_is_a_valid_bench(tmp_path, capsys):
                                                "mixed_bursts", "chat_burst",
                                                "capture_bursts", "chat", "policy_moderate",
                                                "flashinfer_chat", "chat_capacity",
-                                               "never_slower"}
+                                               "never_slower", "never_slower_chat"}
     assert all(name == log for name, log, _ in slices)
     for _, _, args in slices:
         argv = shlex.split(args)
