@@ -262,7 +262,8 @@ serve_slice() {  # name, timeout (s), serve_bench.py arguments...
   local name=$1 limit=$2 start=$SECONDS
   shift 2
   # The committed rows: a slice without a flat burst takes its rates from them.
-  [ -f "$res/serve_grid/serve.json" ] || cp benchmarks/results/h200/serve.json "$res/serve_grid/"
+  [ -f "$res/serve_grid/serve.json" ] || cp benchmarks/results/h200/serve.json \
+    benchmarks/results/h200/serve.meta.json "$res/serve_grid/"  # the runs' provenance too
   timeout "$limit" python3 benchmarks/serve_bench.py --model examples/models/llama3-8b \
     --duration "${SERVE_DURATION:-20}" --out "$res/serve_grid/serve.json" "$@" \
     > "$res/serve_grid/$name.log" 2>&1

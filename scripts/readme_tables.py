@@ -338,6 +338,15 @@ def block_serve() -> list[str]:
         return f"{shown} ({host:,.0f})" if host is not None else shown
 
     body, apart, splits = [], False, []
+    gpu_of = {run.get("run_id"): run.get("gpu", "GPU not recorded").split(" (")[0]
+              for run in meta.get("runs", [meta])}
+    shown_runs = {r.get("run_id") for r in rows}
+    by_gpu: dict[str, set[str]] = {}
+    for run in meta.get("runs", [meta]):
+        if run.get("run_id") in shown_runs and "date" in run:
+            by_gpu.setdefault(gpu_of[run.get("run_id")], set()).add(run["date"])
+    main_gpu = max(by_gpu, key=lambda g: len(by_gpu[g])) if by_gpu else ""
+    other_gpu = False
     keys = dict.fromkeys((r["workload"], r.get("tensor_parallel_size", 1)) for r in rows)
     for flat_config, plugin_config, backend in SERVE_PAIRS:
         for workload, tp in keys:
@@ -352,6 +361,8 @@ def block_serve() -> list[str]:
                     rate += f", {len(runs)} runs"
                 if any(a.get("run_id") != b.get("run_id") for a, b in runs):
                     rate, apart = rate + APART, True
+                if gpu_of.get(f.get("run_id"), main_gpu) != main_gpu:
+                    rate, other_gpu = f"{rate}, {gpu_of[f.get('run_id')]}", True
 
                 def cell(key: str, digits: int = 0, runs: list[Any] = runs,
                          f: dict[str, Any] = f, c: dict[str, Any] = c) -> str:
@@ -380,12 +391,13 @@ def block_serve() -> list[str]:
     lines = []
     if (H200 / "serve.png").is_file():
         lines += ["![Online serving on an H200](benchmarks/results/h200/serve.png)", ""]
-    shown = {r.get("run_id") for r in rows}
-    dates = sorted({run["date"] for run in meta.get("runs", [meta])
-                    if run.get("run_id") in shown and "date" in run})
-    setup = _setup({k: v for k, v in meta.items() if k != "date"})
-    lines += [f"Flat → plugin on the same backend (plugin ÷ flat), {setup}, "
-              f"{', '.join(dates)} "
+    setup = "".join(f"{name} {meta[key]}, " for key, name in (("vllm", "vLLM"),
+                                                             ("flashinfer", "FlashInfer"))
+                    if key in meta)
+    gpus = "; ".join(f"{gpu} {', '.join(sorted(dates))}" for gpu, dates in sorted(
+        by_gpu.items(), key=lambda item: item[0] != main_gpu))
+    where = " (a row measured on another GPU names it beside its rate)" if other_gpu else ""
+    lines += [f"Flat → plugin on the same backend (plugin ÷ flat), {setup}{gpus}{where} "
               f"({_source(path)}); latencies in ms, lower is better; the plugin's decode "
               "steps as cascade, of all and (in brackets) of those whose rows share a page "
               "(all but those flat for no shared level or a single request), and of those over "
