@@ -58,6 +58,11 @@ mkdir -p "$res"
 # Pure-Python wheels the device bundle lacks (e.g. truststore, which the OpenAI client's HTTP
 # stack imports): put in .devb/wheels/, they are imported from the wheel files directly.
 for w in .devb/wheels/*.whl; do [ -f "$w" ] && export PYTHONPATH="$PWD/$w${PYTHONPATH:+:$PYTHONPATH}"; done
+# CUPTI for the torch profiler's GPU events (serve_bench.py --profile): the device's CUDA
+# toolkit has it (/usr/local/cuda-13.0/.../libcupti.so.13), torch's wheel does not bring it.
+for d in /usr/local/cuda*/targets/x86_64-linux/lib; do
+  [ -e "$d/libcupti.so.13" ] && export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" && break
+done
 SIDE_BY_SIDE=${GV_SIDE_BY_SIDE-"engine_flash_attn engine_flashinfer engine_graphs kernels serving fp8 speculative sliding soak"}
 ALONE=${GV_ALONE-"serving_memory demo examples"}
 ORDER="engine_flash_attn engine_flashinfer engine_graphs kernels serving serving_memory fp8 speculative sliding soak demo examples"

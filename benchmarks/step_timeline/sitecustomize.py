@@ -1,18 +1,21 @@
-"""Benchmark only: how long the GPU waits for the host between served steps, without a profiler.
+"""Benchmark only: how long the GPU waits for the host inside served steps, without a profiler.
 
 ``serve_bench.py --step-timeline`` puts this folder first on every server's ``PYTHONPATH`` and
 sets ``CASCADE_BENCH_TIMELINE_FILE``. In the engine process, once vLLM's Model Runner V2 module
-is imported, two CUDA events are recorded per step on the runner's stream: *forward*, where the
-model's forward is about to be launched (``set_forward_context`` or ``run_fullgraph``: the
-inputs and every attention metadata builder's work, the plugin's planning included, are done),
-and *sampled*, where ``sample_tokens`` returns. An event completes when the stream reaches it,
-so ``sampled(N) -> forward(N+1)`` is the time the GPU had nothing of step N+1 to run (the host
-was still preparing it: GPU idle, on the critical path), and ``forward(N) -> sampled(N)`` the
-forward and sampling's GPU time. Completed pairs are read without waiting (``Event.query``);
-the running totals go to the file every second as JSON: ``steps``, ``gpu_step_ms`` (forward
-and sampling), ``gpu_wait_ms`` (waiting for the host), ``waits_over_1ms`` and ``wait_p99_ms``
-over the last 4,096 steps. ``serve_bench.py`` reads it before and after each run. It shadows any
-other ``sitecustomize`` module on that server's path.
+is imported, three CUDA events are recorded per step on the runner's stream: *begin*, where
+``execute_model`` is entered (the host starts preparing the step), *forward*, where the model's
+forward is about to be launched (``set_forward_context`` or ``run_fullgraph``: the inputs and
+every attention metadata builder's work, the plugin's planning included, are done), and
+*sampled*, where ``sample_tokens`` returns. An event completes when the stream reaches it, or
+when it is recorded if the stream is idle by then, so ``begin -> forward`` is the time the GPU
+had nothing of the step to run while the host prepared it (on the critical path; near zero when
+the host prepares a step while the GPU still runs the last one), and ``forward -> sampled``
+the forward and sampling's GPU time. Idle time between steps with no request to run is in
+neither. Completed steps are read without waiting (``Event.query``); the running totals go to
+the file every second as JSON: ``steps``, ``gpu_step_ms``, ``gpu_wait_ms`` (waiting for the
+host), ``waits_over_1ms`` and ``wait_p99_ms`` over the last 4,096 steps. ``serve_bench.py``
+reads it before and after each run. It shadows any other ``sitecustomize`` module on that
+server's path.
 """
 
 from __future__ import annotations
@@ -34,9 +37,9 @@ _TARGET = "vllm.v1.worker.gpu.model_runner"
 class _Timeline:
     def __init__(self, path: str) -> None:
         self.path = path
-        self.pending: deque[tuple[Any, Any]] = deque()  # (forward, sampled) not yet read
+        self.pending: deque[tuple[Any, Any, Any]] = deque()  # (begin, forward, sampled)
+        self.begin: Any = None
         self.forward: Any = None
-        self.last_sampled: Any = None
         self.steps = 0
         self.step_ms = 0.0
         self.wait_ms = 0.0
@@ -44,37 +47,41 @@ class _Timeline:
         self.recent: deque[float] = deque(maxlen=4096)
         self.written = 0.0
 
-    def mark_forward(self) -> None:
+    @staticmethod
+    def _event() -> Any:
         import torch
 
         if torch.cuda.is_current_stream_capturing():  # vLLM capturing its graphs: no event
-            return
-        if self.forward is None:  # the first forward of a step (a step has one)
-            self.forward = torch.cuda.Event(enable_timing=True)
-            self.forward.record()
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def mark_begin(self) -> None:
+        self.begin, self.forward = self._event(), None  # a step that ran nothing is dropped
+
+    def mark_forward(self) -> None:
+        if self.begin is not None and self.forward is None:  # a step's first forward
+            self.forward = self._event()
 
     def mark_sampled(self) -> None:
-        import torch
-
-        if self.forward is None or torch.cuda.is_current_stream_capturing():
+        if self.begin is None or self.forward is None:
             return
-        sampled = torch.cuda.Event(enable_timing=True)
-        sampled.record()
-        self.pending.append((self.forward, sampled))
-        self.forward = None
+        sampled = self._event()
+        if sampled is not None:
+            self.pending.append((self.begin, self.forward, sampled))
+        self.begin = self.forward = None
         self.read()
 
     def read(self) -> None:
-        while self.pending and self.pending[0][1].query():
-            forward, sampled = self.pending.popleft()
+        while self.pending and self.pending[0][2].query():
+            begin, forward, sampled = self.pending.popleft()
+            wait = begin.elapsed_time(forward)
             self.steps += 1
             self.step_ms += forward.elapsed_time(sampled)
-            if self.last_sampled is not None:
-                wait = self.last_sampled.elapsed_time(forward)
-                self.wait_ms += wait
-                self.long_waits += wait > 1.0
-                self.recent.append(wait)
-            self.last_sampled = sampled
+            self.wait_ms += wait
+            self.long_waits += wait > 1.0
+            self.recent.append(wait)
         now = time.monotonic()
         if now - self.written >= 1.0:
             self.written = now
@@ -91,7 +98,13 @@ class _Timeline:
 def _patch(module: Any) -> None:
     timeline = _Timeline(_FILE)
     runner = module.GPUModelRunner
-    sample_tokens = runner.sample_tokens
+    execute_model, sample_tokens = runner.execute_model, runner.sample_tokens
+
+    def execute_model_marked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with contextlib.suppress(Exception):
+            timeline.mark_begin()
+        return execute_model(self, *args, **kwargs)
+
     forward_context = module.set_forward_context
 
     def sample_tokens_marked(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -107,6 +120,7 @@ def _patch(module: Any) -> None:
         with forward_context(*args, **kwargs):
             yield
 
+    runner.execute_model = execute_model_marked
     runner.sample_tokens = sample_tokens_marked
     module.set_forward_context = forward_context_marked
     from vllm.v1.worker.gpu import cudagraph_utils

@@ -68,3 +68,40 @@ def test_timeline_deltas_are_per_run_and_per_step(tmp_path):
 def test_offered_load_is_the_rate_over_flats_sustainable_rate():
     assert sr.offered_load(27.5, 50.0) == 0.55
     assert sr.offered_load("burst", 50.0) is None and sr.offered_load(10.0, None) is None
+
+
+def test_step_timeline_counts_the_wait_inside_steps_not_the_idle_time_between_them(tmp_path,
+                                                                                   monkeypatch):
+    """The probe's bookkeeping on fake CUDA events (times in ms): a step whose forward came
+    2 ms after its begin and ran 10 ms, a step that ran nothing (no forward: dropped), then a
+    step 5 s later that waited 0.5 ms; the 5 s without a step count nowhere."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "step_timeline_probe", Path(__file__).resolve().parents[2] / "benchmarks"
+        / "step_timeline" / "sitecustomize.py")
+    probe = importlib.util.module_from_spec(spec)
+    monkeypatch.delenv("CASCADE_BENCH_TIMELINE_FILE", raising=False)  # no finder installed
+    spec.loader.exec_module(probe)
+
+    class Event:
+        def __init__(self, t: float) -> None:
+            self.t = t
+
+        def query(self) -> bool:
+            return True
+
+        def elapsed_time(self, other: Event) -> float:
+            return other.t - self.t
+
+    times = iter([0.0, 2.0, 12.0, 20.0, 5000.0, 5000.5, 5010.5])
+    monkeypatch.setattr(probe._Timeline, "_event", staticmethod(lambda: Event(next(times))))
+    timeline = probe._Timeline(str(tmp_path / "timeline.json"))
+    timeline.mark_begin(), timeline.mark_forward(), timeline.mark_forward(), timeline.mark_sampled()
+    timeline.mark_begin()  # a step without a forward: never counted
+    timeline.mark_begin(), timeline.mark_forward(), timeline.mark_sampled()
+    timeline.written = 0.0
+    timeline.read()
+    got = json.loads((tmp_path / "timeline.json").read_text())
+    assert got["steps"] == 2 and got["gpu_step_ms"] == pytest.approx(20.0)
+    assert got["gpu_wait_ms"] == pytest.approx(2.5) and got["waits_over_1ms"] == 1
