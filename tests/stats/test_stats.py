@@ -220,3 +220,31 @@ def test_planning_time_counts_what_the_thread_ran_on_a_cpu_apart_from_waiting():
     # Wall time at least the CPU time, up to the two clocks being read a moment apart (a
     # thread that ran the whole block may show a few µs more CPU than wall time).
     assert busy.planning_s - slept.planning_s >= busy.planning_cpu_s - slept.planning_cpu_s - 1e-3
+
+
+def test_a_forked_worker_publishes_its_own_counts_not_its_parents_again(tmp_path):
+    """A parent that counted and published forks a child that counts one step: the metrics
+    of both processes together hold each step once."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CASCADE_")}
+    env["PROMETHEUS_MULTIPROC_DIR"] = str(tmp_path)
+    script = textwrap.dedent("""
+        import os
+        from vllm_cascade_plugin import stats
+        stats.record_planned(True)
+        stats.record_planned(True)
+        stats.end_step()
+        stats.snapshot()  # published: 2 steps
+        pid = os.fork()
+        if pid == 0:
+            stats.record_planned(False)
+            stats.end_step()
+            stats.snapshot()
+            os._exit(0)
+        os.waitpid(pid, 0)
+    """)
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, capture_output=True,
+                   timeout=120)
+    served = subprocess.run([sys.executable, "-c", textwrap.dedent(API_SERVER)], env=env,
+                            check=True, capture_output=True, text=True, timeout=300).stdout
+    assert 'vllm_cascade_steps_planned_total{tp_rank="0"} 3.0' in served
+    assert 'vllm_cascade_decode_steps_planned_total{tp_rank="0"} 2.0' in served

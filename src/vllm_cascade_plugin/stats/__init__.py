@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -69,6 +70,7 @@ _metrics: Any = None  # prometheus.PrometheusCounters once created; False when u
 PUBLISH_S = 0.5
 _published = Counters()
 _publish_lock = threading.Lock()
+_publisher_pid = 0  # the process whose publisher thread runs
 
 
 def set_page_bytes(page_bytes: int) -> None:
@@ -97,6 +99,8 @@ def record_planned(decode: bool) -> None:
         _open = _OpenStep(decode)
     if _metrics is None:
         _sink()
+    elif _metrics and _publisher_pid != os.getpid():  # a forked child: its own thread
+        _start_publisher()
     if line is not None:
         logger.info(*line)
 
@@ -285,6 +289,23 @@ def _publisher() -> None:
         publish()
 
 
+def _start_publisher() -> None:
+    global _publisher_pid
+    _publisher_pid = os.getpid()
+    threading.Thread(target=_publisher, name="vllm-cascade-metrics", daemon=True).start()
+
+
+def _forked_child() -> None:
+    """A forked process has no publisher thread and must not publish its parent's counts
+    again (prometheus_client's multiprocess values follow the new pid by themselves): the
+    child's first planned step starts its own thread."""
+    global _published, _publish_lock
+    _published, _publish_lock = copy(_counters), threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forked_child)
+
+
 def reset() -> None:
     """Forget counts, the open step, logged reasons and the log line's timer (tests)."""
     global _counters, _interval_s, _last_logged, _open, _planning_depth, _published
@@ -307,7 +328,7 @@ def _sink() -> Any:
             from .prometheus import PrometheusCounters
 
             _metrics = PrometheusCounters()
-            threading.Thread(target=_publisher, name="vllm-cascade-metrics", daemon=True).start()
+            _start_publisher()
             atexit.register(publish)
         except Exception as exc:  # metrics are a convenience: never fail a step for them
             _metrics = False
