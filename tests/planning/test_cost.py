@@ -480,8 +480,10 @@ def test_the_floor_keeps_flat_only_steps_every_plan_of_which_decide_keeps_flat(
         if plan.num_levels > 1:  # (without a shared level decide gives flat's time twice)
             assert floor.cascade_us <= exact.cascade_us + 1e-9
     elif plan.num_levels > 1 and model.miss_bandwidth is None:  # the floor is below this plan
+        pairs = sum(level.query_pages for level in plan.levels) * plan.page_size
         least = (2 * model.level_fixed_us + plan.stats.num_requests * model.request_us
-                 + model.step_fixed_us / H200_LAYER.num_layers)
+                 + model.step_fixed_us / H200_LAYER.num_layers
+                 + 1e6 * pairs * 4 * H200_LAYER.head_dim * H200_LAYER.num_qo_heads / model.flops)
         assert least * (1 + model.margin) < exact.flat_us
 
 

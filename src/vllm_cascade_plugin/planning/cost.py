@@ -330,6 +330,16 @@ def missed_pages(plan: CascadePlan, model: CostModel) -> int:
     return missed
 
 
+def _cascade_least_us(requests: int, pairs: float, shape: AttentionShape,
+                      model: CostModel) -> float:
+    """The least :func:`decide` charges any cascade of ``requests`` rows whose query-key pairs
+    are ``pairs``: two levels' fixed costs, and the pairs' compute (every level's time is at
+    least its pairs' at ``model.flops``, and the levels split the rows' pairs between them).
+    A mixed step whose prefill rows make flat attention compute-bound stops here."""
+    flop_per_pair = 4 * shape.head_dim * shape.num_qo_heads
+    return _cascade_fixed_us(2, requests, shape, model) + 1e6 * pairs * flop_per_pair / model.flops
+
+
 def flat_floor_from_facts(facts: RowFacts, num_rows: int, page_size: int, shape: AttentionShape,
                           model: CostModel) -> Decision | None:
     """:func:`flat_floor` from the rows' :class:`~.compiled.RowFacts` (computed with
@@ -343,9 +353,9 @@ def flat_floor_from_facts(facts: RowFacts, num_rows: int, page_size: int, shape:
             padding = float(facts.padding) * page_size
     elif model.miss_bandwidth is not None and num_rows > model.l2_window_rows + 1:
         missed = facts.late_pages * page_size
-    flat_us = _flat_us(facts.pages * page_size, float(facts.pairs) * page_size, padding, shape,
-                       model, missed)
-    least = _cascade_fixed_us(2, facts.requests, shape, model)
+    pairs = float(facts.pairs) * page_size
+    flat_us = _flat_us(facts.pages * page_size, pairs, padding, shape, model, missed)
+    least = _cascade_least_us(facts.requests, pairs, shape, model)
     if least * (1 + model.margin) < flat_us:
         return None
     return Decision(False, flat_us, least,
@@ -361,8 +371,9 @@ def flat_floor(seq_lens: np.ndarray, query_lens: np.ndarray, page_size: int,
     :func:`decide`'s (a plan reads every row's pages once over its levels) but for the pages read
     again past the L2 window (:func:`missed_pages`), which need the block ids: at most every page
     of the rows more than ``l2_window_rows`` rows into the batch, which this takes. Any cascade of
-    the rows costs at least two levels' fixed costs, every request's and the per-step cost; when
-    that, with the margin, does not beat flat, :func:`decide` keeps every plan of them flat.
+    the rows costs at least two levels' fixed costs, every request's and the per-step cost, and
+    the compute of the rows' query-key pairs (:func:`_cascade_least_us`); when that, with the
+    margin, does not beat flat, :func:`decide` keeps every plan of them flat.
     """
     queries = np.asarray(query_lens, dtype=np.int64)
     active = queries > 0
@@ -380,9 +391,9 @@ def flat_floor(seq_lens: np.ndarray, query_lens: np.ndarray, page_size: int,
     elif model.miss_bandwidth is not None and len(active) > model.l2_window_rows + 1:
         late = active.nonzero()[0] > model.l2_window_rows  # a previous reader that far back
         missed = int(np.add.reduce(pages[late])) * page_size
-    flat_us = _flat_us(int(pages.sum()) * page_size, float(queries @ pages) * page_size,
-                       padding, shape, model, missed)
-    least = _cascade_fixed_us(2, requests, shape, model)
+    pairs = float(queries @ pages) * page_size
+    flat_us = _flat_us(int(pages.sum()) * page_size, pairs, padding, shape, model, missed)
+    least = _cascade_least_us(requests, pairs, shape, model)
     if least * (1 + model.margin) < flat_us:
         return None
     return Decision(False, flat_us, least,
