@@ -298,9 +298,11 @@ def _start_publisher() -> None:
 def _forked_child() -> None:
     """A forked process has no publisher thread and must not publish its parent's counts
     again (prometheus_client's multiprocess values follow the new pid by themselves): the
-    child's first planned step starts its own thread."""
-    global _published, _publish_lock
-    _published, _publish_lock = copy(_counters), threading.Lock()
+    child's first planned step starts its own thread. Its locks are new: a thread of the
+    parent (the publisher) may have held one at the fork."""
+    global _lock, _published, _publish_lock
+    _lock, _publish_lock = threading.Lock(), threading.Lock()
+    _published = copy(_counters)
 
 
 os.register_at_fork(after_in_child=_forked_child)
