@@ -85,3 +85,32 @@ def test_facts_of_hand_made_rows(facts):
     f = facts(np.array([5, 6]), np.array([300, 40]), np.array([200, 1]), np.array([19, 3]), 16,
               128, 8)
     assert f.pairs == 200 * 19 + 3 and f.padding == (256 - 200) * 19
+
+
+def test_without_a_writable_cache_it_compiles_for_the_process(monkeypatch):
+    """numba raises where it can write no cache: the pre-checks are compiled uncached."""
+    import numba
+
+    njit = numba.njit
+
+    def no_cache(*args, **kwargs):
+        if kwargs.get("cache"):
+            raise RuntimeError("cannot cache function: no locator available")
+        return njit(*args, **kwargs)
+
+    monkeypatch.setattr(numba, "njit", no_cache)
+    monkeypatch.setattr(compiled, "_compiled", None)
+    done, _, why = compiled.compile_once()
+    assert done and why == "" and compiled.compiled()
+
+
+def test_without_numba_the_numpy_facts_answer(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "numba", None)  # import numba raises ImportError
+    monkeypatch.setattr(compiled, "_compiled", None)
+    done, _, why = compiled.compile_once()
+    assert not done and why.startswith("ModuleNotFoundError") and not compiled.compiled()
+    f = compiled.row_facts(np.array([5, 5]), np.array([40, 40]), np.array([1, 1]),
+                           np.array([3, 3]), 16, 1, 8)
+    assert f.maybe_shared and f.requests == 2

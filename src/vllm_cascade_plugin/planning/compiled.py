@@ -17,7 +17,7 @@ answers on random steps.
 from __future__ import annotations
 
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -95,7 +95,7 @@ def _row_facts_py(first_pages: np.ndarray, seq_lens: np.ndarray, query_lens: np.
     return short, maybe_shared, requests, tokens, pages, pairs, padding, late
 
 
-_compiled = None  # the numba dispatcher once compiled; False: numba unavailable or failing
+_compiled: Any = None  # the numba dispatcher once compiled; False: numba unavailable or failing
 _compile_s = 0.0
 _compile_error = ""
 
@@ -106,15 +106,21 @@ def compile_once() -> tuple[bool, float, str]:
     global _compiled, _compile_s, _compile_error
     if _compiled is None:
         start = time.perf_counter()
-        try:
-            import numba
+        _compiled, errors = False, []
+        # Cached where numba can write its cache (beside this file, or a user cache folder);
+        # where it can write none, compiled for this process only.
+        for cache in (True, False):
+            try:
+                import numba
 
-            jitted = numba.njit(cache=True, nogil=True)(_row_facts_py)
-            one = np.zeros(2, np.int32)
-            jitted(one, one, one, one, 16, 1, 8)  # compiles (or loads) the one signature
-            _compiled = jitted
-        except Exception as exc:  # numba missing or failing: numpy answers
-            _compiled, _compile_error = False, f"{type(exc).__name__}: {exc}"
+                jitted = numba.njit(cache=cache, nogil=True)(_row_facts_py)
+                one = np.zeros(2, np.int32)
+                jitted(one, one, one, one, 16, 1, 8)  # compiles (or loads) the one signature
+                _compiled = jitted
+                break
+            except Exception as exc:  # numba missing or failing: numpy answers
+                errors.append(f"{type(exc).__name__}: {exc}")
+        _compile_error = "" if _compiled else errors[-1]
         _compile_s = time.perf_counter() - start
     return bool(_compiled), _compile_s, _compile_error
 
