@@ -80,11 +80,13 @@ def _source(*paths: Path) -> str:
     return ", ".join(f"`{p.relative_to(ROOT)}`" for p in paths)
 
 
+def _versions(meta: dict[str, Any]) -> list[str]:
+    return [f"{name} {meta[key]}" for key, name in (("vllm", "vLLM"), ("flashinfer", "FlashInfer"))
+            if key in meta]
+
+
 def _setup(meta: dict[str, Any]) -> str:
-    parts = [meta.get("gpu", "GPU not recorded").split(" (")[0]]
-    parts += [f"{name} {meta[key]}" for key, name in (("vllm", "vLLM"),
-                                                      ("flashinfer", "FlashInfer"))
-              if key in meta]
+    parts = [meta.get("gpu", "GPU not recorded").split(" (")[0], *_versions(meta)]
     return ", ".join(parts) + (f", {meta['date']}" if "date" in meta else "")
 
 
@@ -391,9 +393,7 @@ def block_serve() -> list[str]:
     lines = []
     if (H200 / "serve.png").is_file():
         lines += ["![Online serving on an H200](benchmarks/results/h200/serve.png)", ""]
-    setup = "".join(f"{name} {meta[key]}, " for key, name in (("vllm", "vLLM"),
-                                                             ("flashinfer", "FlashInfer"))
-                    if key in meta)
+    setup = "".join(f"{version}, " for version in _versions(meta))
     gpus = "; ".join(f"{gpu} {', '.join(sorted(dates))}" for gpu, dates in sorted(
         by_gpu.items(), key=lambda item: item[0] != main_gpu))
     where = " (a row measured on another GPU names it beside its rate)" if other_gpu else ""

@@ -21,6 +21,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .planner import nothing_shared
+
 __all__ = ["RowFacts", "compile_once", "compiled", "row_facts", "row_facts_numpy"]
 
 
@@ -46,13 +48,11 @@ def row_facts_numpy(first_pages: np.ndarray, seq_lens: np.ndarray, query_lens: n
     pages_all = -(-seq // page_size)
     short = bool(np.any(np.asarray(num_blocks) < pages_all))
     active = qry > 0
-    bound = np.where(active, (seq - qry) // page_size, 0)
-    firsts = np.asarray(first_pages)[(bound >= 1) & (np.asarray(first_pages) != 0)]
-    maybe_shared = firsts.size >= 2 and np.unique(firsts).size != firsts.size
+    maybe_shared = not nothing_shared(first_pages, seq, qry, page_size)
     pages, queries = pages_all[active], qry[active]
     padded = np.where(queries > 1, -(-queries // tile) * tile, queries) if tile > 1 else queries
     late = active.nonzero()[0] > l2_window_rows
-    return RowFacts(short, bool(maybe_shared), int(active.sum()), int(queries.sum()),
+    return RowFacts(short, maybe_shared, int(active.sum()), int(queries.sum()),
                     int(pages.sum()), int(queries @ pages), int((padded - queries) @ pages),
                     int(pages[late].sum()))
 

@@ -340,6 +340,18 @@ def _cascade_least_us(requests: int, pairs: float, shape: AttentionShape,
     return _cascade_fixed_us(2, requests, shape, model) + 1e6 * pairs * flop_per_pair / model.flops
 
 
+def _floor(requests: int, tokens: int, pairs: float, padding: float, missed: float,
+           shape: AttentionShape, model: CostModel) -> Decision | None:
+    """The floor's verdict from the rows' sums (:func:`_flat_us`'s arguments): flat, or None
+    where the least any cascade costs (:func:`_cascade_least_us`) beats flat's estimate."""
+    flat_us = _flat_us(tokens, pairs, padding, shape, model, missed)
+    least = _cascade_least_us(requests, pairs, shape, model)
+    if least * (1 + model.margin) < flat_us:
+        return None
+    return Decision(False, flat_us, least,
+                    f"flat: cascade at least {least:.0f} us vs flat {flat_us:.0f} us")
+
+
 def flat_floor_from_facts(facts: RowFacts, num_rows: int, page_size: int, shape: AttentionShape,
                           model: CostModel) -> Decision | None:
     """:func:`flat_floor` from the rows' :class:`~.compiled.RowFacts` (computed with
@@ -353,13 +365,8 @@ def flat_floor_from_facts(facts: RowFacts, num_rows: int, page_size: int, shape:
             padding = float(facts.padding) * page_size
     elif model.miss_bandwidth is not None and num_rows > model.l2_window_rows + 1:
         missed = facts.late_pages * page_size
-    pairs = float(facts.pairs) * page_size
-    flat_us = _flat_us(facts.pages * page_size, pairs, padding, shape, model, missed)
-    least = _cascade_least_us(facts.requests, pairs, shape, model)
-    if least * (1 + model.margin) < flat_us:
-        return None
-    return Decision(False, flat_us, least,
-                    f"flat: cascade at least {least:.0f} us vs flat {flat_us:.0f} us")
+    return _floor(facts.requests, facts.pages * page_size, float(facts.pairs) * page_size,
+                  padding, missed, shape, model)
 
 
 def flat_floor(seq_lens: np.ndarray, query_lens: np.ndarray, page_size: int,
@@ -391,10 +398,5 @@ def flat_floor(seq_lens: np.ndarray, query_lens: np.ndarray, page_size: int,
     elif model.miss_bandwidth is not None and len(active) > model.l2_window_rows + 1:
         late = active.nonzero()[0] > model.l2_window_rows  # a previous reader that far back
         missed = int(np.add.reduce(pages[late])) * page_size
-    pairs = float(queries @ pages) * page_size
-    flat_us = _flat_us(int(pages.sum()) * page_size, pairs, padding, shape, model, missed)
-    least = _cascade_least_us(requests, pairs, shape, model)
-    if least * (1 + model.margin) < flat_us:
-        return None
-    return Decision(False, flat_us, least,
-                    f"flat: cascade at least {least:.0f} us vs flat {flat_us:.0f} us")
+    return _floor(requests, int(pages.sum()) * page_size, float(queries @ pages) * page_size,
+                  padding, missed, shape, model)

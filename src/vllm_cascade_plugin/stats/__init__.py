@@ -70,7 +70,7 @@ _metrics: Any = None  # prometheus.PrometheusCounters once created; False when u
 PUBLISH_S = 0.5
 _published = Counters()
 _publish_lock = threading.Lock()
-_publisher_pid = 0  # the process whose publisher thread runs
+_publishing = False  # whether this process's publisher thread runs
 
 
 def set_page_bytes(page_bytes: int) -> None:
@@ -99,7 +99,7 @@ def record_planned(decode: bool) -> None:
         _open = _OpenStep(decode)
     if _metrics is None:
         _sink()
-    elif _metrics and _publisher_pid != os.getpid():  # a forked child: its own thread
+    elif _metrics and not _publishing:  # a forked child: its own thread
         _start_publisher()
     if line is not None:
         logger.info(*line)
@@ -290,8 +290,8 @@ def _publisher() -> None:
 
 
 def _start_publisher() -> None:
-    global _publisher_pid
-    _publisher_pid = os.getpid()
+    global _publishing
+    _publishing = True
     threading.Thread(target=_publisher, name="vllm-cascade-metrics", daemon=True).start()
 
 
@@ -300,8 +300,8 @@ def _forked_child() -> None:
     again (prometheus_client's multiprocess values follow the new pid by themselves): the
     child's first planned step starts its own thread. Its locks are new: a thread of the
     parent (the publisher) may have held one at the fork."""
-    global _lock, _published, _publish_lock
-    _lock, _publish_lock = threading.Lock(), threading.Lock()
+    global _lock, _published, _publish_lock, _publishing
+    _lock, _publish_lock, _publishing = threading.Lock(), threading.Lock(), False
     _published = copy(_counters)
 
 
