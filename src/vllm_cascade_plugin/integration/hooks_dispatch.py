@@ -53,12 +53,16 @@ def plan_rows(first_pages: np.ndarray, block_table: np.ndarray, num_blocks: np.n
         return read[0]
 
     keyed = config is not None and config.plan_from_changes
-    # The last step's decode rows one token longer: it shares and may win as that one did.
+    # The last step's decode rows one token longer: it shares and may win as that one did,
+    # or stays flat as that one did.
     if not session.continues(seq_lens, query_lens, row_keys if keyed else None, row_index):
         if session.skip_unshared(first_pages, seq_lens, query_lens, facts):
             return False
         if session.cannot_win(seq_lens, query_lens, facts):  # no plan of them could beat flat
             return False
+    elif session.continued_flat(block_table, seq_lens, query_lens, facts, row_keys(),
+                                row_index):
+        return False
     keys_read = row_keys() if keyed else None
     if keys_read is not None:
         stats.log_once("planned from changes", "vllm-cascade-plugin: steps are planned from "

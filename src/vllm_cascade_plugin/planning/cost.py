@@ -65,8 +65,8 @@ if TYPE_CHECKING:
     from .compiled import RowFacts
 
 __all__ = ["COST_MODELS", "FLASH_ATTN_FLAT", "FLASH_ATTN_MISS_BANDWIDTH", "AttentionShape",
-           "CostModel", "Decision", "cost_model_for", "decide", "flash_attn_flat", "flat_floor",
-           "flat_floor_from_facts", "missed_pages"]
+           "CostModel", "Decision", "cost_model_for", "decide", "decode_flat_us", "flash_attn_flat",
+           "flat_floor", "flat_floor_from_facts", "missed_pages"]
 
 
 @dataclass(frozen=True)
@@ -367,6 +367,16 @@ def flat_floor_from_facts(facts: RowFacts, num_rows: int, page_size: int, shape:
         missed = facts.late_pages * page_size
     return _floor(facts.requests, facts.pages * page_size, float(facts.pairs) * page_size,
                   padding, missed, shape, model)
+
+
+def decode_flat_us(facts: RowFacts, page_size: int, shape: AttentionShape, model: CostModel,
+                   missed: int) -> float:
+    """:func:`decide`'s flat estimate of a decode step (one query token per active row) from
+    its rows' :class:`~.compiled.RowFacts`, given ``missed``: :func:`missed_pages` of a plan of
+    its shared levels. Exact: a plan reads every row's pages once over its levels, and its
+    query-key pairs are its rows' pages."""
+    return _flat_us(facts.pages * page_size, float(facts.pairs) * page_size, 0.0, shape, model,
+                    missed * page_size)
 
 
 def flat_floor(seq_lens: np.ndarray, query_lens: np.ndarray, page_size: int,

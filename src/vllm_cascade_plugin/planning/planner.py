@@ -186,6 +186,22 @@ class CascadePlanner:
             self._shared_query_lens = step.query_lens.copy()  # callers update theirs in place
         return _assemble(self._shared, structure, step)
 
+    def advance(self, block_table: np.ndarray, seq_lens: np.ndarray, query_lens: np.ndarray,
+                page_size: int, row_keys: np.ndarray, row_index: np.ndarray | None = None,
+                ) -> bool:
+        """Carry the memory over a step that :meth:`continues` the last one without making its
+        plan (arguments as :meth:`plan`'s): True when it did, as :meth:`plan` would have on its
+        continued path; False, the memory unchanged, where :meth:`plan` must place a row anew
+        (then plan it). For a step whose plan the caller knows it will not run."""
+        memory = self._memory
+        if memory is None or page_size != memory.page_size:
+            return False
+        if memory.continue_decode(block_table, seq_lens, query_lens, row_keys,
+                                  row_index) is None:
+            return False
+        self.last_path = "continued"
+        return True
+
     def continues(self, seq_lens: np.ndarray, query_lens: np.ndarray,
                   row_keys: np.ndarray | Callable[[], np.ndarray | None] | None,
                   row_index: np.ndarray | None = None) -> bool:

@@ -27,7 +27,7 @@ import numpy as np
 from .. import stats
 from ..config import CascadeConfig
 from ..planning.compiled import compile_once
-from ..planning.cost import AttentionShape, CostModel, Decision, decide
+from ..planning.cost import AttentionShape, CostModel, Decision, decide, missed_pages
 from ..planning.graph_layout import graph_shape
 from ..planning.invariants import plan_violations
 from ..planning.plan import CascadePlan
@@ -65,6 +65,10 @@ class StepSession(PreChecks):
         self.padded_tokens = 0
         self._capture_sizes: tuple[int, ...] = ()
         self._planner: CascadePlanner | None = None
+        # The last planned step's flat verdict while the next decode step keeps it
+        # (:meth:`~.prechecks.PreChecks.continued_flat`): (cost model, cascade estimate (µs),
+        # pages flat decode reads again past the L2 window, reason); None: none to keep.
+        self._flat_held: tuple[CostModel, float, int, str] | None = None
         self._layouts_seen: set[tuple[object, ...]] = set()
 
     def register(self, layers: Sequence[str], settings: BuilderSettings) -> None:
@@ -179,6 +183,7 @@ class StepSession(PreChecks):
         Why a step runs flat goes to the step's counters (``stats.flat_decision``).
         """
         self.current = None
+        self._flat_held = None
         if not self.active:
             return None
         assert self._planner is not None and self.config is not None and self.shape is not None
@@ -261,15 +266,23 @@ class StepSession(PreChecks):
                 reason = NOT_CAPTURED  # the next step of this layout gets the graphed cost
             else:
                 reason = COST_MODEL
+                self._hold_flat(plan, steady, decision, reason)
         else:
             decision = decide(plan, self.shape, self.cost_model)
             if decision.use_cascade:
                 return decision
             # such steps never replay the plugin's graphs: always the eager cost
             reason = flat_reason(decode, query_lens)
+            if decode:
+                self._hold_flat(plan, self.cost_model, decision, reason)
         ratio = decision.cascade_us / decision.flat_us if decision.flat_us > 0 else None
         stats.flat_decision(reason, ratio)
         return decision
+
+    def _hold_flat(self, plan: CascadePlan, model: CostModel, decision: Decision,
+                   reason: str) -> None:
+        """Keep a decode step's flat verdict under ``model`` for the steps that continue it."""
+        self._flat_held = (model, decision.cascade_us, missed_pages(plan, model), reason)
 
     def padded(self, num_tokens: int) -> int:
         """The token count vLLM pads a step of ``num_tokens`` to: the smallest capture size

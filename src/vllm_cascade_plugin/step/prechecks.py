@@ -11,9 +11,15 @@ import numpy as np
 
 from .. import stats
 from ..planning.compiled import RowFacts, row_facts
-from ..planning.cost import AttentionShape, CostModel, flat_floor, flat_floor_from_facts
-from ..planning.planner import nothing_shared
-from ..stats.counters import PATH_COST_FLOOR, PATH_UNSHARED
+from ..planning.cost import (
+    AttentionShape,
+    CostModel,
+    decode_flat_us,
+    flat_floor,
+    flat_floor_from_facts,
+)
+from ..planning.planner import CascadePlanner, nothing_shared
+from ..stats.counters import PATH_CONTINUED, PATH_COST_FLOOR, PATH_UNSHARED
 from .plan import flat_reason, unshared_reason
 
 if TYPE_CHECKING:
@@ -30,6 +36,8 @@ class PreChecks:
     steady_cost_model: CostModel | None
     split_cost_model: CostModel | None
     current: Any
+    _planner: CascadePlanner | None
+    _flat_held: tuple[CostModel, float, int, str] | None
 
     @property
     def active(self) -> bool:  # the session's
@@ -114,6 +122,47 @@ class PreChecks:
         stats.plan_path(PATH_COST_FLOOR)
         reason = flat_reason(decode, query)
         stats.flat_decision(reason, floor.cascade_us / floor.flat_us)
+        return True
+
+    def continued_flat(self, block_table: np.ndarray, seq_lens: np.ndarray,
+                       query_lens: np.ndarray, facts: RowFacts, row_keys: np.ndarray | None,
+                       row_index: np.ndarray | None) -> bool:
+        """Count a step that continues the last planned one (its decode rows one token longer:
+        :meth:`continues`) as planned and flat, without planning it, where the last one's flat
+        verdict still holds; True if so.
+
+        Such a step's plan has the last one's shared levels and its per-request level reads
+        each row's new page, if it started one: no estimate of its cascade is below the last
+        one's (``_flat_held``), while flat attention's, exact from the rows' lengths and the
+        shared levels' reads past the L2 window (:func:`~.planning.cost.decode_flat_us`),
+        still does not beat it by the margin: :meth:`_decide` would keep it flat, for the same
+        reason, under the same cost model. The planner's memory moves on to this step
+        (:meth:`~.planning.planner.CascadePlanner.advance`), as planning it would have."""
+        self.current = None
+        held, planner, shape = self._flat_held, self._planner, self.shape
+        if (held is None or planner is None or shape is None or row_keys is None
+                or self.config is None or self.config.debug):
+            return False
+        model, cascade_us, missed, reason = held
+        steady = self.steady_cost_model
+        now = (steady if steady is not None and self.graphable(facts.tokens)
+               else self.cost_model)
+        if now is not model or not _all_decode(query_lens, facts):
+            return False
+        with stats.planning():
+            flat_us = decode_flat_us(facts, self.page_size, shape, model, missed)
+            if cascade_us * (1 + model.margin) < flat_us:
+                return False
+            try:
+                if not planner.advance(block_table, seq_lens, query_lens, self.page_size,
+                                       row_keys, row_index):
+                    return False
+            except Exception as exc:  # the planner plans it instead
+                stats.record_fallback("planner error", f"{type(exc).__name__}: {exc}")
+                return False
+            stats.record_planned(True)
+            stats.plan_path(PATH_CONTINUED)
+            stats.flat_decision(reason, cascade_us / flat_us)
         return True
 
     def _split_lens(self, query_lens: np.ndarray) -> np.ndarray | None:
