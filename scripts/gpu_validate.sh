@@ -33,7 +33,7 @@
 #   fp8                tests/gpu/test_kernels_fp8.py and the FP8 engine tests (CASCADE_FP8_KV=1)
 #   speculative        ngram speculative decoding, plugin on vs off (V1 runner)
 #   sliding            tests/gpu/test_sliding_window_engine.py: sliding-window layers run flat
-#   soak               tests/gpu/test_soak.py: benchmarks/soak.py shortened to SOAK_SECONDS
+#   soak               tests/gpu/test_soak.py: benchmarks/soak/bench.py shortened to SOAK_SECONDS
 # then alone (they take most of the GPU, or time what they run):
 #   serving_memory     tests/gpu/test_serving.py at gpu_memory_utilization=0.92
 #   demo               `vllm-cascade demo` (Llama-3-8B shapes: plugin off, on, off on FLASH_ATTN)
@@ -44,7 +44,7 @@
 # of some parts (GV_SIDE_BY_SIDE, GV_ALONE: the lists to run) completes the committed table.
 # Logs and result JSON go to /tmp/gv/<part>/: benchmarks/results/h200/gpu_validate/<part>/.
 # Other parts, each alone: e2e, e2e_fa (offline end-to-end tables), split_bench (a mixed
-# prefill+decode step's attention split vs flat: benchmarks/split_bench.py), serve (the serving
+# prefill+decode step's attention split vs flat: benchmarks/kernels/split_step.py), serve (the serving
 # benchmark once, SERVE_ARGS its arguments), serve_grid (the serving grid: each backend's
 # plugin against the same backend flat, `vllm serve` driven by `vllm bench serve`;
 # SERVE_DURATION seconds of Poisson arrivals per run; SERVE_GRID names the slices to run, each
@@ -58,7 +58,7 @@ mkdir -p "$res"
 # Pure-Python wheels the device bundle lacks (e.g. truststore, which the OpenAI client's HTTP
 # stack imports): put in .devb/wheels/, they are imported from the wheel files directly.
 for w in .devb/wheels/*.whl; do [ -f "$w" ] && export PYTHONPATH="$PWD/$w${PYTHONPATH:+:$PYTHONPATH}"; done
-# CUPTI for the torch profiler's GPU events (serve_bench.py --profile): the device's CUDA
+# CUPTI for the torch profiler's GPU events (serve/bench.py --profile): the device's CUDA
 # toolkit has it (/usr/local/cuda-13.0/.../libcupti.so.13), torch's wheel does not bring it.
 for d in /usr/local/cuda*/targets/x86_64-linux/lib; do
   [ -e "$d/libcupti.so.13" ] && export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" && break
@@ -157,21 +157,21 @@ part_examples() {  # each example as its docstring says to run it, on the tiny m
 
 part_split_bench() {  # a mixed step's attention run split vs flat, all layers (cost model)
   mkdir -p "$res/split_bench"
-  timeout 400 python3 benchmarks/split_bench.py --out "$res/split_bench/split_step.json" \
+  timeout 400 python3 -m benchmarks.kernels.split_step --out "$res/split_bench/split_step.json" \
     > "$res/split_bench/split_bench.log" 2>&1
   stamp "split_bench rc=$?"; tail -3 "$res/split_bench/split_bench.log" | cut -c1-200
 }
 
 part_e2e() {
   mkdir -p "$res/e2e"
-  timeout 560 python3 benchmarks/e2e_bench.py --out "$res/e2e" --configs \
+  timeout 560 python3 -m benchmarks.e2e.bench --out "$res/e2e" --configs \
     flash_attn,flashinfer,cascade --workloads $E2E_WORKLOADS > "$res/e2e/e2e.log" 2>&1
   stamp "e2e rc=$?"; grep -h '"workload"' "$res/e2e/e2e.log" | cut -c1-140
 }
 
 part_e2e_fa() {
   mkdir -p "$res/e2e_fa"
-  timeout 560 python3 benchmarks/e2e_bench.py --out "$res/e2e_fa" --configs \
+  timeout 560 python3 -m benchmarks.e2e.bench --out "$res/e2e_fa" --configs \
     flash_attn,cascade_flash_attn --workloads $E2E_WORKLOADS > "$res/e2e_fa/e2e.log" 2>&1
   stamp "e2e_fa rc=$?"; grep -h '"workload"' "$res/e2e_fa/e2e.log" | cut -c1-140
 }
@@ -181,7 +181,7 @@ part_e2e_fa() {
 part_serve() {
   mkdir -p "$res/serve"
   # shellcheck disable=SC2086  # SERVE_ARGS: several arguments
-  timeout 1500 python3 benchmarks/serve_bench.py --model examples/models/llama3-8b \
+  timeout 1500 python3 -m benchmarks.serve.bench --model examples/models/llama3-8b \
     ${SERVE_ARGS:---workloads prefix_8k_x4 --configs flashinfer,cascade --duration 30 --plot} \
     --out "$res/serve/serve.json" > "$res/serve/serve.log" 2>&1
   stamp "serve rc=$?"; tail -20 "$res/serve/serve.log"
@@ -263,13 +263,13 @@ part_serve() {
 #                      shared document at 50% and a burst. About 14 min on a fresh machine.
 #   never_slower_chat  the same on prefill-heavy chat only, once per load (about 9 min on a
 #                      fresh machine at SERVE_DURATION=15).
-serve_slice() {  # name, timeout (s), serve_bench.py arguments...
+serve_slice() {  # name, timeout (s), serve/bench.py arguments...
   local name=$1 limit=$2 start=$SECONDS
   shift 2
   # The committed rows: a slice without a flat burst takes its rates from them.
   [ -f "$res/serve_grid/serve.json" ] || cp benchmarks/results/h200/serve.json \
     benchmarks/results/h200/serve.meta.json "$res/serve_grid/"  # the runs' provenance too
-  timeout "$limit" python3 benchmarks/serve_bench.py --model examples/models/llama3-8b \
+  timeout "$limit" python3 -m benchmarks.serve.bench --model examples/models/llama3-8b \
     --duration "${SERVE_DURATION:-20}" --out "$res/serve_grid/serve.json" "$@" \
     > "$res/serve_grid/$name.log" 2>&1
   stamp "serve_grid $name rc=$? in $((SECONDS - start)) s"

@@ -21,10 +21,10 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))  # its parts, wherever it is loaded from
-sys.path.insert(0, str(ROOT / "benchmarks"))  # the serve bench's reading of its rows
+sys.path.insert(0, str(ROOT))  # the serve bench's reading of its rows (benchmarks.serve)
 from readme_compat import block_compatibility  # noqa: E402
 
-from serve_results import shared_cascade_fraction  # noqa: E402
+from benchmarks.serve.metrics import shared_cascade_fraction  # noqa: E402
 
 README = ROOT / "README.md"
 RESULTS = ROOT / "benchmarks" / "results"
@@ -33,7 +33,7 @@ CPU = RESULTS / "cpu"
 BLOCK = re.compile(r"(<!-- table:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
 
 TIMES, DASH = "\u00d7", "\u2013"  # the README's multiplication sign and en dash
-E2E_WORKLOADS = {  # e2e_bench.py workload -> what it is
+E2E_WORKLOADS = {  # e2e/bench.py workload -> what it is
     "b128_16k_prefix_64_own": "128 requests behind one 16K-token prefix",
     "8_prefixes_8k_x16_interleaved": f"8 prefixes of 8K {TIMES} 16 requests, interleaved",
     "n16_sampling_32_prompts_4k": "`n=16` sampling, 32 prompts of 4K",
@@ -121,7 +121,7 @@ def block_summary() -> list[str]:
             f"Details in [Performance](#performance)."]
 
 
-# The serving headline's workloads (serve_workloads.py): what each is.
+# The serving headline's workloads (serve/workloads.py): what each is.
 SERVE_HEADLINE = {"prefix_8k_x4": "4 documents of 8K tokens", "prefix_32k_x1": "one of 32K",
                   "prefix_2k_x16": "16 of 2K"}
 
@@ -251,7 +251,7 @@ def _rate_key(row: dict[str, Any]) -> tuple[int, float, str]:
     return (0, 0.0, spec) if rate == "burst" else (1, float(rate), spec)
 
 
-# (flat config, plugin config, the backend both run) of serve_bench.py's CONFIGS; the plugin
+# (flat config, plugin config, the backend both run) of serve/bench.py's CONFIGS; the plugin
 # with cascade on every step that shares (no cost model) beside the plugin as shipped
 SERVE_PAIRS = (("flash_attn", "cascade_flash_attn", "FLASH_ATTN"),
                ("flash_attn", "cascade_flash_attn_always", "FLASH_ATTN, `CASCADE_POLICY=always`"),
@@ -301,7 +301,7 @@ def serve_runs(rows: list[dict[str, Any]], flat_config: str, plugin_config: str,
         for i, r in enumerate(rows):
             if (r["workload"] == workload and r["config"] == config
                     and r.get("tensor_parallel_size", 1) == tp and r.get("completed", 1)):
-                # a repeat at the same rate ("90%#2", serve_bench's "90%*2") is another run of it
+                # a repeat at the same rate ("90%#2", serve/bench.py's "90%*2") is another run of it
                 spec = str(r.get("rate_spec", r["request_rate"])).partition("#")[0]
                 out.setdefault(spec, []).append((i, r))
         return out
@@ -320,7 +320,7 @@ def serve_runs(rows: list[dict[str, Any]], flat_config: str, plugin_config: str,
 def block_serve() -> list[str]:
     path = H200 / "serve.json"
     if not path.is_file():
-        return ["Not measured yet: `benchmarks/serve_bench.py` writes "
+        return ["Not measured yet: `benchmarks/serve/bench.py` writes "
                 "`benchmarks/results/h200/serve.json`, and this table is rendered from it."]
     rows, meta = _load(path), _meta(path)
 
@@ -425,7 +425,7 @@ def block_serve() -> list[str]:
         lines += ["", "Where a burst's time to first token goes (means over its requests, the "
                   "client's and vLLM's own `/metrics` histograms): " + "; ".join(splits) + "."]
     if apart:
-        lines += ["", f"{APART} flat and plugin measured by separate `serve_bench.py` "
+        lines += ["", f"{APART} flat and plugin measured by separate `serve/bench.py` "
                   "invocations (`serve.meta.json` names each run, its machine and its "
                   "command)."]
     return lines

@@ -107,14 +107,15 @@ def test_every_runtime_patch_of_vllm_is_listed():
 
 
 def test_the_kernel_tables_plugin_column_is_the_shipped_cost_models_choice(tmp_path):
-    """kernel_bench.py --redecide (CPU) re-takes every row's choice with the shipped model."""
+    """``benchmarks.kernels.bench --redecide`` (CPU) re-takes every row's choice with the
+    shipped model."""
     import shutil
 
     from test_planner import run_python
 
     for name in ("kernel_grid.json", "kernel_grid.meta.json", "kernel_grid.summary.json"):
         shutil.copy(tables.H200 / name, tmp_path / name)
-    out = run_python(str(REPO / "benchmarks" / "kernel_bench.py"), "--redecide", "--out",
+    out = run_python("-m", "benchmarks.kernels.bench", "--redecide", "--out",
                      str(tmp_path))
     assert "changed: none" in out
 

@@ -32,7 +32,7 @@ def documents_decode(requests: int, prefix: int, own: int, documents: int, inter
                      page_size: int = 16):
     """A decode step of ``requests`` rows behind ``documents`` prefixes of ``prefix`` tokens,
     ``own`` more each: request ``i`` behind document ``i % documents`` (``interleaved``, as
-    ``e2e_bench.py`` submits its serving workloads) or each document's requests side by side."""
+    ``e2e/bench.py`` submits its serving workloads) or each document's requests side by side."""
     shared, own_pages = prefix // page_size, -(-own // page_size)
     row = np.arange(requests)
     doc = row % documents if interleaved else row // (requests // documents)

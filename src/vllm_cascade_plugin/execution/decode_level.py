@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-# Launch configuration (``benchmarks/fa3_levels.py --sweep`` times the alternatives).
+# Launch configuration (``benchmarks/kernels/fa3_levels.py --sweep`` times the alternatives).
 BLOCK_N = 64  # key tokens per inner iteration
 NUM_WARPS = 4
 NUM_STAGES = 2
