@@ -1110,12 +1110,14 @@ def test_rates_for_a_workload_not_run_stop_the_bench(tmp_path):
 
 
 def test_the_serving_grid_of_gpu_validate_is_a_valid_bench(tmp_path, capsys):
-    """``scripts/gpu_validate.sh serve_grid``'s slices, as dry runs: known configs, workloads
-    and rates, each plugin config beside the same backend flat, every slice nameable."""
+    """``scripts/gpu_validate.sh serve_grid``'s slices (``scripts/serve_grid.sh``), as dry runs:
+    known configs, workloads and rates, each plugin config beside the same backend flat, every
+    slice nameable."""
     import re
     import shlex
 
-    script = (ROOT / "scripts/gpu_validate.sh").read_text()
+    script = (ROOT / "scripts/serve_grid.sh").read_text()
+    assert "source scripts/serve_grid.sh" in (ROOT / "scripts/gpu_validate.sh").read_text()
     body = script[script.index("part_serve_grid() {"):]
     body = body[:body.index("\n}\n")].replace("\\\n", " ")
     slices = re.findall(r'^ +(\w+)\) serve_slice (\w+) \d+ (.*) ;;$', body, re.M)
