@@ -1,6 +1,6 @@
 """Render the benchmark JSON of one or more result folders as PNG plots beside it.
 
-    python3 -m benchmarks.plot_results benchmarks/results/h200 [benchmarks/results/cpu ...]
+    python3 -m benchmarks.plot_results benchmarks/results/gpu [benchmarks/results/cpu ...]
 
 ``e2e.json`` -> ``e2e.png`` (output tokens/s per engine configuration, and the ratio to flat
 FlashInfer); ``planner.json`` -> ``planner.png`` (planner CPU time per decode step);

@@ -40,9 +40,9 @@
 #   examples           the three examples as a user runs them (llama-tiny: they check that it
 #                      runs; their speed is the demo's and the benchmarks' business)
 # Each part's outcome becomes a row of gpu_validate.json (scripts/gpu_validate_rows.py): the
-# parts a run did not run keep their rows of benchmarks/results/h200/gpu_validate.json, so a run
+# parts a run did not run keep their rows of benchmarks/results/gpu/gpu_validate.json, so a run
 # of some parts (GV_SIDE_BY_SIDE, GV_ALONE: the lists to run) completes the committed table.
-# Logs and result JSON go to /tmp/gv/<part>/: benchmarks/results/h200/gpu_validate/<part>/.
+# Logs and result JSON go to /tmp/gv/<part>/: benchmarks/results/gpu/gpu_validate/<part>/.
 # Other parts, each alone: e2e, e2e_fa (offline end-to-end tables), split_bench (a mixed
 # prefill+decode step's attention split vs flat: benchmarks/kernels/split_step.py), serve (the serving
 # benchmark once, SERVE_ARGS its arguments), serve_grid (the serving grid: each backend's
@@ -197,7 +197,7 @@ part_all() {
   wait
   for p in $ALONE; do "part_$p"; done
   python3 scripts/gpu_validate_rows.py table "$res/gpu_validate.json" $ORDER \
-    --previous benchmarks/results/h200/gpu_validate.json
+    --previous benchmarks/results/gpu/gpu_validate.json
 }
 
 restore_caches() {  # compiled kernels and graphs from an earlier machine (.devb/*-cache.tar.xz)
@@ -225,7 +225,7 @@ pack() {  # what has finished, into $OUT
       cp -r "$d/." "$res/client-logs/$(basename "$(dirname "$d")")/" 2>/dev/null
   done
   python3 scripts/gpu_validate_rows.py table "$res/gpu_validate.json" $ORDER \
-    --previous benchmarks/results/h200/gpu_validate.json > /dev/null
+    --previous benchmarks/results/gpu/gpu_validate.json > /dev/null
   tar -C "$res" -cJf "$OUT/gv.tar.xz" --exclude=./engines --exclude=./models --exclude=./caches \
     --exclude='*.safetensors' --exclude='*.bin' .
   [ -e "$res/done" ] && cp "$res"/caches/*.tar.xz "$OUT"/ 2>/dev/null

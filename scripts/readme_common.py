@@ -11,7 +11,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-H200 = RESULTS / "h200"
+GPU = RESULTS / "gpu"  # GPU runs: each file's meta, or each row, names its GPU
 CPU = RESULTS / "cpu"
 TIMES, DASH = "\u00d7", "\u2013"  # the README's multiplication sign and en dash
 

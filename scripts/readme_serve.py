@@ -1,14 +1,15 @@
 """README.md's serving figures: the headline's served ratios and the serving table, from
-``benchmarks/results/h200/serve.json`` (rows of ``benchmarks/serve/bench.py``, each plugin row
+``benchmarks/results/gpu/serve.json`` (rows of ``benchmarks/serve/bench.py``, each plugin row
 paired with the flat row of its own run). Rendered by ``readme_tables.py`` (blocks ``summary``
 and ``serve``)."""
 
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from typing import Any
 
-from readme_common import DASH, H200, ROOT, TIMES, _load, _meta, _ratio, _source, _table, _versions
+from readme_common import DASH, GPU, ROOT, TIMES, _load, _meta, _ratio, _source, _table, _versions
 
 sys.path.insert(0, str(ROOT))  # the serve bench's reading of its rows (benchmarks.serve)
 from benchmarks.serve.metrics import shared_cascade_fraction
@@ -23,9 +24,9 @@ def serve_headline() -> str:
     p50 at 90% load and a burst's output tokens/s, each point's latest run and, where it ran
     more than once, the range over its runs (each against its own run's flat server); "" when
     serve.json has none of it."""
-    path = H200 / "serve.json"
+    path = GPU / "serve.json"
     rows = _load(path) if path.is_file() else []
-    parts, days = [], set()
+    parts, days, gpus = [], set(), set()
 
     def plugin_over_flat(workload: str, spec: str, key: str, servers: str = "",
                          faster: bool = False) -> tuple[str, list[str]] | None:
@@ -36,6 +37,7 @@ def serve_headline() -> str:
         if not runs:
             return None
         days.update(str(r.get("run_id", ""))[:8] for pair in runs for r in pair)
+        gpus.update(gpu_of(r) for pair in runs for r in pair)
         ratios = [f[key] / c[key] if faster else c[key] / f[key] for f, c in runs]
         spread = ([f"{min(ratios):.2f}{DASH}{_ratio(max(ratios))} over {len(runs)} runs"]
                   if len(runs) > 1 else [])
@@ -61,9 +63,15 @@ def serve_headline() -> str:
         return ""
     dates = ", ".join(f"{d[:4]}-{d[4:6]}-{d[6:]}" for d in sorted(days) if d.isdigit())
     return (f"Served by `vllm serve` (vLLM's default `FLASH_ATTN` backend against it flat, "
-            f"{dates}), TPOT p50 at 90% of flat's burst rate / a burst's output tokens/s: "
+            f"{', '.join(sorted(gpus))}, {dates}), TPOT p50 at 90% of flat's burst rate / a "
+            f"burst's output tokens/s: "
             f"{'; '.join(parts)} shared by many requests. ")
 
+
+
+def gpu_of(row: dict[str, Any]) -> str:
+    """The GPU that measured a row (its model, without the details in brackets)."""
+    return (row.get("gpu") or "GPU not recorded").split(" (")[0]
 
 
 def _rate_key(row: dict[str, Any]) -> tuple[int, float, str]:
@@ -139,10 +147,10 @@ def serve_runs(rows: list[dict[str, Any]], flat_config: str, plugin_config: str,
 
 
 def block_serve() -> list[str]:
-    path = H200 / "serve.json"
+    path = GPU / "serve.json"
     if not path.is_file():
         return ["Not measured yet: `benchmarks/serve/bench.py` writes "
-                "`benchmarks/results/h200/serve.json`, and this table is rendered from it."]
+                "`benchmarks/results/gpu/serve.json`, and this table is rendered from it."]
     rows, meta = _load(path), _meta(path)
 
     def pair(flat: dict[str, Any], on: dict[str, Any], key: str, digits: int = 0) -> str:
@@ -161,14 +169,14 @@ def block_serve() -> list[str]:
         return f"{shown} ({host:,.0f})" if host is not None else shown
 
     body, apart, splits = [], False, []
-    gpu_of = {run.get("run_id"): run.get("gpu", "GPU not recorded").split(" (")[0]
-              for run in meta.get("runs", [meta])}
-    shown_runs = {r.get("run_id") for r in rows}
+    gpu_of_run = {r.get("run_id"): gpu_of(r) for r in rows}  # every row names its GPU
     by_gpu: dict[str, set[str]] = {}
     for run in meta.get("runs", [meta]):
-        if run.get("run_id") in shown_runs and "date" in run:
-            by_gpu.setdefault(gpu_of[run.get("run_id")], set()).add(run["date"])
-    main_gpu = max(by_gpu, key=lambda g: len(by_gpu[g])) if by_gpu else ""
+        if run.get("run_id") in gpu_of_run and "date" in run:
+            by_gpu.setdefault(gpu_of_run[run.get("run_id")], set()).add(run["date"])
+    counts = Counter(gpu_of_run.values())  # without dated runs in the meta: the most rows' GPU
+    main_gpu = max(by_gpu or counts, key=lambda g: len(by_gpu[g]) if by_gpu else counts[g],
+                   default="")
     other_gpu = False
     keys = dict.fromkeys((r["workload"], r.get("tensor_parallel_size", 1)) for r in rows)
     for flat_config, plugin_config, backend in SERVE_PAIRS:
@@ -184,8 +192,8 @@ def block_serve() -> list[str]:
                     rate += f", {len(runs)} runs"
                 if any(a.get("run_id") != b.get("run_id") for a, b in runs):
                     rate, apart = rate + APART, True
-                if gpu_of.get(f.get("run_id"), main_gpu) != main_gpu:
-                    rate, other_gpu = f"{rate}, {gpu_of[f.get('run_id')]}", True
+                if gpu_of(f) != main_gpu:
+                    rate, other_gpu = f"{rate}, {gpu_of(f)}", True
 
                 def cell(key: str, digits: int = 0, runs: list[Any] = runs,
                          f: dict[str, Any] = f, c: dict[str, Any] = c) -> str:
@@ -212,8 +220,9 @@ def block_serve() -> list[str]:
                              shown,
                              _flat_reasons(c), planning(c)])
     lines = []
-    if (H200 / "serve.png").is_file():
-        lines += ["![Online serving on an H200](benchmarks/results/h200/serve.png)", ""]
+    if (GPU / "serve.png").is_file():
+        shown = " and ".join(sorted(set(gpu_of_run.values()), key=lambda g: g != main_gpu))
+        lines += [f"![Online serving, {shown}](benchmarks/results/gpu/serve.png)", ""]
     setup = "".join(f"{version}, " for version in _versions(meta))
     gpus = "; ".join(f"{gpu} {', '.join(sorted(dates))}" for gpu, dates in sorted(
         by_gpu.items(), key=lambda item: item[0] != main_gpu))

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # its parts, wherever 
 from readme_common import (
     CPU,
     DASH,
-    H200,
+    GPU,
     ROOT,
     TIMES,
     _int,
@@ -63,7 +63,7 @@ CORRECTNESS_WORKLOADS = {  # tests/gpu/test_engine.py workload -> what it is
 
 def e2e_speedups() -> dict[str, tuple[float, float | None]]:
     """workload -> (plugin / flat FlashInfer, plugin / FLASH_ATTN) output tokens/s."""
-    rows = _load(H200 / "e2e.json")
+    rows = _load(GPU / "e2e.json")
     out = {}
     for workload in dict.fromkeys(r["workload"] for r in rows):
         by = {r["config"]: r["out_tok_per_s"] for r in rows if r["workload"] == workload}
@@ -76,10 +76,10 @@ def e2e_speedups() -> dict[str, tuple[float, float | None]]:
 def block_summary() -> list[str]:
     """The headline: end to end and per layer, from e2e.json and kernel_grid.json."""
     speed = e2e_speedups()
-    meta = _meta(H200 / "e2e.json")
+    meta = _meta(GPU / "e2e.json")
     parts = [f"{_ratio(s)} with {E2E_WORKLOADS.get(w, w).replace('`', '')}" for w, (s, _) in
              speed.items()]
-    grid = [r for r in _load(H200 / "kernel_grid.json") if r["ms"].get("plugin")]
+    grid = [r for r in _load(GPU / "kernel_grid.json") if r["ms"].get("plugin")]
     best = max(grid, key=lambda r: r["ms"]["fi_decode"] / r["ms"]["plugin"])
     return [f"End to end on an {_setup(meta)} (Llama-3-8B shapes, dummy weights), output "
             f"tokens/s against flat FlashInfer: {'; '.join(parts)}. {serve_headline()}Per "
@@ -90,7 +90,7 @@ def block_summary() -> list[str]:
 
 
 def block_e2e() -> list[str]:
-    path = H200 / "e2e.json"
+    path = GPU / "e2e.json"
     rows, meta = _load(path), _meta(path)
     body = []
     for workload in dict.fromkeys(r["workload"] for r in rows):
@@ -112,7 +112,7 @@ def block_e2e() -> list[str]:
 
 
 def block_kernel() -> list[str]:
-    path = H200 / "kernel_grid.json"
+    path = GPU / "kernel_grid.json"
     rows, meta = _load(path), _meta(path)
     by = {(r["B"], r["P"], r["groups"]): r for r in rows}
     body = []
@@ -162,7 +162,7 @@ def block_planner() -> list[str]:
 
 
 def block_correctness() -> list[str]:
-    path = H200 / "correctness.json"
+    path = GPU / "correctness.json"
     rows, meta = _load(path), _meta(path)
     groups: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
     corrupted = []
@@ -208,7 +208,7 @@ def block_correctness() -> list[str]:
 
 
 def block_kernel_correctness() -> list[str]:
-    path = H200 / "kernel_correctness.json"
+    path = GPU / "kernel_correctness.json"
     report = _load(path)
     cases = report["cases"]
     real = [c for c in cases if "corrupt" not in c["name"]]
@@ -226,7 +226,7 @@ def block_kernel_correctness() -> list[str]:
 
 
 def block_soak() -> list[str]:
-    path = H200 / "soak.json"
+    path = GPU / "soak.json"
     s, meta = _load(path), _meta(path)
     # the memory that lives (the process's figure less the allocator's free cache) where the
     # run read it, else the process's figure

@@ -25,7 +25,7 @@
 #   flash_attn_policy  vLLM's default backend flat, the plugin, and the plugin with cascade on
 #                      every step that shares (CASCADE_POLICY=always), at the loads where the
 #                      cost model keeps most decode steps flat; rates from the committed flat
-#                      bursts (the slices start from benchmarks/results/h200/serve.json).
+#                      bursts (the slices start from benchmarks/results/gpu/serve.json).
 #   split              vLLM's default backend flat, the plugin with every mixed prefill+decode
 #                      step flat (cascade_flash_attn_split_off: without the split) and with
 #                      every one split where its decode rows' kernels win (_split_free), on
@@ -81,8 +81,8 @@ serve_slice() {  # name, timeout (s), serve/bench.py arguments...
   local name=$1 limit=$2 start=$SECONDS
   shift 2
   # The committed rows: a slice without a flat burst takes its rates from them.
-  [ -f "$res/serve_grid/serve.json" ] || cp benchmarks/results/h200/serve.json \
-    benchmarks/results/h200/serve.meta.json "$res/serve_grid/"  # the runs' provenance too
+  [ -f "$res/serve_grid/serve.json" ] || cp benchmarks/results/gpu/serve.json \
+    benchmarks/results/gpu/serve.meta.json "$res/serve_grid/"  # the runs' provenance too
   timeout "$limit" python3 -m benchmarks.serve.bench --model examples/models/llama3-8b \
     --duration "${SERVE_DURATION:-20}" --out "$res/serve_grid/serve.json" "$@" \
     > "$res/serve_grid/$name.log" 2>&1

@@ -62,7 +62,7 @@ def test_readme_is_short_and_has_no_development_history():
     # on, read from gpu_validate.json: provenance of a measurement, not history.
     compatibility = re.search(r"<!-- table:compatibility -->.*?<!-- /table -->", text, re.S)
     assert compatibility is not None
-    recorded = (REPO / "benchmarks/results/h200/gpu_validate.json").read_text()
+    recorded = (REPO / "benchmarks/results/gpu/gpu_validate.json").read_text()
     for word in re.findall(r"\b[0-9a-f]{7,40}\b", compatibility.group(0)):
         assert word in recorded, word
     for word in re.findall(r"\b[0-9a-f]{7,40}\b", text.replace(compatibility.group(0), "")):
@@ -116,7 +116,7 @@ def test_the_kernel_tables_plugin_column_is_the_shipped_cost_models_choice(tmp_p
     from test_planner import run_python
 
     for name in ("kernel_grid.json", "kernel_grid.meta.json", "kernel_grid.summary.json"):
-        shutil.copy(tables.H200 / name, tmp_path / name)
+        shutil.copy(tables.GPU / name, tmp_path / name)
     out = run_python("-m", "benchmarks.kernels.bench", "--redecide", "--out",
                      str(tmp_path))
     assert "changed: none" in out
@@ -134,7 +134,7 @@ def _serve_row(config: str, rate: str | float, spec: str, scale: float, run: str
 
 
 def test_serve_block_says_not_measured_without_results(tmp_path, monkeypatch):
-    monkeypatch.setattr(serve, "H200", tmp_path)
+    monkeypatch.setattr(serve, "GPU", tmp_path)
     assert "Not measured yet" in "\n".join(serve.block_serve())
 
 
@@ -152,7 +152,7 @@ def test_serve_block_shows_the_plugin_against_flat_per_backend_workload_and_rate
             _serve_row("flash_attn", "burst", "burst", 1.0, completed=0),
             _serve_row("cascade_flash_attn", "burst", "burst", 2.0)]
     (tmp_path / "serve.json").write_text(json.dumps(rows))
-    monkeypatch.setattr(serve, "H200", tmp_path)
+    monkeypatch.setattr(serve, "GPU", tmp_path)
     monkeypatch.setattr(common, "ROOT", tmp_path.parent)
     lines = serve.block_serve()
     table = [line for line in lines if "| prefix_8k_x4 |" in line]
@@ -183,7 +183,7 @@ def test_a_point_measured_in_several_runs_shows_its_latest_run_and_every_runs_ra
             _serve_row("flash_attn", 2.1, "90%", 0.5, run="b"),  # a slower flat server
             _serve_row("cascade_flash_attn", 2.1, "90%", 1.5, run="b")]
     (tmp_path / "serve.json").write_text(json.dumps(rows))
-    monkeypatch.setattr(serve, "H200", tmp_path)
+    monkeypatch.setattr(serve, "GPU", tmp_path)
     monkeypatch.setattr(common, "ROOT", tmp_path.parent)
     lines = serve.block_serve()
     [row] = [line for line in lines if "| prefix_8k_x4 |" in line]
@@ -202,10 +202,33 @@ def test_a_pair_measured_at_two_rates_names_both(tmp_path, monkeypatch):
     rows = [_serve_row("flash_attn", 13.6, "90%", 1.0, run="a"),
             _serve_row("cascade_flash_attn", 13.4, "90%", 2.0, run="b")]
     (tmp_path / "serve.json").write_text(json.dumps(rows))
-    monkeypatch.setattr(serve, "H200", tmp_path)
+    monkeypatch.setattr(serve, "GPU", tmp_path)
     monkeypatch.setattr(common, "ROOT", tmp_path.parent)
     [row] = [line for line in serve.block_serve() if "| prefix_8k_x4 |" in line]
     assert f"| 90% (flat 13.6, plugin 13.4 req/s){serve.APART} |" in row
+
+
+def test_each_serving_row_names_the_gpu_its_own_row_records(tmp_path, monkeypatch):
+    """serve.json's rows come from several machines: the table's header names the GPU of most
+    runs, a row from another GPU names its own beside its rate (read from the row, whatever the
+    meta's latest run was measured on), and the headline names the GPUs of the runs it uses."""
+    rows = [_serve_row("flash_attn", "burst", "burst", 1.0, run="a", gpu="NVIDIA H200"),
+            _serve_row("cascade_flash_attn", "burst", "burst", 2.0, run="a", gpu="NVIDIA H200"),
+            _serve_row("flash_attn", 2.0, "90%", 1.0, run="b", gpu="NVIDIA H100 80GB HBM3"),
+            _serve_row("cascade_flash_attn", 2.0, "90%", 2.0, run="b",
+                       gpu="NVIDIA H100 80GB HBM3")]
+    (tmp_path / "serve.json").write_text(json.dumps(rows))
+    (tmp_path / "serve.meta.json").write_text(json.dumps({
+        "gpu": "NVIDIA H100 80GB HBM3", "runs": [
+            {"run_id": "a", "date": "2026-12-01", "gpu": "NVIDIA H100 80GB HBM3"},  # wrong
+            {"run_id": "b", "date": "2026-12-02", "gpu": "NVIDIA H100 80GB HBM3"}]}))
+    monkeypatch.setattr(serve, "GPU", tmp_path)
+    monkeypatch.setattr(common, "ROOT", tmp_path.parent)
+    lines = serve.block_serve()
+    burst, half = [line for line in lines if "| prefix_8k_x4 |" in line]
+    assert "| burst |" in burst and "| 90% (2.0 req/s), NVIDIA H100 80GB HBM3 |" in half
+    assert "NVIDIA H200 2026-12-01; NVIDIA H100 80GB HBM3 2026-12-02" in "\n".join(lines)
+    assert "against it flat, NVIDIA H100 80GB HBM3, NVIDIA H200," in serve.serve_headline()
 
 
 def test_a_bursts_time_to_first_token_is_split_into_its_parts(tmp_path, monkeypatch):
@@ -220,7 +243,7 @@ def test_a_bursts_time_to_first_token_is_split_into_its_parts(tmp_path, monkeypa
             _serve_row("flashinfer", "burst", "burst", 1.0),  # no split: no sentence
             _serve_row("cascade", "burst", "burst", 2.0)]
     (tmp_path / "serve.json").write_text(json.dumps(rows))
-    monkeypatch.setattr(serve, "H200", tmp_path)
+    monkeypatch.setattr(serve, "GPU", tmp_path)
     monkeypatch.setattr(common, "ROOT", tmp_path.parent)
     [line] = [x for x in serve.block_serve() if x.startswith("Where a burst's")]
     assert ("FLASH_ATTN prefix_8k_x4: flat 3,000 ms = HTTP 500 + tokenizing and hand-off 2,300 "
@@ -235,7 +258,7 @@ def test_the_serving_headline_reads_each_points_latest_run_against_its_own_flat_
     (plugin / flat), the latest run of each point paired with its own run's flat server, then
     the range over the point's runs and the days they ran, "not measured" for a missing point,
     and nothing at all without serving rows."""
-    monkeypatch.setattr(serve, "H200", tmp_path)
+    monkeypatch.setattr(serve, "GPU", tmp_path)
     assert serve.serve_headline() == ""
     rows = [_serve_row("flash_attn", 2.0, "90%", 1.0, run="20261201T000000"),
             _serve_row("cascade_flash_attn", 2.0, "90%", 4.0, run="20261201T000000"),
@@ -285,7 +308,7 @@ def test_a_repeat_at_the_same_rate_is_another_run_of_it_paired_with_its_own_flat
 def test_the_serving_headline_adds_the_burst_with_four_api_servers(tmp_path, monkeypatch):
     """Where the 4-API-server pair measured the burst, the headline gives its output ratio
     beside the one-API-server burst's."""
-    monkeypatch.setattr(serve, "H200", tmp_path)
+    monkeypatch.setattr(serve, "GPU", tmp_path)
     rows = [_serve_row("flash_attn", "burst", "burst", 1.0, run="20261202T000000"),
             _serve_row("cascade_flash_attn", "burst", "burst", 1.5, run="20261202T000000"),
             _serve_row("flash_attn_api_servers_4", "burst", "burst", 2.0, run="20261203T000000"),

@@ -1,6 +1,6 @@
 """Fit the cost models (``vllm_cascade_plugin.planning.cost.COST_MODELS``) to the H200 measurements.
 
-    PYTHONPATH=src python3 -m benchmarks.calibration.cost [--results benchmarks/results/h200]
+    PYTHONPATH=src python3 -m benchmarks.calibration.cost [--results benchmarks/results/gpu]
 
 One model per cascade executor (``CASCADE_KERNEL``: ``flashinfer``, ``fa3``); flat attention is
 vLLM's FlashInfer decode in both. Per layer call, from ``kernel_grid.json`` (``kernels/bench.py``):
@@ -249,7 +249,7 @@ def calibrate_flat(grid: Sequence[dict], column: str) -> dict[str, Any]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--results", type=Path, default=RESULTS / "h200")
+    parser.add_argument("--results", type=Path, default=RESULTS / "gpu")
     args = parser.parse_args()
     grid = json.loads((args.results / "kernel_grid.json").read_text())
     executors: dict[str, Any] = {}

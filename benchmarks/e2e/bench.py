@@ -185,7 +185,7 @@ def child_command(args: argparse.Namespace, config: str) -> tuple[list[str], dic
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="examples/models/llama3-8b")
-    parser.add_argument("--out", default=str(RESULTS / "h200"))
+    parser.add_argument("--out", default=str(RESULTS / "gpu"))
     parser.add_argument("--workloads", default=",".join(workloads()))
     parser.add_argument("--configs", default=DEFAULT_CONFIGS,
                         help=f"any of {', '.join(CONFIGS)}")

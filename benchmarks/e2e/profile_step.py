@@ -118,7 +118,7 @@ def profile(model: str, config: str, workload: str, tokens: int) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="examples/models/llama3-8b")
-    parser.add_argument("--out", default=str(RESULTS / "h200"))
+    parser.add_argument("--out", default=str(RESULTS / "gpu"))
     parser.add_argument("--config", default="cascade", choices=list(CONFIGS))
     parser.add_argument("--workload", default="b128_16k_prefix_64_own")
     parser.add_argument("--tokens", type=int, default=48)

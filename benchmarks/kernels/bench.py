@@ -190,7 +190,7 @@ def redecide(out: Path, argv: Sequence[str] | None) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path,
-                        default=RESULTS / "h200")
+                        default=RESULTS / "gpu")
     parser.add_argument("--quick", action="store_true",
                         help=f"{len(QUICK)} rows only: " + ", ".join(c.label for c in QUICK))
     parser.add_argument("--rows", help="only these rows: BxP[xGROUPS[xS]],... e.g. 256x8192x4")

@@ -151,7 +151,7 @@ def run_row(case: kg.Case, gpu: Gpu, timer: Timer, rng: np.random.Generator,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path,
-                        default=RESULTS / "h200")
+                        default=RESULTS / "gpu")
     parser.add_argument("--rows", default=DEFAULT_ROWS, help="BxP[xGROUPS[xS]],...")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--pool-pages", type=int, default=32768)

@@ -21,7 +21,7 @@ have to be for the model to predict the measured difference: the measured split 
 model's per-layer estimate of the decode rows' cascade (without its per-step term) minus their
 flat attention, times the layers. The model charges the larger of the GPU and host differences.
 
-    python3 -m benchmarks.kernels.split_step [--out benchmarks/results/h200/split_step.json]
+    python3 -m benchmarks.kernels.split_step [--out benchmarks/results/gpu/split_step.json]
 """
 
 from __future__ import annotations

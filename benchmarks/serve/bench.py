@@ -3,7 +3,7 @@
 Usage (on the GPU machine; ``--dry-run`` anywhere prints the commands and writes nothing):
     python3 -m benchmarks.serve.bench --model examples/models/llama3-8b \
         [--configs flashinfer,cascade,flash_attn,cascade_flash_attn] [--workloads ...] \
-        [--rates burst,50%,90%] [--out benchmarks/results/h200/serve.json] [--plot]
+        [--rates burst,50%,90%] [--out benchmarks/results/gpu/serve.json] [--plot]
 
 One server per config serves every workload (``--load-format dummy``, prefix caching on, a
 word-level tokenizer written next to a copy of config.json). Per workload: a warm-up (not
@@ -328,7 +328,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--seed", type=int, default=0, help="server seed; base of the runs' seeds")
     p.add_argument("--port", type=int, default=8100, help="first server's port (then +1 ...)")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results/h200/serve.json"))
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu/serve.json"))
     p.add_argument("--log-dir", default=None, help="server logs (default: logs/ beside --out)")
     p.add_argument("--work-dir", default="/tmp/vllm-cascade-serve-bench",
                    help="model folder, datasets, client results and logs (a folder per run)")

@@ -28,7 +28,7 @@ from vllm_cascade_plugin.planning.cost import (
 from vllm_cascade_plugin.planning.planner import plan_cascade
 
 REPO = Path(__file__).resolve().parents[2]
-RESULTS = REPO / "benchmarks" / "results" / "h200"
+RESULTS = REPO / "benchmarks" / "results" / "gpu"
 # Llama-3-8B: the shape the defaults are calibrated on, and its 32 layers.
 H200_LAYER = AttentionShape(num_qo_heads=32, num_kv_heads=8, head_dim=128, dtype_bytes=2,
                             num_layers=32)
@@ -282,7 +282,7 @@ def test_cost_model_is_frozen_and_documented():
 
 
 def test_the_shipped_defaults_are_the_calibration_of_the_committed_measurements(tmp_path):
-    """``benchmarks.calibration.cost`` on benchmarks/results/h200 gives exactly CostModel()."""
+    """``benchmarks.calibration.cost`` on benchmarks/results/gpu gives exactly CostModel()."""
     import shutil
 
     for name in ("kernel_grid.json", "e2e.json", "e2e_step_cost_fa3.json",

@@ -22,7 +22,7 @@ from vllm_cascade_plugin.planning.cost import (
 )
 from vllm_cascade_plugin.planning.planner import plan_cascade
 
-RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "h200"
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "gpu"
 H200_LAYER = AttentionShape(num_qo_heads=32, num_kv_heads=8, head_dim=128, dtype_bytes=2,
                             num_layers=32)
 FLASH_ATTN = flash_attn_flat(COST_MODELS["fa3"])

@@ -11,7 +11,7 @@ cost is spread over the model's layers.
 ``CostModel()``'s defaults are FlashInfer's executor; ``COST_MODELS`` holds one calibration per
 executor (``CASCADE_KERNEL``). Both are fitted by ``benchmarks/calibration/cost.py`` on an H200
 (bf16, 32 q / 8 kv heads, head_dim 128, page 16, vLLM 0.26.0, FlashInfer 0.6.14): the per-layer
-terms on the 22 rows of ``benchmarks/results/h200/kernel_grid.json`` (decode, B requests behind P
+terms on the 22 rows of ``benchmarks/results/gpu/kernel_grid.json`` (decode, B requests behind P
 shared tokens, 128 own each), the per-step term on end-to-end runs with cascade on every step
 (``e2e_step_cost_fa3.json``, ``e2e_step_cost_flashinfer.json``, ``demo_flashinfer_executor.txt``;
 ``benchmarks/README.md`` says what each run is; FA3's from ``e2e_step_cost_fa3_serving.json``);
