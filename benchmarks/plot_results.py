@@ -1,6 +1,6 @@
 """Render the benchmark JSON of one or more result folders as PNG plots beside it.
 
-    python benchmarks/plot_results.py benchmarks/results/h200 [benchmarks/results/cpu ...]
+    python3 -m benchmarks.plot_results benchmarks/results/gpu [benchmarks/results/cpu ...]
 
 ``e2e.json`` -> ``e2e.png`` (output tokens/s per engine configuration, and the ratio to flat
 FlashInfer); ``planner.json`` -> ``planner.png`` (planner CPU time per decode step);
@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-E2E_LABELS = {  # e2e_bench.py configuration -> label, in plotting order
+E2E_LABELS = {  # e2e/bench.py configuration -> label, in plotting order
     "flash_attn": "FLASH_ATTN\n(vLLM default)",
     "flashinfer": "FLASHINFER\n(flat)",
     "cascade": "cascade\n(policy auto)",
@@ -106,7 +106,7 @@ def plot_planner(folder: Path, plt: Any) -> Path:
     return out
 
 
-KERNEL_STYLES = {  # kernel_bench.py method -> (label, line style), in legend order
+KERNEL_STYLES = {  # kernels/bench.py method -> (label, line style), in legend order
     "plugin": ("plugin (what it runs)", {"color": "#2a7ab9", "lw": 2.5, "marker": "o",
                                          "zorder": 5}),
     "plugin_cascade_fa3": ("plugin FA3 executor (always cascade)",

@@ -33,18 +33,18 @@
 #   fp8                tests/gpu/test_kernels_fp8.py and the FP8 engine tests (CASCADE_FP8_KV=1)
 #   speculative        ngram speculative decoding, plugin on vs off (V1 runner)
 #   sliding            tests/gpu/test_sliding_window_engine.py: sliding-window layers run flat
-#   soak               tests/gpu/test_soak.py: benchmarks/soak.py shortened to SOAK_SECONDS
+#   soak               tests/gpu/test_soak.py: benchmarks/soak/bench.py shortened to SOAK_SECONDS
 # then alone (they take most of the GPU, or time what they run):
 #   serving_memory     tests/gpu/test_serving.py at gpu_memory_utilization=0.92
 #   demo               `vllm-cascade demo` (Llama-3-8B shapes: plugin off, on, off on FLASH_ATTN)
 #   examples           the three examples as a user runs them (llama-tiny: they check that it
 #                      runs; their speed is the demo's and the benchmarks' business)
 # Each part's outcome becomes a row of gpu_validate.json (scripts/gpu_validate_rows.py): the
-# parts a run did not run keep their rows of benchmarks/results/h200/gpu_validate.json, so a run
+# parts a run did not run keep their rows of benchmarks/results/gpu/gpu_validate.json, so a run
 # of some parts (GV_SIDE_BY_SIDE, GV_ALONE: the lists to run) completes the committed table.
-# Logs and result JSON go to /tmp/gv/<part>/: benchmarks/results/h200/gpu_validate/<part>/.
+# Logs and result JSON go to /tmp/gv/<part>/: benchmarks/results/gpu/gpu_validate/<part>/.
 # Other parts, each alone: e2e, e2e_fa (offline end-to-end tables), split_bench (a mixed
-# prefill+decode step's attention split vs flat: benchmarks/split_bench.py), serve (the serving
+# prefill+decode step's attention split vs flat: benchmarks/kernels/split_step.py), serve (the serving
 # benchmark once, SERVE_ARGS its arguments), serve_grid (the serving grid: each backend's
 # plugin against the same backend flat, `vllm serve` driven by `vllm bench serve`;
 # SERVE_DURATION seconds of Poisson arrivals per run; SERVE_GRID names the slices to run, each
@@ -58,7 +58,7 @@ mkdir -p "$res"
 # Pure-Python wheels the device bundle lacks (e.g. truststore, which the OpenAI client's HTTP
 # stack imports): put in .devb/wheels/, they are imported from the wheel files directly.
 for w in .devb/wheels/*.whl; do [ -f "$w" ] && export PYTHONPATH="$PWD/$w${PYTHONPATH:+:$PYTHONPATH}"; done
-# CUPTI for the torch profiler's GPU events (serve_bench.py --profile): the device's CUDA
+# CUPTI for the torch profiler's GPU events (serve/bench.py --profile): the device's CUDA
 # toolkit has it (/usr/local/cuda-13.0/.../libcupti.so.13), torch's wheel does not bring it.
 for d in /usr/local/cuda*/targets/x86_64-linux/lib; do
   [ -e "$d/libcupti.so.13" ] && export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" && break
@@ -157,21 +157,21 @@ part_examples() {  # each example as its docstring says to run it, on the tiny m
 
 part_split_bench() {  # a mixed step's attention run split vs flat, all layers (cost model)
   mkdir -p "$res/split_bench"
-  timeout 400 python3 benchmarks/split_bench.py --out "$res/split_bench/split_step.json" \
+  timeout 400 python3 -m benchmarks.kernels.split_step --out "$res/split_bench/split_step.json" \
     > "$res/split_bench/split_bench.log" 2>&1
   stamp "split_bench rc=$?"; tail -3 "$res/split_bench/split_bench.log" | cut -c1-200
 }
 
 part_e2e() {
   mkdir -p "$res/e2e"
-  timeout 560 python3 benchmarks/e2e_bench.py --out "$res/e2e" --configs \
+  timeout 560 python3 -m benchmarks.e2e.bench --out "$res/e2e" --configs \
     flash_attn,flashinfer,cascade --workloads $E2E_WORKLOADS > "$res/e2e/e2e.log" 2>&1
   stamp "e2e rc=$?"; grep -h '"workload"' "$res/e2e/e2e.log" | cut -c1-140
 }
 
 part_e2e_fa() {
   mkdir -p "$res/e2e_fa"
-  timeout 560 python3 benchmarks/e2e_bench.py --out "$res/e2e_fa" --configs \
+  timeout 560 python3 -m benchmarks.e2e.bench --out "$res/e2e_fa" --configs \
     flash_attn,cascade_flash_attn --workloads $E2E_WORKLOADS > "$res/e2e_fa/e2e.log" 2>&1
   stamp "e2e_fa rc=$?"; grep -h '"workload"' "$res/e2e_fa/e2e.log" | cut -c1-140
 }
@@ -181,168 +181,15 @@ part_e2e_fa() {
 part_serve() {
   mkdir -p "$res/serve"
   # shellcheck disable=SC2086  # SERVE_ARGS: several arguments
-  timeout 1500 python3 benchmarks/serve_bench.py --model examples/models/llama3-8b \
+  timeout 1500 python3 -m benchmarks.serve.bench --model examples/models/llama3-8b \
     ${SERVE_ARGS:---workloads prefix_8k_x4 --configs flashinfer,cascade --duration 30 --plot} \
     --out "$res/serve/serve.json" > "$res/serve/serve.log" 2>&1
   stamp "serve rc=$?"; tail -20 "$res/serve/serve.log"
 }
 
-# The serving grid in slices that each fit one session's 30 minutes of device time (a server
-# start is ~1.5 min once compiled, ~4 min on a fresh machine; a run ~1 min): SERVE_GRID names
-# them, run in its order.
-#   flash_attn_shared  vLLM's default backend: shared documents at two loads (90% twice: the
-#                      spread) and a burst; a chat service. About 22 min (measured: 8K x 4
-#                      took 9.5 min on a fresh machine's first server, 5.7 on the next; the chat
-#                      pair 7.3 min for both servers).
-#   flash_attn_long    vLLM's default backend: one long document, many short ones, no sharing.
-#   flashinfer         the FlashInfer pair: shared documents and chat.
-#   flashinfer_burst   the FlashInfer pair on shared documents only: a burst and 90% (about
-#                      7 min after the verification parts on the same machine).
-#   host_delay         vLLM's default backend flat, the plugin, and the plugin with 1 and 4 ms
-#                      of host time added to each step's planning, on 8K x 4 at 90% (rates
-#                      from the committed flat burst): how much host time a step hides.
-#   api_servers        vLLM's default backend flat and the plugin, each with 4 API server
-#                      processes (--api-server-count 4: prompts tokenized in parallel), on an
-#                      8K x 4 burst: the burst without the single frontend's queue.
-#   flash_attn_moderate vLLM's default backend flat and the plugin at 90% of flat's burst rate
-#                      on the sharing workloads whose decode batches sit near the cost model's
-#                      break-even (2K x 16, chat, 8K x 4); rates from the committed flat bursts.
-#                      About 9 min on a fresh machine.
-#   flash_attn_policy  vLLM's default backend flat, the plugin, and the plugin with cascade on
-#                      every step that shares (CASCADE_POLICY=always), at the loads where the
-#                      cost model keeps most decode steps flat; rates from the committed flat
-#                      bursts (the slices start from benchmarks/results/h200/serve.json).
-#   split              vLLM's default backend flat, the plugin with every mixed prefill+decode
-#                      step flat (cascade_flash_attn_split_off: without the split) and with
-#                      every one split where its decode rows' kernels win (_split_free), on
-#                      8K x 4 and 2K x 16 at 90%; rates from the committed flat bursts.
-#   split_gated        vLLM's default backend flat, the plugin (mixed steps flat) and the
-#                      plugin with them split (CASCADE_SPLIT_MIXED=1: where the cost model, its
-#                      host term included, says so and the layout came before), on 8K x 4 in
-#                      a burst and at 90%: whether splitting helps a burst's mixed steps.
-#                      About 10 min after the verification parts on the same machine.
-#   pow2_graphs        vLLM's default backend flat and the plugin, both with vLLM's CUDA-graph
-#                      capture sizes in powers of two (fewer whole-step graphs for the plugin
-#                      to capture while a burst's batch grows), on 8K x 4 in a burst and at
-#                      90% of that flat burst's rate.
-#   host_delay_2k      vLLM's default backend flat, the plugin, and the plugin with 1 ms of host
-#                      time added to each step's planning, on 2K x 16 at 90% (its decode
-#                      batches are the largest of the grid's, ~140 rows): whether host time
-#                      per step sets the pace there. About 9 min on a fresh machine.
-#   burst_pair         vLLM's default backend flat and the plugin on 8K x 4 and 32K x 1 bursts:
-#                      the bursts' output and TTFT side by side with the defaults.
-#   mixed_bursts       vLLM's default backend flat and the plugin two ways on the mixed
-#                      prefill+decode steps of 32K x 1 and 8K x 4 bursts: planned whole as one
-#                      cascade step (the default) and flat (cascade_flash_attn_split_off).
-#                      About 12 min after the verification parts (15 min) on the same machine.
-#   chat_burst         vLLM's default backend flat and the plugin on a burst of the chat workload
-#                      (one 1.5K-token system prompt, long own turns): whether a burst of short
-#                      shared prefixes costs the plugin output or TPOT.
-#   chat               vLLM's default backend flat and the plugin on the chat workload, a burst
-#                      and 90% of that flat burst's rate: the chat pair in one run, each flat
-#                      step's reason (a single request apart from no shared level). About 7 min
-#                      on a fresh machine.
-#   capture_bursts     vLLM's default backend flat, the plugin capturing each CUDA graph the
-#                      second time its key comes (cascade_flash_attn_capture_second) and the
-#                      plugin (the first time), in that order, on 8K x 4 and 32K x 1 bursts:
-#                      whether a burst's one-use layouts are cheaper run eagerly than captured.
-#                      About 12 min (as mixed_bursts).
-#   policy_moderate    vLLM's default backend flat, the plugin, and the plugin with cascade on
-#                      every step that shares (CASCADE_POLICY=always), on 2K x 16 and chat at
-#                      90% (rates from the committed flat bursts): what the decode steps the
-#                      cost model keeps flat would cost as cascade. About 14 min on a fresh
-#                      machine.
-#   flashinfer_chat    the FlashInfer pair on chat at 90% (rates from the committed flat
-#                      burst): the chat point's TTFT p99 again.
-#   chat_capacity      vLLM's default backend flat and the plugin on prefill-heavy chat at
-#                      50%, 90% and 110% of flat's burst rate, then 110% once more under vLLM's
-#                      torch profiler (serve_profile/: the GPU's idle gaps, the host's waits).
-#   never_slower       vLLM's default backend flat and the plugin, each server with the
-#                      step-timeline probe (the GPU's wait for the host per step): prefill-heavy
-#                      chat at 50% (twice), 90% and 110% and two bursts; no sharing; a long
-#                      shared document at 50% and a burst. About 14 min on a fresh machine.
-#   never_slower_chat  the same on prefill-heavy chat only, once per load (about 9 min on a
-#                      fresh machine at SERVE_DURATION=15).
-serve_slice() {  # name, timeout (s), serve_bench.py arguments...
-  local name=$1 limit=$2 start=$SECONDS
-  shift 2
-  # The committed rows: a slice without a flat burst takes its rates from them.
-  [ -f "$res/serve_grid/serve.json" ] || cp benchmarks/results/h200/serve.json \
-    benchmarks/results/h200/serve.meta.json "$res/serve_grid/"  # the runs' provenance too
-  timeout "$limit" python3 benchmarks/serve_bench.py --model examples/models/llama3-8b \
-    --duration "${SERVE_DURATION:-20}" --out "$res/serve_grid/serve.json" "$@" \
-    > "$res/serve_grid/$name.log" 2>&1
-  stamp "serve_grid $name rc=$? in $((SECONDS - start)) s"
-}
-
-part_serve_grid() {  # run it detached, alone; the slices in SERVE_GRID's order
-  local slice
-  mkdir -p "$res/serve_grid"
-  for slice in ${SERVE_GRID:-flash_attn_shared}; do
-    case $slice in
-    flash_attn_shared) serve_slice flash_attn_shared 1500 \
-      --configs flash_attn,cascade_flash_attn --workloads prefix_8k_x4,chat_1k5_system \
-      --rates "prefix_8k_x4=burst,50%,90%*2;*=burst,90%" ;;
-    flash_attn_long) serve_slice flash_attn_long 1500 \
-      --configs flash_attn,cascade_flash_attn --workloads prefix_32k_x1,prefix_2k_x16,random_2k \
-      --rates "burst,90%" ;;
-    flashinfer) serve_slice flashinfer 1200 --configs flashinfer,cascade \
-      --workloads prefix_8k_x4,chat_1k5_system --rates "burst,90%" --plot ;;
-    flashinfer_burst) serve_slice flashinfer_burst 900 \
-      --configs flashinfer,cascade --workloads prefix_8k_x4 --rates "burst,90%" ;;
-    host_delay) serve_slice host_delay 1200 \
-      --configs flash_attn,cascade_flash_attn,cascade_flash_attn_host_delay_1ms,cascade_flash_attn_host_delay_4ms \
-      --workloads prefix_8k_x4 --rates 90% ;;
-    api_servers) serve_slice api_servers 900 \
-      --configs flash_attn_api_servers_4,cascade_flash_attn_api_servers_4 \
-      --workloads prefix_8k_x4 --rates burst ;;
-    flash_attn_moderate) serve_slice flash_attn_moderate 1200 \
-      --configs flash_attn,cascade_flash_attn \
-      --workloads prefix_2k_x16,chat_1k5_system,prefix_8k_x4 --rates 90% ;;
-    flash_attn_policy) serve_slice flash_attn_policy 1500 \
-      --configs flash_attn,cascade_flash_attn,cascade_flash_attn_always \
-      --workloads prefix_8k_x4,chat_1k5_system --rates "prefix_8k_x4=50%,90%;*=90%" ;;
-    split) serve_slice split 1200 \
-      --configs flash_attn,cascade_flash_attn_split_off,cascade_flash_attn_split_free \
-      --workloads prefix_8k_x4,prefix_2k_x16 --rates 90% ;;
-    split_gated) serve_slice split_gated 1200 \
-      --configs flash_attn,cascade_flash_attn,cascade_flash_attn_split_mixed \
-      --workloads prefix_8k_x4 --rates burst,90% ;;
-    pow2_graphs) serve_slice pow2_graphs 900 \
-      --configs flash_attn_pow2_graphs,cascade_flash_attn_pow2_graphs \
-      --workloads prefix_8k_x4 --rates burst,90% ;;
-    host_delay_2k) serve_slice host_delay_2k 1200 \
-      --configs flash_attn,cascade_flash_attn,cascade_flash_attn_host_delay_1ms \
-      --workloads prefix_2k_x16 --rates 90% ;;
-    burst_pair) serve_slice burst_pair 1200 --configs flash_attn,cascade_flash_attn \
-      --workloads prefix_8k_x4,prefix_32k_x1 --rates burst ;;
-    mixed_bursts) serve_slice mixed_bursts 1500 \
-      --configs flash_attn,cascade_flash_attn,cascade_flash_attn_split_off \
-      --workloads prefix_32k_x1,prefix_8k_x4 --rates burst ;;
-    capture_bursts) serve_slice capture_bursts 1500 \
-      --configs flash_attn,cascade_flash_attn_capture_second,cascade_flash_attn \
-      --workloads prefix_8k_x4,prefix_32k_x1 --rates burst ;;
-    chat_burst) serve_slice chat_burst 900 --configs flash_attn,cascade_flash_attn \
-      --workloads chat_1k5_system --rates burst ;;
-    chat) serve_slice chat 900 --configs flash_attn,cascade_flash_attn \
-      --workloads chat_1k5_system --rates burst,90% ;;
-    policy_moderate) serve_slice policy_moderate 1200 \
-      --configs flash_attn,cascade_flash_attn,cascade_flash_attn_always \
-      --workloads prefix_2k_x16,chat_1k5_system --rates 90% ;;
-    flashinfer_chat) serve_slice flashinfer_chat 900 --configs flashinfer,cascade \
-      --workloads chat_1k5_system --rates 90% ;;
-    chat_capacity) serve_slice chat_capacity 1200 --configs flash_attn,cascade_flash_attn \
-      --workloads chat_1k_prefill_heavy --rates burst,50%,90%,110% --profile 110% ;;
-    never_slower_chat) serve_slice never_slower_chat 900 --configs flash_attn,cascade_flash_attn \
-      --workloads chat_1k_prefill_heavy --step-timeline --rates burst,50%,90%,110% ;;
-    never_slower) serve_slice never_slower 1500 --configs flash_attn,cascade_flash_attn \
-      --workloads chat_1k_prefill_heavy,random_2k,prefix_8k_x4 --step-timeline \
-      --rates "chat_1k_prefill_heavy=burst*2,50%*2,90%,110%;random_2k=burst,90%;prefix_8k_x4=burst,50%" ;;
-    *) stamp "serve_grid: no slice named $slice (see the list above part_serve_grid)"; return 1 ;;
-    esac
-  done
-  return 0
-}
+# The serving grid, part serve_grid: its slices in scripts/serve_grid.sh (SERVE_GRID names them).
+# shellcheck source=scripts/serve_grid.sh
+source scripts/serve_grid.sh
 
 part_all() {
   local p
@@ -350,7 +197,7 @@ part_all() {
   wait
   for p in $ALONE; do "part_$p"; done
   python3 scripts/gpu_validate_rows.py table "$res/gpu_validate.json" $ORDER \
-    --previous benchmarks/results/h200/gpu_validate.json
+    --previous benchmarks/results/gpu/gpu_validate.json
 }
 
 restore_caches() {  # compiled kernels and graphs from an earlier machine (.devb/*-cache.tar.xz)
@@ -378,7 +225,7 @@ pack() {  # what has finished, into $OUT
       cp -r "$d/." "$res/client-logs/$(basename "$(dirname "$d")")/" 2>/dev/null
   done
   python3 scripts/gpu_validate_rows.py table "$res/gpu_validate.json" $ORDER \
-    --previous benchmarks/results/h200/gpu_validate.json > /dev/null
+    --previous benchmarks/results/gpu/gpu_validate.json > /dev/null
   tar -C "$res" -cJf "$OUT/gv.tar.xz" --exclude=./engines --exclude=./models --exclude=./caches \
     --exclude='*.safetensors' --exclude='*.bin' .
   [ -e "$res/done" ] && cp "$res"/caches/*.tar.xz "$OUT"/ 2>/dev/null

@@ -1,4 +1,4 @@
-"""The rows of ``benchmarks/results/h200/gpu_validate.json``, written by scripts/gpu_validate.sh.
+"""The rows of ``benchmarks/results/gpu/gpu_validate.json``, written by scripts/gpu_validate.sh.
 
     python3 scripts/gpu_validate_rows.py row PART SECONDS [--junit FILE] [--rc N] [--checks P F]
     python3 scripts/gpu_validate_rows.py table OUT_JSON PART... [--previous JSON]

@@ -2,9 +2,9 @@
 
 Rendered by ``scripts/readme_tables.py`` (block ``compatibility``). A row names the parts of
 ``scripts/gpu_validate.sh`` that check it on the GPU; its last column is read from
-``benchmarks/results/h200/gpu_validate.json`` (each part's ``last_passed``: the date and commit
-of its latest run without a failure, and its GPU where it was not an H200), so the table says,
-per row, when the GPU last agreed.
+``benchmarks/results/gpu/gpu_validate.json`` (each part's ``last_passed``: the date, commit and
+GPU of its latest run without a failure), so the table says, per row, when and on which GPU the
+checks last agreed.
 """
 
 from __future__ import annotations
@@ -12,21 +12,21 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-GPU_VALIDATE = Path(__file__).resolve().parents[1] / "benchmarks/results/h200/gpu_validate.json"
+GPU_VALIDATE = Path(__file__).resolve().parents[1] / "benchmarks/results/gpu/gpu_validate.json"
 
 # (what, status, how it is checked, gpu_validate.sh parts that check it on the GPU)
 ROWS: list[tuple[str, str, str, tuple[str, ...]]] = [
     ("vLLM 0.26.0 + FlashInfer 0.6.14, `FLASHINFER` backend",
      "works",
-     "H200: kernels vs flat attention and fp32; engine on vs off vs a second kernel, both "
+     "GPU: kernels vs flat attention and fp32; engine on vs off vs a second kernel, both "
      "runners, whole-step and per-layer graphs; CPU suite",
      ("kernels", "engine_flashinfer", "engine_graphs")),
     ("`FLASH_ATTN` backend (vLLM's default on Hopper)", "works; as the row above",
-     "H200: engine on vs off (FlashInfer the second kernel), both runners, no sharing, a "
+     "GPU: engine on vs off (FlashInfer the second kernel), both runners, no sharing, a "
      "corrupted plan; CPU suite on 0.26.0, 0.33.0 and 0.34.0", ("engine_flash_attn",)),
     ("`vllm serve` (engine-core process, async scheduling), vLLM's CUDA graphs",
      "works; `enforce_eager`: CPU only",
-     "H200: a batch changing every step (graphs replayed, outputs agree), at "
+     "GPU: a batch changing every step (graphs replayed, outputs agree), at "
      "`gpu_memory_utilization=0.92`, a soak", ("serving", "serving_memory", "soak")),
     ("vLLM 0.26.0 + FlashInfer 0.6.8.post1, 0.6.11.post3", "kernels work",
      "H200 kernel tests (`flashinfer_matrix.json`); engine not run", ()),
@@ -41,14 +41,14 @@ ROWS: list[tuple[str, str, str, tuple[str, ...]]] = [
      "every vLLM symbol the plugin uses read in each release's source; not run", ()),
     ("FP8 KV cache (`fp8`/`fp8_e4m3`, per-layer scales)",
      "opt-in (`CASCADE_FP8_KV=1`), flat by default: correct, its speed not measured yet",
-     "H200: kernels vs fp32 attention on the dequantised cache; engine vs two FP8 kernels",
+     "GPU: kernels vs fp32 attention on the dequantised cache; engine vs two FP8 kernels",
      ("fp8",)),
     ("other quantised KV caches, `--calculate-kv-scales`", "run flat",
      "one INFO line naming the layout, `check` says so", ()),
     ("speculative decoding: `ngram`, `--no-async-scheduling`",
      "works; a verification step where some rows have no draft is planned whole (on FA3 "
      "split with `CASCADE_SPLIT_MIXED=1`)",
-     "H200: V1 engine on vs off (`CASCADE_SPLIT_MIXED=1`), verification steps run cascade",
+     "GPU: V1 engine on vs off (`CASCADE_SPLIT_MIXED=1`), verification steps run cascade",
      ("speculative",)),
     ("speculative decoding: `suffix`", "opt-in (`CASCADE_UNVERIFIED=1`), flat by default",
      "CPU suite (its drafter is not on the validation machine)", ()),
@@ -58,10 +58,10 @@ ROWS: list[tuple[str, str, str, tuple[str, ...]]] = [
     ("tensor parallelism", "opt-in (`CASCADE_UNVERIFIED=1`), flat by default",
      "needs two GPUs; whole-step graphs are off at TP > 1", ("tp",)),
     ("sliding-window attention", "those layers run flat",
-     "H200: a model mixing sliding-window and full layers in both KV-cache layouts (V1 runner, "
+     "GPU: a model mixing sliding-window and full layers in both KV-cache layouts (V1 runner, "
      "vLLM 0.26-0.33: its full layers run cascade with `--disable-hybrid-kv-cache-manager`)",
      ("sliding",)),
-    ("`vllm-cascade demo`, `examples/`", "run", "H200, as a user runs them",
+    ("`vllm-cascade demo`, `examples/`", "run", "GPU, as a user runs them",
      ("demo", "examples")),
     ("prefix caching off; other attention backends; ALiBi, sinks, context or pipeline "
      "parallelism, microbatching, encoder-decoder and hybrid models, mixed scales or soft-caps",
@@ -70,11 +70,11 @@ ROWS: list[tuple[str, str, str, tuple[str, ...]]] = [
 
 
 def _when(run: dict) -> str:
-    """A run's date and commit, and its GPU where it was not an H200 (rows without ``gpu`` are
-    from the H200 runs before rows recorded it)."""
-    gpu = run.get("gpu", "H200")
-    other = "" if "H200" in gpu else f" on {gpu.removeprefix('NVIDIA ').split()[0]}"
-    return f"{run['date']}, {run['commit']}{other}"
+    """A run's date, commit and GPU (its model: ``H200``, ``H100``; "GPU unknown" where the row
+    does not say)."""
+    gpu = run.get("gpu") or "unknown"
+    where = ", GPU unknown" if gpu == "unknown" else f" on {gpu.removeprefix('NVIDIA ').split()[0]}"
+    return f"{run['date']}, {run['commit']}{where}"
 
 
 def _cell(parts: tuple[str, ...], results: dict[str, dict]) -> str:

@@ -1,6 +1,6 @@
 """Today's engine-oracle rule applied to recorded correctness rows (no GPU).
 
-    python3 scripts/rejudge_rows.py benchmarks/results/h200/gpu_validate/*/correctness*.json
+    python3 scripts/rejudge_rows.py benchmarks/results/gpu/gpu_validate/*/correctness*.json
 
 A row of ``tests/gpu``'s engine tests (``tests/engine_oracle.py``) records the plugin's and the
 two correct kernels' deviations (largest, mean, share of positions compared) next to the verdict

@@ -26,12 +26,15 @@ if not torch.cuda.is_available():
 
 from matrix_files import FLASHINFER_MODULES, HERE, flashinfer_files
 
-# The CPU tests' folders, one per part of the package (and one for benchmarks/). Their modules
-# share helpers and fixtures across folders by module name (``from test_planner import
+# The CPU tests' folders, one per part of the package and one per subject of benchmarks/. Their
+# modules share helpers and fixtures across folders by module name (``from test_planner import
 # make_batch``), so every folder is on the path from the start, whichever file is collected
-# first; test file names are unique across folders.
-MIRRORS = ("planning", "stats", "execution", "graphs", "integration", "face", "benchmarks")
-sys.path[:0] = [str(HERE / folder) for folder in MIRRORS]
+# first; test file names are unique across folders. The repository's root is on the path too:
+# the tests import the benchmarks as the package they are (``benchmarks.serve.bench``).
+MIRRORS = ("planning", "stats", "execution", "graphs", "integration", "face",
+           *(f"benchmarks/{subject}" for subject in ("e2e", "graphs", "host", "kernels", "serve",
+                                                      "soak")))
+sys.path[:0] = [str(HERE / folder) for folder in MIRRORS] + [str(HERE.parent)]
 
 _guard = sys.modules.get("sitecustomize")
 if not getattr(_guard, "HIDDEN", False) or Path(_guard.__file__).parent != HERE / "hide_flashinfer":

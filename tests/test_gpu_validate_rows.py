@@ -95,7 +95,7 @@ def test_join_merges_the_xdist_workers_files(tmp_path, shape):
     assert not list(part.glob("*.gw*.json"))
 
 
-def test_the_readme_cell_names_a_gpu_other_than_the_h200():
+def test_the_readme_cell_names_each_runs_gpu_and_says_where_a_row_does_not():
     spec = importlib.util.spec_from_file_location("readme_compat", SCRIPT.with_name(
         "readme_compat.py"))
     assert spec is not None and spec.loader is not None
@@ -106,7 +106,8 @@ def test_the_readme_cell_names_a_gpu_other_than_the_h200():
         "kernels": {"part": "kernels", **h100, "passed": 82, "failed": 0, "last_passed": h100},
         "soak": {"part": "soak", "date": "2026-12-05", "commit": "b", "gpu": "NVIDIA H200",
                  "passed": 0, "failed": 1,
-                 "last_passed": {"date": "2026-12-01", "commit": "a"}},  # before rows had a gpu
+                 "last_passed": {"date": "2026-12-01", "commit": "a"}},  # no gpu recorded
     }
     assert compat._cell(("kernels", "soak"), results) == (
-        "`kernels` 2026-12-05, new on H100; `soak` 2026-12-01, a (1 failed 2026-12-05, b)")
+        "`kernels` 2026-12-05, new on H100; `soak` 2026-12-01, a, GPU unknown (1 failed "
+        "2026-12-05, b on H200)")

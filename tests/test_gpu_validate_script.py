@@ -71,7 +71,8 @@ def _serve_grid(tmp_path: Path, grid: str) -> tuple[subprocess.CompletedProcess[
     done = subprocess.run(["bash", str(ROOT / "scripts/gpu_validate.sh"), "serve_grid"],
                           env=env, capture_output=True, text=True, timeout=60)
     lines = calls.read_text().splitlines() if calls.exists() else []
-    return done, [x.split("--configs ")[1].split()[0] for x in lines if "serve_bench.py" in x]
+    return done, [x.split("--configs ")[1].split()[0] for x in lines
+                  if "-m benchmarks.serve.bench" in x]
 
 
 def test_serve_grid_runs_the_slices_in_the_order_named(tmp_path):

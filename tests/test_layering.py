@@ -1,6 +1,6 @@
 """The package's layers as a whole (``tests/layers.py``): every module belongs to a part with a
-rule, the root modules keep theirs, no import circle, no module much over 400 lines, and the
-checks have teeth."""
+rule, the root modules keep theirs, no import circle, no module much over 400 lines (nor any
+Python module or shell script of ``benchmarks/`` and ``scripts/``), and the checks have teeth."""
 
 from pathlib import Path
 
@@ -29,6 +29,19 @@ def test_no_module_is_longer_than_about_400_lines():
     lengths = {m: len(p.read_text().splitlines()) for m, p in layers.modules().items()}
     assert len(lengths) > 40  # the package's modules, not an empty folder
     assert {m: n for m, n in lengths.items() if n > MAX_LINES} == {}
+
+
+TOOLING = ("benchmarks", "scripts")  # held to the same length as the package's modules
+
+
+def test_no_benchmark_or_script_is_longer_than_about_400_lines():
+    root = Path(__file__).resolve().parents[1]
+    lengths = {str(p.relative_to(root)): len(p.read_text().splitlines())
+               for folder in TOOLING for p in sorted((root / folder).rglob("*"))
+               if p.suffix in (".py", ".sh") and "results" not in p.relative_to(root).parts}
+    assert len(lengths) > 40  # the benchmarks' modules and the scripts, not an empty folder
+    assert "scripts/gpu_validate.sh" in lengths and "benchmarks/serve/bench.py" in lengths
+    assert {name: n for name, n in lengths.items() if n > MAX_LINES} == {}
 
 
 def test_the_parts_rules_point_only_downwards():

@@ -26,6 +26,8 @@ def _tables():
 
 
 tables = _tables()
+serve = sys.modules["readme_serve"]  # its serving figures
+common = sys.modules["readme_common"]  # the result files' paths, the formatting
 
 
 def test_every_generated_block_is_what_the_committed_results_render():
@@ -60,7 +62,7 @@ def test_readme_is_short_and_has_no_development_history():
     # on, read from gpu_validate.json: provenance of a measurement, not history.
     compatibility = re.search(r"<!-- table:compatibility -->.*?<!-- /table -->", text, re.S)
     assert compatibility is not None
-    recorded = (REPO / "benchmarks/results/h200/gpu_validate.json").read_text()
+    recorded = (REPO / "benchmarks/results/gpu/gpu_validate.json").read_text()
     for word in re.findall(r"\b[0-9a-f]{7,40}\b", compatibility.group(0)):
         assert word in recorded, word
     for word in re.findall(r"\b[0-9a-f]{7,40}\b", text.replace(compatibility.group(0), "")):
@@ -107,14 +109,15 @@ def test_every_runtime_patch_of_vllm_is_listed():
 
 
 def test_the_kernel_tables_plugin_column_is_the_shipped_cost_models_choice(tmp_path):
-    """kernel_bench.py --redecide (CPU) re-takes every row's choice with the shipped model."""
+    """``benchmarks.kernels.bench --redecide`` (CPU) re-takes every row's choice with the
+    shipped model."""
     import shutil
 
     from test_planner import run_python
 
     for name in ("kernel_grid.json", "kernel_grid.meta.json", "kernel_grid.summary.json"):
-        shutil.copy(tables.H200 / name, tmp_path / name)
-    out = run_python(str(REPO / "benchmarks" / "kernel_bench.py"), "--redecide", "--out",
+        shutil.copy(tables.GPU / name, tmp_path / name)
+    out = run_python("-m", "benchmarks.kernels.bench", "--redecide", "--out",
                      str(tmp_path))
     assert "changed: none" in out
 
@@ -131,8 +134,8 @@ def _serve_row(config: str, rate: str | float, spec: str, scale: float, run: str
 
 
 def test_serve_block_says_not_measured_without_results(tmp_path, monkeypatch):
-    monkeypatch.setattr(tables, "H200", tmp_path)
-    assert "Not measured yet" in "\n".join(tables.block_serve())
+    monkeypatch.setattr(serve, "GPU", tmp_path)
+    assert "Not measured yet" in "\n".join(serve.block_serve())
 
 
 def test_serve_block_shows_the_plugin_against_flat_per_backend_workload_and_rate(
@@ -149,9 +152,9 @@ def test_serve_block_shows_the_plugin_against_flat_per_backend_workload_and_rate
             _serve_row("flash_attn", "burst", "burst", 1.0, completed=0),
             _serve_row("cascade_flash_attn", "burst", "burst", 2.0)]
     (tmp_path / "serve.json").write_text(json.dumps(rows))
-    monkeypatch.setattr(tables, "H200", tmp_path)
-    monkeypatch.setattr(tables, "ROOT", tmp_path.parent)
-    lines = tables.block_serve()
+    monkeypatch.setattr(serve, "GPU", tmp_path)
+    monkeypatch.setattr(common, "ROOT", tmp_path.parent)
+    lines = serve.block_serve()
     table = [line for line in lines if "| prefix_8k_x4 |" in line]
     assert len(table) == 3
     flash_attn, burst, half = table
@@ -167,8 +170,8 @@ def test_serve_block_shows_the_plugin_against_flat_per_backend_workload_and_rate
     # of the decode steps that share (0.95 of 0.98), and mid-run where the row has it
     assert "| 95% (97%; 99% mid-run) |" in flash_attn and "mid-run" not in burst
     # measured by two invocations: marked, and the mark explained
-    assert f"50% (2.0 req/s){tables.APART} |" in flash_attn
-    assert any(line.startswith(tables.APART) for line in lines)
+    assert f"50% (2.0 req/s){serve.APART} |" in flash_attn
+    assert any(line.startswith(serve.APART) for line in lines)
 
 
 def test_a_point_measured_in_several_runs_shows_its_latest_run_and_every_runs_ratio(
@@ -180,9 +183,9 @@ def test_a_point_measured_in_several_runs_shows_its_latest_run_and_every_runs_ra
             _serve_row("flash_attn", 2.1, "90%", 0.5, run="b"),  # a slower flat server
             _serve_row("cascade_flash_attn", 2.1, "90%", 1.5, run="b")]
     (tmp_path / "serve.json").write_text(json.dumps(rows))
-    monkeypatch.setattr(tables, "H200", tmp_path)
-    monkeypatch.setattr(tables, "ROOT", tmp_path.parent)
-    lines = tables.block_serve()
+    monkeypatch.setattr(serve, "GPU", tmp_path)
+    monkeypatch.setattr(common, "ROOT", tmp_path.parent)
+    lines = serve.block_serve()
     [row] = [line for line in lines if "| prefix_8k_x4 |" in line]
     x = tables.TIMES
     assert "| 90% (2.1 req/s), 2 runs |" in row  # the latest run's rate
@@ -190,7 +193,7 @@ def test_a_point_measured_in_several_runs_shows_its_latest_run_and_every_runs_ra
     dash = tables.DASH
     assert f"| 500 → 1,500 (3.00{x}; 2.00{dash}3.00{x}) |" in row
     assert f"| 40.0 → 13.3 (0.33{x}; 0.33{dash}0.50{x}) |" in row
-    assert tables.APART not in row
+    assert serve.APART not in row
 
 
 def test_a_pair_measured_at_two_rates_names_both(tmp_path, monkeypatch):
@@ -199,10 +202,33 @@ def test_a_pair_measured_at_two_rates_names_both(tmp_path, monkeypatch):
     rows = [_serve_row("flash_attn", 13.6, "90%", 1.0, run="a"),
             _serve_row("cascade_flash_attn", 13.4, "90%", 2.0, run="b")]
     (tmp_path / "serve.json").write_text(json.dumps(rows))
-    monkeypatch.setattr(tables, "H200", tmp_path)
-    monkeypatch.setattr(tables, "ROOT", tmp_path.parent)
-    [row] = [line for line in tables.block_serve() if "| prefix_8k_x4 |" in line]
-    assert f"| 90% (flat 13.6, plugin 13.4 req/s){tables.APART} |" in row
+    monkeypatch.setattr(serve, "GPU", tmp_path)
+    monkeypatch.setattr(common, "ROOT", tmp_path.parent)
+    [row] = [line for line in serve.block_serve() if "| prefix_8k_x4 |" in line]
+    assert f"| 90% (flat 13.6, plugin 13.4 req/s){serve.APART} |" in row
+
+
+def test_each_serving_row_names_the_gpu_its_own_row_records(tmp_path, monkeypatch):
+    """serve.json's rows come from several machines: the table's header names the GPU of most
+    runs, a row from another GPU names its own beside its rate (read from the row, whatever the
+    meta's latest run was measured on), and the headline names the GPUs of the runs it uses."""
+    rows = [_serve_row("flash_attn", "burst", "burst", 1.0, run="a", gpu="NVIDIA H200"),
+            _serve_row("cascade_flash_attn", "burst", "burst", 2.0, run="a", gpu="NVIDIA H200"),
+            _serve_row("flash_attn", 2.0, "90%", 1.0, run="b", gpu="NVIDIA H100 80GB HBM3"),
+            _serve_row("cascade_flash_attn", 2.0, "90%", 2.0, run="b",
+                       gpu="NVIDIA H100 80GB HBM3")]
+    (tmp_path / "serve.json").write_text(json.dumps(rows))
+    (tmp_path / "serve.meta.json").write_text(json.dumps({
+        "gpu": "NVIDIA H100 80GB HBM3", "runs": [
+            {"run_id": "a", "date": "2026-12-01", "gpu": "NVIDIA H100 80GB HBM3"},  # wrong
+            {"run_id": "b", "date": "2026-12-02", "gpu": "NVIDIA H100 80GB HBM3"}]}))
+    monkeypatch.setattr(serve, "GPU", tmp_path)
+    monkeypatch.setattr(common, "ROOT", tmp_path.parent)
+    lines = serve.block_serve()
+    burst, half = [line for line in lines if "| prefix_8k_x4 |" in line]
+    assert "| burst |" in burst and "| 90% (2.0 req/s), NVIDIA H100 80GB HBM3 |" in half
+    assert "NVIDIA H200 2026-12-01; NVIDIA H100 80GB HBM3 2026-12-02" in "\n".join(lines)
+    assert "against it flat, NVIDIA H100 80GB HBM3, NVIDIA H200," in serve.serve_headline()
 
 
 def test_a_bursts_time_to_first_token_is_split_into_its_parts(tmp_path, monkeypatch):
@@ -217,9 +243,9 @@ def test_a_bursts_time_to_first_token_is_split_into_its_parts(tmp_path, monkeypa
             _serve_row("flashinfer", "burst", "burst", 1.0),  # no split: no sentence
             _serve_row("cascade", "burst", "burst", 2.0)]
     (tmp_path / "serve.json").write_text(json.dumps(rows))
-    monkeypatch.setattr(tables, "H200", tmp_path)
-    monkeypatch.setattr(tables, "ROOT", tmp_path.parent)
-    [line] = [x for x in tables.block_serve() if x.startswith("Where a burst's")]
+    monkeypatch.setattr(serve, "GPU", tmp_path)
+    monkeypatch.setattr(common, "ROOT", tmp_path.parent)
+    [line] = [x for x in serve.block_serve() if x.startswith("Where a burst's")]
     assert ("FLASH_ATTN prefix_8k_x4: flat 3,000 ms = HTTP 500 + tokenizing and hand-off 2,300 "
             "+ queue 10 + prefill 190; plugin 3,000 ms = HTTP 500 + tokenizing and hand-off "
             "2,400 + queue 10 + prefill 90.") in line
@@ -232,8 +258,8 @@ def test_the_serving_headline_reads_each_points_latest_run_against_its_own_flat_
     (plugin / flat), the latest run of each point paired with its own run's flat server, then
     the range over the point's runs and the days they ran, "not measured" for a missing point,
     and nothing at all without serving rows."""
-    monkeypatch.setattr(tables, "H200", tmp_path)
-    assert tables.serve_headline() == ""
+    monkeypatch.setattr(serve, "GPU", tmp_path)
+    assert serve.serve_headline() == ""
     rows = [_serve_row("flash_attn", 2.0, "90%", 1.0, run="20261201T000000"),
             _serve_row("cascade_flash_attn", 2.0, "90%", 4.0, run="20261201T000000"),
             # a later run of the same point, beside a faster flat server: it is the one shown
@@ -244,7 +270,7 @@ def test_the_serving_headline_reads_each_points_latest_run_against_its_own_flat_
             _serve_row("cascade", "burst", "burst", 9.0, run="20261202T000000")]
     (tmp_path / "serve.json").write_text(json.dumps(rows))
     x = tables.TIMES
-    said = tables.serve_headline()
+    said = serve.serve_headline()
     assert (f"2.00{x} lower (2.00{tables.DASH}4.00{x} over 2 runs) / not measured with 4 "
             f"documents of 8K tokens") in said
     assert "2026-12-01, 2026-12-02)" in said
@@ -259,10 +285,10 @@ def test_a_plugin_row_without_its_own_flat_row_pairs_with_the_flat_row_it_was_me
             _serve_row("cascade_flash_attn", 2.0, "90%", 4.0, run="b"),  # alone, after run a
             _serve_row("flash_attn", 2.0, "90%", 2.0, run="c"),
             _serve_row("cascade_flash_attn", 2.0, "90%", 3.0, run="c")]
-    runs = tables.serve_runs(rows, "flash_attn", "cascade_flash_attn", "prefix_8k_x4")["90%"]
+    runs = serve.serve_runs(rows, "flash_attn", "cascade_flash_attn", "prefix_8k_x4")["90%"]
     assert [(f["run_id"], c["run_id"]) for f, c in runs] == [("a", "b"), ("c", "c")]
     # No flat row before it: the first one after.
-    runs = tables.serve_runs(rows[1:], "flash_attn", "cascade_flash_attn", "prefix_8k_x4")["90%"]
+    runs = serve.serve_runs(rows[1:], "flash_attn", "cascade_flash_attn", "prefix_8k_x4")["90%"]
     assert [(f["run_id"], c["run_id"]) for f, c in runs] == [("c", "b"), ("c", "c")]
 
 
@@ -273,7 +299,7 @@ def test_a_repeat_at_the_same_rate_is_another_run_of_it_paired_with_its_own_flat
             _serve_row("flash_attn", 2.0, "90%#2", 2.0, run="r"),
             _serve_row("cascade_flash_attn", 2.0, "90%", 4.0, run="r"),
             _serve_row("cascade_flash_attn", 2.0, "90%#2", 3.0, run="r")]
-    runs = tables.serve_runs(rows, "flash_attn", "cascade_flash_attn", "prefix_8k_x4")
+    runs = serve.serve_runs(rows, "flash_attn", "cascade_flash_attn", "prefix_8k_x4")
     assert list(runs) == ["90%"]
     assert [(f["rate_spec"], c["rate_spec"]) for f, c in runs["90%"]] == [
         ("90%", "90%"), ("90%#2", "90%#2")]
@@ -282,7 +308,7 @@ def test_a_repeat_at_the_same_rate_is_another_run_of_it_paired_with_its_own_flat
 def test_the_serving_headline_adds_the_burst_with_four_api_servers(tmp_path, monkeypatch):
     """Where the 4-API-server pair measured the burst, the headline gives its output ratio
     beside the one-API-server burst's."""
-    monkeypatch.setattr(tables, "H200", tmp_path)
+    monkeypatch.setattr(serve, "GPU", tmp_path)
     rows = [_serve_row("flash_attn", "burst", "burst", 1.0, run="20261202T000000"),
             _serve_row("cascade_flash_attn", "burst", "burst", 1.5, run="20261202T000000"),
             _serve_row("flash_attn_api_servers_4", "burst", "burst", 2.0, run="20261203T000000"),
@@ -290,7 +316,7 @@ def test_the_serving_headline_adds_the_burst_with_four_api_servers(tmp_path, mon
                        run="20261203T000000")]
     (tmp_path / "serve.json").write_text(json.dumps(rows))
     x = tables.TIMES
-    said = tables.serve_headline()
+    said = serve.serve_headline()
     assert (f"not measured / 1.50{x} (2.50{x} with `--api-server-count 4`) with 4 documents"
             in said)
     assert "2026-12-02, 2026-12-03" in said
@@ -299,4 +325,4 @@ def test_the_serving_headline_adds_the_burst_with_four_api_servers(tmp_path, mon
                _serve_row("cascade_flash_attn", "burst", "burst", 1.2, run="20261201T000000")]
     (tmp_path / "serve.json").write_text(json.dumps(earlier + rows))
     assert (f"not measured / 1.50{x} (1.20{tables.DASH}1.50{x} over 2 runs; 2.50{x} with "
-            f"`--api-server-count 4`) with 4 documents") in tables.serve_headline()
+            f"`--api-server-count 4`) with 4 documents") in serve.serve_headline()

@@ -365,9 +365,11 @@ def test_bench_on_a_gpu_runs_the_kernel_grid_before_the_engines(tmp_path, capsys
 
     monkeypatch.setattr(cli.subprocess, "run", record)
     assert cli.main(["bench", "--out", str(tmp_path), *(["--quick"] if quick else [])]) == 0
-    scripts = [Path(c[1]).name for c in commands]
-    assert scripts[:3] == ["planner_bench.py", "kernel_bench.py", "e2e_bench.py"]
+    modules = [c[2] for c in commands]
+    assert modules[:3] == ["benchmarks.host.planner", "benchmarks.kernels.bench",
+                           "benchmarks.e2e.bench"]
+    assert all((ROOT / (m.replace(".", "/") + ".py")).is_file() for m in modules)
     kernel = commands[1]
-    assert kernel[0] == sys.executable and Path(kernel[1]) == ROOT / "benchmarks/kernel_bench.py"
-    assert kernel[2:] == ["--out", str(tmp_path.resolve()), *(["--quick"] if quick else [])]
+    assert kernel[:2] == [sys.executable, "-m"]
+    assert kernel[3:] == ["--out", str(tmp_path.resolve()), *(["--quick"] if quick else [])]
     assert "[2/4] kernels (GPU): " in capsys.readouterr().out

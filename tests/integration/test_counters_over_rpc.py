@@ -8,17 +8,12 @@ reasons; :func:`stats.plain` is the one conversion every reader uses."""
 
 from __future__ import annotations
 
-import importlib
 import logging
-import sys
-from pathlib import Path
 
 import pytest
 
+from benchmarks.soak import worker as soak_worker
 from vllm_cascade_plugin import stats
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-soak_worker = importlib.import_module("soak_worker")
 
 
 def _round_trip(result: object, monkeypatch) -> object:

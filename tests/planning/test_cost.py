@@ -28,7 +28,7 @@ from vllm_cascade_plugin.planning.cost import (
 from vllm_cascade_plugin.planning.planner import plan_cascade
 
 REPO = Path(__file__).resolve().parents[2]
-RESULTS = REPO / "benchmarks" / "results" / "h200"
+RESULTS = REPO / "benchmarks" / "results" / "gpu"
 # Llama-3-8B: the shape the defaults are calibrated on, and its 32 layers.
 H200_LAYER = AttentionShape(num_qo_heads=32, num_kv_heads=8, head_dim=128, dtype_bytes=2,
                             num_layers=32)
@@ -96,7 +96,7 @@ def test_per_layer_estimates_follow_the_grid(kernel, worst):
 
 
 def test_flash_attn_flat_side_is_the_calibration_of_fa3_decode():
-    """FLASH_ATTN_FLAT: what calibrate_cost.py fitted to the grid's FA3 flat decode (the
+    """FLASH_ATTN_FLAT: what calibration/cost.py fitted to the grid's FA3 flat decode (the
     committed cost_calibration.json; the test below re-runs the fit)."""
     flat = json.loads((RESULTS / "cost_calibration.json").read_text())["flat_backends"]
     assert flat["FLASH_ATTN"]["grid_column"] == "fa3_decode"
@@ -194,7 +194,7 @@ def test_fa3_model_on_flash_attn_picks_cascade_where_it_won_at_serving_sizes():
     step beat flat FLASH_ATTN by more than the margin (and a little noise), the shipped model
     picks cascade; where it won by less, either pick is within the margin; nowhere did it lose
     (a step it lost at would have to be kept flat)."""
-    import e2e_bench
+    from benchmarks.e2e import bench as e2e_bench
 
     rows = json.loads((RESULTS / "e2e_step_cost_fa3_serving.json").read_text())
     model = flash_attn_flat(COST_MODELS["fa3"])
@@ -282,7 +282,7 @@ def test_cost_model_is_frozen_and_documented():
 
 
 def test_the_shipped_defaults_are_the_calibration_of_the_committed_measurements(tmp_path):
-    """benchmarks/calibrate_cost.py on benchmarks/results/h200 gives exactly CostModel()."""
+    """``benchmarks.calibration.cost`` on benchmarks/results/gpu gives exactly CostModel()."""
     import shutil
 
     for name in ("kernel_grid.json", "e2e.json", "e2e_step_cost_fa3.json",
@@ -290,7 +290,7 @@ def test_the_shipped_defaults_are_the_calibration_of_the_committed_measurements(
                  "e2e_step_cost_fa3_serving.json"):
         if (RESULTS / name).exists():
             shutil.copy(RESULTS / name, tmp_path / name)
-    run_python(str(REPO / "benchmarks" / "calibrate_cost.py"), "--results", str(tmp_path))
+    run_python("-m", "benchmarks.calibration.cost", "--results", str(tmp_path))
     executors = json.loads((tmp_path / "cost_calibration.json").read_text())["executors"]
     assert set(executors) == set(COST_MODELS) == {"flashinfer", "fa3"}
     assert COST_MODELS["flashinfer"] == CostModel()
@@ -312,7 +312,7 @@ def test_the_shipped_defaults_are_the_calibration_of_the_committed_measurements(
 def test_the_fa3_graph_mode_step_costs_are_the_calibration_of_their_runs(tmp_path, results,
                                                                         constant):
     """The per-step costs of FA3 with per-layer graphs only and without graphs: what
-    calibrate_cost.py fits from the end-to-end runs of that mode in place of the default's."""
+    calibration/cost.py fits from the end-to-end runs of that mode in place of the default's."""
     import shutil
 
     from vllm_cascade_plugin.planning import cost
@@ -321,7 +321,7 @@ def test_the_fa3_graph_mode_step_costs_are_the_calibration_of_their_runs(tmp_pat
                  "demo_flashinfer_executor.txt"):
         shutil.copy(RESULTS / name, tmp_path / name)
     shutil.copy(RESULTS / results, tmp_path / "e2e_step_cost_fa3.json")
-    run_python(str(REPO / "benchmarks" / "calibrate_cost.py"), "--results", str(tmp_path))
+    run_python("-m", "benchmarks.calibration.cost", "--results", str(tmp_path))
     fitted = json.loads((tmp_path / "cost_calibration.json").read_text())["executors"]["fa3"]
     assert fitted["fitted"]["step_fixed_us"] == pytest.approx(getattr(cost, constant), rel=1e-3)
 
@@ -509,7 +509,7 @@ def test_a_prefill_row_behind_a_row_without_queries_is_charged_its_padded_tiles(
 
 
 def test_the_split_steps_per_step_term_covers_what_split_bench_measured():
-    """``cost.FA3_SPLIT_STEP_FIXED_US`` against the H200 runs of ``benchmarks/split_bench.py``
+    """``cost.FA3_SPLIT_STEP_FIXED_US`` against the H200 runs of ``benchmarks.kernels.split_step``
     (``split_step.json``, cases with a shared level): at least the most host time the split
     launched beyond flat's in any case, and at least the most GPU time the model's kernel terms
     missed (``implied_step_us``); and those runs' split outputs matched flat's (bf16)."""

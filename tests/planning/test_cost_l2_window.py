@@ -22,7 +22,7 @@ from vllm_cascade_plugin.planning.cost import (
 )
 from vllm_cascade_plugin.planning.planner import plan_cascade
 
-RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "h200"
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "gpu"
 H200_LAYER = AttentionShape(num_qo_heads=32, num_kv_heads=8, head_dim=128, dtype_bytes=2,
                             num_layers=32)
 FLASH_ATTN = flash_attn_flat(COST_MODELS["fa3"])
@@ -32,7 +32,7 @@ def documents_decode(requests: int, prefix: int, own: int, documents: int, inter
                      page_size: int = 16):
     """A decode step of ``requests`` rows behind ``documents`` prefixes of ``prefix`` tokens,
     ``own`` more each: request ``i`` behind document ``i % documents`` (``interleaved``, as
-    ``e2e_bench.py`` submits its serving workloads) or each document's requests side by side."""
+    ``e2e/bench.py`` submits its serving workloads) or each document's requests side by side."""
     shared, own_pages = prefix // page_size, -(-own // page_size)
     row = np.arange(requests)
     doc = row % documents if interleaved else row // (requests // documents)

@@ -963,8 +963,10 @@ def test_planner_rejects_impossible_inputs(seq_lens, query_lens, width, limits):
 
 
 def run_python(*args: str) -> str:
-    """Run this interpreter in a subprocess that imports the package from this checkout."""
-    path = os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")]))
+    """Run this interpreter in a subprocess that imports the package and the benchmarks
+    (``-m benchmarks.<subject>.<module>``) from this checkout."""
+    path = os.pathsep.join(filter(None, [str(REPO / "src"), str(REPO),
+                                         os.environ.get("PYTHONPATH")]))
     done = subprocess.run(
         [sys.executable, *args],
         capture_output=True,
@@ -976,7 +978,7 @@ def run_python(*args: str) -> str:
 
 
 def test_planner_bench_quick_writes_rows(tmp_path):
-    run_python(str(REPO / "benchmarks" / "planner_bench.py"), "--quick", "--out", str(tmp_path))
+    run_python("-m", "benchmarks.host.planner", "--quick", "--out", str(tmp_path))
     rows = json.loads((tmp_path / "planner.json").read_text())
     assert rows and all(
         set(row) == {"case", "requests", "pages", "steady_median_us", "steady_keyed_median_us",

@@ -3,7 +3,7 @@
 In a decode step every request has one query token and, below its shared prefix levels, a few
 hundred tokens of its own. FlashAttention 3 runs that level as ``B`` one-token sequences: 74 µs
 for 256 requests x 128 own tokens on an H200, plus 8 µs for the merge
-(``benchmarks/results/h200/fa3_levels.json``), for 134 MB of KV (31 µs at 4.3 TB/s). Here one
+(``benchmarks/results/gpu/fa3_levels.json``), for 134 MB of KV (31 µs at 4.3 TB/s). Here one
 program is one (request, KV head): its ``q_heads / kv_heads`` query heads against the request's
 own pages, an online softmax in base 2, and then the merge with the state the shared levels left
 (output and natural-log LSE, vLLM's ``merge_attn_states`` convention), written to ``out``: 50 µs
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-# Launch configuration (``benchmarks/fa3_levels.py --sweep`` times the alternatives).
+# Launch configuration (``benchmarks/kernels/fa3_levels.py --sweep`` times the alternatives).
 BLOCK_N = 64  # key tokens per inner iteration
 NUM_WARPS = 4
 NUM_STAGES = 2

@@ -1,11 +1,11 @@
 """How a cascade run's outputs are compared with vLLM's flat attention: one rule for every check.
 
-The engine correctness tests (``tests/gpu/test_engine.py``) and the soak (``benchmarks/soak.py``)
-run the same prompts with the plugin on and off, greedy, ``logprobs=2``, and compare the chosen
-tokens' logprobs position by position up to the first token where the two runs diverge, only
-where both runs' top-2 margin exceeds :data:`MARGIN` (below that, bf16 noise legitimately flips
-the argmax). They agree when the mean |Δ| is at most :data:`MEAN_TOL` and the largest at most
-:data:`MAX_TOL`.
+The engine correctness tests (``tests/gpu/test_engine.py``) and the soak
+(``benchmarks/soak/bench.py``) run the same prompts with the plugin on and off, greedy,
+``logprobs=2``, and compare the chosen tokens' logprobs position by position up to the first
+token where the two runs diverge, only where both runs' top-2 margin exceeds :data:`MARGIN`
+(below that, bf16 noise legitimately flips the argmax). They agree when the mean |Δ| is at
+most :data:`MEAN_TOL` and the largest at most :data:`MAX_TOL`.
 
 The engine oracle judges against the noise floor of the same run (:func:`agrees_with_reference`):
 the plugin's mean and largest deviation from its plugin-off backend are at most :data:`RELATIVE`

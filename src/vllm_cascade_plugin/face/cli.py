@@ -78,7 +78,7 @@ def demo(args: argparse.Namespace) -> int:
 def _checkout() -> Path | None:
     """The source checkout whose benchmarks/ to run: this package's, else the current folder."""
     for root in (Path(__file__).resolve().parents[3], Path.cwd()):
-        if (root / "benchmarks" / "planner_bench.py").is_file():
+        if (root / "benchmarks" / "host" / "planner.py").is_file():
             return root
     return None
 
@@ -94,23 +94,20 @@ def bench(args: argparse.Namespace) -> int:
         return 1
     out = args.out.resolve()
     gpu = torch.cuda.is_available()
-    python = [sys.executable]
+    python = [sys.executable, "-m"]  # the benchmarks' modules, run from the checkout's root
     steps: list[tuple[str, list[str] | str]] = [
-        ("planner (CPU)", [*python, "benchmarks/planner_bench.py", "--out", str(out),
+        ("planner (CPU)", [*python, "benchmarks.host.planner", "--out", str(out),
                            *(["--quick"] if args.quick else [])])]
-    kernel = root / "benchmarks" / "kernel_bench.py"
-    steps.append(("kernels (GPU)",
-                  "benchmarks/kernel_bench.py does not exist yet" if not kernel.is_file()
-                  else "needs a CUDA GPU" if not gpu
-                  else [*python, str(kernel), "--out", str(out),
+    steps.append(("kernels (GPU)", "needs a CUDA GPU" if not gpu
+                  else [*python, "benchmarks.kernels.bench", "--out", str(out),
                         *(["--quick"] if args.quick else [])]))
     model = root / "examples" / "models" / args.model
     steps.append(("end to end, vLLM (GPU)", "needs a CUDA GPU" if not gpu else
-                  [*python, "benchmarks/e2e_bench.py", "--out", str(out), "--model",
+                  [*python, "benchmarks.e2e.bench", "--out", str(out), "--model",
                    str(model if model.is_dir() else args.model)]))
     steps.append(("plots (PNG)", "matplotlib is not installed (pip install matplotlib)"
                   if importlib.util.find_spec("matplotlib") is None
-                  else [*python, "benchmarks/plot_results.py", str(out)]))
+                  else [*python, "benchmarks.plot_results", str(out)]))
     failed = []
     for i, (name, command) in enumerate(steps, start=1):
         if isinstance(command, str):
@@ -188,7 +185,8 @@ def _parser() -> argparse.ArgumentParser:
 
     bench_parser = commands.add_parser(
         "bench", help="run the benchmarks of a source checkout and plot them",
-        description="Runs benchmarks/*_bench.py (GPU-only ones are skipped without a GPU), "
+        description="Runs the planner, kernel and end-to-end benchmarks of benchmarks/ (GPU-only "
+        "ones are skipped without a GPU), "
         "writes their JSON and renders PNG plots with matplotlib.")
     bench_parser.add_argument("--out", type=Path, default=Path("vllm-cascade-bench"),
                               help="folder for the JSON and PNG files (default: %(default)s)")

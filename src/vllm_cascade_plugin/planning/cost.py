@@ -9,9 +9,9 @@ attention outside FULL CUDA graphs. Estimates are per attention layer call (µs)
 cost is spread over the model's layers.
 
 ``CostModel()``'s defaults are FlashInfer's executor; ``COST_MODELS`` holds one calibration per
-executor (``CASCADE_KERNEL``). Both are fitted by ``benchmarks/calibrate_cost.py`` on an H200
+executor (``CASCADE_KERNEL``). Both are fitted by ``benchmarks/calibration/cost.py`` on an H200
 (bf16, 32 q / 8 kv heads, head_dim 128, page 16, vLLM 0.26.0, FlashInfer 0.6.14): the per-layer
-terms on the 22 rows of ``benchmarks/results/h200/kernel_grid.json`` (decode, B requests behind P
+terms on the 22 rows of ``benchmarks/results/gpu/kernel_grid.json`` (decode, B requests behind P
 shared tokens, 128 own each), the per-step term on end-to-end runs with cascade on every step
 (``e2e_step_cost_fa3.json``, ``e2e_step_cost_flashinfer.json``, ``demo_flashinfer_executor.txt``;
 ``benchmarks/README.md`` says what each run is; FA3's from ``e2e_step_cost_fa3_serving.json``);
@@ -140,7 +140,7 @@ class CostModel:
 
 
 # Per executor (``kernels.KERNELS``, ``CASCADE_KERNEL``): its calibration by
-# ``benchmarks/calibrate_cost.py`` (see ``cost_calibration.json``). FlashInfer's executor is the
+# ``benchmarks/calibration/cost.py`` (see ``cost_calibration.json``). FlashInfer's executor is the
 # defaults above.
 COST_MODELS: dict[str, CostModel] = {
     "flashinfer": CostModel(),
@@ -150,7 +150,7 @@ COST_MODELS: dict[str, CostModel] = {
 }
 # The FA3 executor's per-step cost when its decode steps replay a CUDA graph per layer inside
 # vLLM's piecewise path, not a whole-step graph (``CASCADE_FULL_GRAPHS`` off, or an engine that
-# cannot use it, see ``hooks_graphs.full_graphs_reason``): what ``benchmarks/calibrate_cost.py``
+# cannot use it, see ``hooks_graphs.full_graphs_reason``): what ``benchmarks/calibration/cost.py``
 # fits from ``e2e_step_cost_fa3_layer_graphs.json`` (``tests/planning/test_cost.py`` checks it).
 FA3_LAYER_GRAPHS_STEP_FIXED_US = 1500.0
 # The FA3 executor's per-step cost when its decode steps launch their kernels from Python
@@ -161,7 +161,7 @@ FA3_EAGER_STEP_FIXED_US = 7570.0
 # The FA3 executor's per-step cost of a mixed prefill+decode step run split
 # (``execution.fa3_split``), charged to the decode rows' plan against their flat attention: the
 # per-layer graphs' term (FA3_LAYER_GRAPHS_STEP_FIXED_US) and three FlashAttention 3 launches per
-# layer over 32 layers, 3.1 ms. Measured (``benchmarks/split_bench.py``, ``split_step.json``:
+# layer over 32 layers, 3.1 ms. Measured (``benchmarks/kernels/split_step.py``, ``split_step.json``:
 # 16-128 decode rows behind 4 documents of 8K or 16 of 2K tokens and one prefill row, 32
 # layers, H200): on the GPU the split costs what the model says or less (at most 1.2 ms more),
 # 0.20-0.98x flat's attention time behind 8K documents; but it launches 0.45-3.1 ms more host
@@ -176,12 +176,12 @@ FA3_EAGER_STEP_FIXED_US = 7570.0
 # document 8.4-8.8 ms against 14.2-43.1), and so they are unless CASCADE_SPLIT_MIXED is on.
 FA3_SPLIT_STEP_FIXED_US = FA3_LAYER_GRAPHS_STEP_FIXED_US + 3 * 16.9 * 32
 # The flat side with vLLM's FLASH_ATTN backend: FlashAttention 3's flat decode, ~25% slower than
-# FlashInfer's at large batches. Fitted alone by ``benchmarks/calibrate_cost.py`` on the same
+# FlashInfer's at large batches. Fitted alone by ``benchmarks/calibration/cost.py`` on the same
 # H200 grid (``kernel_grid.json``, column ``fa3_decode``; ``cost_calibration.json``,
 # ``flat_backends``, ``FLASH_ATTN``); :func:`flash_attn_flat` applies it.
 FLASH_ATTN_FLAT = {"flat_fixed_us": 16.9, "flat_bandwidth": 6.99e12}
 # FlashAttention 3's flat decode of a shared page whose previous reader is more than
-# ``CostModel.l2_window_rows`` rows back: fitted by ``benchmarks/calibrate_cost.py`` on the
+# ``CostModel.l2_window_rows`` rows back: fitted by ``benchmarks/calibration/cost.py`` on the
 # end-to-end runs at serving batch sizes (``e2e_step_cost_fa3_serving.json``) whose requests
 # interleave 16 documents of 2K tokens (each document's rows 16 apart): cascade on every step
 # saved 0.5-3.1 ms per step more there than the model without it said, at 32 to 128 requests

@@ -130,7 +130,7 @@ class LayoutBook:
     that width is part of its graphs' key: in serving, rows grow a page every ``page_size``
     tokens and long requests come and go, so steps of the same rows, groups and shared levels
     kept needing new graphs for their width alone, and a long run captured and evicted graphs
-    without end (``benchmarks/graph_layout_count.py``). Here a layout's width only grows: a step
+    without end (``benchmarks/graphs/layout_count.py``). Here a layout's width only grows: a step
     narrower than the widest of its layout so far is laid out that wide and replays that graph.
     The extra columns are zeros, never read: the per-request kernel reads a row's pages up to
     its length, and neither its launch nor its work depends on the table's width

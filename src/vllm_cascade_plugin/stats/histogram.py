@@ -2,7 +2,7 @@
 
 The bucket bounds never change, so the counts of two moments subtract (the steps in between)
 and the counts of several processes add up, as a Prometheus histogram's do: the periodic log
-line, ``/metrics`` (``vllm_cascade_step_planning_seconds``) and ``benchmarks/serve_results.py``
+line, ``/metrics`` (``vllm_cascade_step_planning_seconds``) and ``benchmarks/serve/results.py``
 read percentiles from the same buckets. A percentile is interpolated linearly inside the bucket
 that holds it (as Prometheus's ``histogram_quantile``), so it is exact to a bucket's width:
 the bounds step by 1.5-2x from 5 µs to 100 ms.

@@ -1,0 +1,163 @@
+"""Benchmark only: how long the GPU waits for the host inside served steps, without a profiler.
+
+``serve/bench.py --step-timeline`` puts this folder first on every server's ``PYTHONPATH`` and
+sets ``CASCADE_BENCH_TIMELINE_FILE``. In the engine process, once vLLM's Model Runner V2 module
+is imported, three CUDA events are recorded per step on the runner's stream: *begin*, where
+``execute_model`` is entered (the host starts preparing the step), *forward*, where the model's
+forward is about to be launched (``set_forward_context`` or ``run_fullgraph``: the inputs and
+every attention metadata builder's work, the plugin's planning included, are done), and
+*sampled*, where ``sample_tokens`` returns. An event completes when the stream reaches it, or
+when it is recorded if the stream is idle by then, so ``begin -> forward`` is the time the GPU
+had nothing of the step to run while the host prepared it (on the critical path; near zero when
+the host prepares a step while the GPU still runs the last one), and ``forward -> sampled``
+the forward and sampling's GPU time. Idle time between steps with no request to run is in
+neither. Completed steps are read without waiting (``Event.query``); the running totals go to
+the file every second as JSON: ``steps``, ``gpu_step_ms``, ``gpu_wait_ms`` (waiting for the
+host), ``waits_over_1ms`` and ``wait_p99_ms`` over the last 4,096 steps. ``serve/bench.py``
+reads it before and after each run. It shadows any other ``sitecustomize`` module on that
+server's path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.abc
+import importlib.machinery
+import json
+import os
+import sys
+import time
+from collections import deque
+from typing import Any
+
+_FILE = os.environ.get("CASCADE_BENCH_TIMELINE_FILE", "")
+_TARGET = "vllm.v1.worker.gpu.model_runner"
+
+
+class _Timeline:
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.pending: deque[tuple[Any, Any, Any]] = deque()  # (begin, forward, sampled)
+        self.begin: Any = None
+        self.forward: Any = None
+        self.steps = 0
+        self.step_ms = 0.0
+        self.wait_ms = 0.0
+        self.long_waits = 0
+        self.recent: deque[float] = deque(maxlen=4096)
+        self.written = 0.0
+
+    @staticmethod
+    def _event() -> Any:
+        import torch
+
+        if torch.cuda.is_current_stream_capturing():  # vLLM capturing its graphs: no event
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def mark_begin(self) -> None:
+        self.begin, self.forward = self._event(), None  # a step that ran nothing is dropped
+
+    def mark_forward(self) -> None:
+        if self.begin is not None and self.forward is None:  # a step's first forward
+            self.forward = self._event()
+
+    def mark_sampled(self) -> None:
+        if self.begin is None or self.forward is None:
+            return
+        sampled = self._event()
+        if sampled is not None:
+            self.pending.append((self.begin, self.forward, sampled))
+        self.begin = self.forward = None
+        self.read()
+
+    def read(self) -> None:
+        while self.pending and self.pending[0][2].query():
+            begin, forward, sampled = self.pending.popleft()
+            wait = begin.elapsed_time(forward)
+            self.steps += 1
+            self.step_ms += forward.elapsed_time(sampled)
+            self.wait_ms += wait
+            self.long_waits += wait > 1.0
+            self.recent.append(wait)
+        now = time.monotonic()
+        if now - self.written >= 1.0:
+            self.written = now
+            recent = sorted(self.recent)
+            p99 = recent[int(0.99 * (len(recent) - 1))] if recent else None
+            tmp = self.path + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump({"steps": self.steps, "gpu_step_ms": self.step_ms,
+                           "gpu_wait_ms": self.wait_ms, "waits_over_1ms": self.long_waits,
+                           "wait_p99_ms": p99}, f)
+            os.replace(tmp, self.path)
+
+
+def _patch(module: Any) -> None:
+    timeline = _Timeline(_FILE)
+    runner = module.GPUModelRunner
+    execute_model, sample_tokens = runner.execute_model, runner.sample_tokens
+
+    def execute_model_marked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with contextlib.suppress(Exception):
+            timeline.mark_begin()
+        return execute_model(self, *args, **kwargs)
+
+    forward_context = module.set_forward_context
+
+    def sample_tokens_marked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = sample_tokens(self, *args, **kwargs)
+        with contextlib.suppress(Exception):
+            timeline.mark_sampled()
+        return result
+
+    @contextlib.contextmanager
+    def forward_context_marked(*args: Any, **kwargs: Any) -> Any:
+        with contextlib.suppress(Exception):
+            timeline.mark_forward()
+        with forward_context(*args, **kwargs):
+            yield
+
+    runner.execute_model = execute_model_marked
+    runner.sample_tokens = sample_tokens_marked
+    module.set_forward_context = forward_context_marked
+    from vllm.v1.worker.gpu import cudagraph_utils
+
+    manager = cudagraph_utils.CudaGraphManager
+    run_fullgraph = manager.run_fullgraph
+
+    def run_fullgraph_marked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with contextlib.suppress(Exception):
+            timeline.mark_forward()
+        return run_fullgraph(self, *args, **kwargs)
+
+    manager.run_fullgraph = run_fullgraph_marked
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Patches the runner module right after it is imported, in whichever process does."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != _TARGET:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_and_patch(module: Any) -> None:
+            exec_module(module)
+            try:
+                _patch(module)
+            except Exception as exc:  # the server runs unmeasured rather than not at all
+                print(f"step timeline not installed: {type(exc).__name__}: {exc}",
+                      file=sys.stderr)
+
+        spec.loader.exec_module = exec_and_patch  # type: ignore[method-assign]
+        return spec
+
+
+if _FILE:
+    sys.meta_path.insert(0, _Finder())

@@ -1,0 +1,93 @@
+"""The serve bench's reading of the plugin's counters in the middle of a run's arrivals
+(``metrics.mid_run``) and the client runner's polling while it waits (``run_client``)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from benchmarks.serve import metrics as sm
+from benchmarks.serve import processes as sp
+
+ARRIVALS = 103.0  # decode steps from here on; the first prefill was counted at 102.5
+DURATION = 20.0  # of arrivals: the middle half is 108 to 118 s
+
+
+def cascade_steps(t: float) -> float:
+    """Decode steps run as cascade by ``t``: 40 a second while the batch grows (103-108 s) and
+    drains (after 118 s), 95 a second in between."""
+    ramp = min(max(t - ARRIVALS, 0.0), 5.0)
+    middle = min(max(t - 108.0, 0.0), 10.0)
+    drain = max(t - 118.0, 0.0)
+    return 40 * ramp + 95 * middle + 40 * drain
+
+
+def counters(t: float) -> dict:
+    """What ``parse_counters`` reads at ``t``: 100 decode steps a second from the first
+    arrival on, 1 a second flat with no shared level, the rest not run as cascade flat for the
+    cost model; vLLM's finished prefills, 30 a second from 102.5 s on."""
+    out = dict.fromkeys([*sm.COUNTERS, *sm.BY_LABEL])
+    running = max(t - ARRIVALS, 0.0)
+    planned, cascade, nothing = 100 * running, cascade_steps(t), 1 * running
+    prefills = 30 * max(t - (ARRIVALS - 0.5), 0.0)
+    out.update(vllm_prefill_n=7.0 + prefills,  # 7 from earlier runs on this server
+               steps_planned=planned, decode_steps_planned=planned,
+               decode_steps_cascade=cascade,
+               decode_flat_steps={"no shared level": nothing,
+                                  "cost model": planned - cascade - nothing})
+    return out
+
+
+def snapshots(times) -> list:
+    return [(t, counters(t)) for t in times]
+
+
+def test_the_middle_of_the_arrivals_is_read_from_the_snapshots_inside_it():
+    every_second = snapshots(range(100, 131))
+    middle = sm.mid_run(every_second, counters(99.0), DURATION)
+    # From 108 s to 118 s: 1,000 decode steps, 950 cascade, 10 with nothing shared, 40 flat for
+    # the cost model (by hand from counters() above).
+    assert middle["mid_run_window_s"] == [5.0, 15.0]
+    assert middle["mid_run_decode_steps"] == 1000
+    assert middle["mid_run_cascade_step_fraction"] == pytest.approx(0.95)
+    assert middle["mid_run_flat_reasons"] == {"cost model": pytest.approx(0.04),
+                                              "no shared level": pytest.approx(0.01)}
+    assert middle["mid_run_shared_cascade_fraction"] == pytest.approx(950 / 990)
+    # The whole run (103 s to 130 s) holds the ramps: a smaller share, as the row's own says.
+    whole = sm.fractions(sm.counter_deltas(counters(99.0), counters(130.0)), True)[0]
+    assert whole == pytest.approx(cascade_steps(130.0) / 2700) and whole < 0.8
+
+
+def test_snapshots_a_second_apart_at_odd_times_take_the_ones_inside_the_window():
+    odd = snapshots([100.4 + k for k in range(31)])  # 100.4, 101.4, ...
+    middle = sm.mid_run(odd, counters(99.0), DURATION)
+    # Arrivals seen from 103.4 on: window 108.4-118.4; inside it 108.4 ... 118.4.
+    assert middle["mid_run_window_s"] == [5.0, 15.0]
+    steps = 100 * 10
+    cascade = cascade_steps(118.4) - cascade_steps(108.4)
+    assert middle["mid_run_cascade_step_fraction"] == pytest.approx(cascade / steps)
+
+
+@pytest.mark.parametrize("times, duration", [
+    (range(100, 103), DURATION),  # no prefill counted while the client ran
+    (range(100, 112), DURATION),  # the client's snapshots stop before the window's middle
+    ([100, 104, 118], DURATION),  # one snapshot inside the window
+    (range(100, 131), 0.0),  # no arrivals' duration (a burst)
+])
+def test_no_middle_without_snapshots_that_cover_it(times, duration):
+    middle = sm.mid_run(snapshots(times), counters(99.0), duration)
+    assert set(middle) == {"mid_run_window_s", "mid_run_decode_steps",
+                           "mid_run_cascade_step_fraction", "mid_run_flat_reasons",
+                           "mid_run_shared_cascade_fraction"}
+    assert all(v is None for v in middle.values())
+
+
+def test_the_client_runner_polls_while_the_client_runs_and_still_stops_it_in_time(tmp_path):
+    calls = []
+    code = sp.run_client([sys.executable, "-c", "import time; time.sleep(1.6)"],
+                         tmp_path / "c.log", 30, lambda: calls.append(1), every_s=0.25)
+    assert code == 0 and 3 <= len(calls) <= 7
+    slow = [sys.executable, "-c", "import time; time.sleep(30)"]
+    assert sp.run_client(slow, tmp_path / "s.log", 1.0, lambda: calls.append(1), 0.25) == -1
+    assert sp.run_client(slow, tmp_path / "t.log", 0.5) == -1  # without polling as before

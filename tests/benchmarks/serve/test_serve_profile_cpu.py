@@ -1,0 +1,105 @@
+"""What the serving benchmark measures of a served step's time: the torch-profiler trace's summary
+(``benchmarks.serve.profiler.summarize``), the step-timeline probe's per-run deltas
+(``benchmarks.serve.sm.timeline_deltas``) and a run's offered load."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks.serve import metrics as sm
+from benchmarks.serve import profiler as serve_profile
+
+
+def test_trace_summary_finds_the_gpus_idle_gaps_and_the_host_calls_inside_them(tmp_path):
+    """Kernels at 0-100 us, 150-250 us and 2,250-2,350 us of a 2.35 ms trace: 2 ms idle in
+    one gap, during which the host waited 1.9 ms in a synchronisation."""
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "k1", "ts": 0, "dur": 100},
+        {"ph": "X", "cat": "kernel", "name": "k2", "ts": 150, "dur": 100},
+        {"ph": "X", "cat": "kernel", "name": "k1", "ts": 2250, "dur": 100},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaEventSynchronize", "ts": 300,
+         "dur": 1900},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 2200, "dur": 5},
+        {"ph": "i", "cat": "kernel", "name": "instant", "ts": 10},  # not a duration event
+    ]
+    path = tmp_path / "rank0.1.pt.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    s = serve_profile.summarize(path)
+    assert s["span_ms"] == pytest.approx(2.35) and s["gpu_busy_ms"] == pytest.approx(0.3)
+    assert s["gpu_idle_fraction"] == pytest.approx(1 - 0.3 / 2.35, abs=1e-4)
+    assert s["idle_gaps"][">0.5ms"] == {"count": 1, "total_ms": 2.0}
+    assert s["idle_gaps"][">0.05ms"]["count"] == 1  # the 50 us gap is not above 0.05 ms
+    longest = s["longest_gaps"][0]
+    assert longest["ms"] == pytest.approx(2.0) and longest["at_ms"] == pytest.approx(0.25)
+    assert longest["host_calls"][0] == {"name": "cudaEventSynchronize", "ms_in_gap": 1.9}
+    assert s["waiting_calls"] == [{"name": "cudaEventSynchronize", "count": 1,
+                                   "total_ms": 1.9, "longest_ms": 1.9}]
+    assert s["kernels"][0] == {"name": "k1", "count": 2, "total_ms": 0.2, "longest_ms": 0.1}
+    assert serve_profile.traces(tmp_path) == [path]
+
+
+def test_a_trace_without_gpu_events_says_so(tmp_path):
+    path = tmp_path / "rank0.pt.trace.json"
+    path.write_text(json.dumps({"traceEvents": [
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5}]}))
+    assert serve_profile.summarize(path)["error"] == "no GPU events"
+
+
+def test_timeline_deltas_are_per_run_and_per_step(tmp_path):
+    before = {"steps": 100, "gpu_step_ms": 2000.0, "gpu_wait_ms": 50.0, "waits_over_1ms": 3}
+    path = tmp_path / "timeline.json"
+    path.write_text(json.dumps({"steps": 300, "gpu_step_ms": 6000.0, "gpu_wait_ms": 450.0,
+                                "waits_over_1ms": 13, "wait_p99_ms": 4.5}))
+    got = sm.timeline_deltas(before, sm.read_timeline(path))
+    assert got == {"timeline_steps": 200, "gpu_step_ms_per_step": 20.0,
+                   "gpu_wait_ms_per_step": 2.0, "gpu_wait_fraction": round(400 / 4400, 4),
+                   "gpu_waits_over_1ms": 10, "gpu_wait_p99_ms_recent": 4.5}
+    assert sm.read_timeline(tmp_path / "not yet written.json")["steps"] == 0
+    assert sm.timeline_deltas(None, None) == {} and sm.read_timeline(None) is None
+
+
+def test_offered_load_is_the_rate_over_flats_sustainable_rate():
+    assert sm.offered_load(27.5, 50.0) == 0.55
+    assert sm.offered_load("burst", 50.0) is None and sm.offered_load(10.0, None) is None
+
+
+def test_step_timeline_counts_the_wait_inside_steps_not_the_idle_time_between_them(tmp_path,
+                                                                                   monkeypatch):
+    """The probe's bookkeeping on fake CUDA events (times in ms): a step whose forward came
+    2 ms after its begin and ran 10 ms, a step that ran nothing (no forward: dropped), then a
+    step 5 s later that waited 0.5 ms; the 5 s without a step count nowhere."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "step_timeline_probe", Path(__file__).resolve().parents[3] / "benchmarks"
+        / "serve" / "probes" / "step_timeline" / "sitecustomize.py")
+    probe = importlib.util.module_from_spec(spec)
+    monkeypatch.delenv("CASCADE_BENCH_TIMELINE_FILE", raising=False)  # no finder installed
+    spec.loader.exec_module(probe)
+
+    class Event:
+        def __init__(self, t: float) -> None:
+            self.t = t
+
+        def query(self) -> bool:
+            return True
+
+        def elapsed_time(self, other: Event) -> float:
+            return other.t - self.t
+
+    times = iter([0.0, 2.0, 12.0, 20.0, 5000.0, 5000.5, 5010.5])
+    monkeypatch.setattr(probe._Timeline, "_event", staticmethod(lambda: Event(next(times))))
+    timeline = probe._Timeline(str(tmp_path / "timeline.json"))
+    timeline.mark_begin(), timeline.mark_forward(), timeline.mark_forward(), timeline.mark_sampled()
+    timeline.mark_begin()  # a step without a forward: never counted
+    timeline.mark_begin(), timeline.mark_forward(), timeline.mark_sampled()
+    timeline.written = 0.0
+    timeline.read()
+    got = json.loads((tmp_path / "timeline.json").read_text())
+    assert got["steps"] == 2 and got["gpu_step_ms"] == pytest.approx(20.0)
+    assert got["gpu_wait_ms"] == pytest.approx(2.5) and got["waits_over_1ms"] == 1
