@@ -45,7 +45,9 @@ def test_staged_arrays_are_pinned_aligned_and_guarded_until_their_copies_ran():
     ring = common.PinnedRing()
     device = torch.device("cuda")
     arrays = [np.arange(n, dtype=np.int32) * (n + 1) for n in (3, 1, 17, 0, 5)]
-    torch.cuda._sleep(100_000_000)
+    # ~0.5 s of GPU time ahead of the copies: still running when the ring comes round to the
+    # first buffer, even on a host busy with other test processes (~50 ms was not, once).
+    torch.cuda._sleep(1_000_000_000)
     outs = []
     with ring.staged(arrays, torch.int32) as host:
         for view, array in zip(host, arrays, strict=True):

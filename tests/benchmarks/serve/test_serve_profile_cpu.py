@@ -68,11 +68,8 @@ def test_offered_load_is_the_rate_over_flats_sustainable_rate():
     assert sm.offered_load("burst", 50.0) is None and sm.offered_load(10.0, None) is None
 
 
-def test_step_timeline_counts_the_wait_inside_steps_not_the_idle_time_between_them(tmp_path,
-                                                                                   monkeypatch):
-    """The probe's bookkeeping on fake CUDA events (times in ms): a step whose forward came
-    2 ms after its begin and ran 10 ms, a step that ran nothing (no forward: dropped), then a
-    step 5 s later that waited 0.5 ms; the 5 s without a step count nowhere."""
+def load_timeline_probe(monkeypatch):
+    """The step-timeline probe's module, without its import hook (no file set)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
@@ -81,6 +78,57 @@ def test_step_timeline_counts_the_wait_inside_steps_not_the_idle_time_between_th
     probe = importlib.util.module_from_spec(spec)
     monkeypatch.delenv("CASCADE_BENCH_TIMELINE_FILE", raising=False)  # no finder installed
     spec.loader.exec_module(probe)
+    return probe
+
+
+def test_the_step_timeline_leaves_execute_models_arguments_to_the_plugins_hook(monkeypatch):
+    """The plugin's runner hook binds ``execute_model``'s arguments by name
+    (``hooks_step.execute_model``): under the probe it still finds the scheduler output (a
+    probe that hid it left every step flat: "runner hook error: KeyError")."""
+    import contextlib
+    import inspect
+    import sys
+    import types
+
+    probe = load_timeline_probe(monkeypatch)
+
+    class Runner:
+        def execute_model(self, scheduler_output, intermediate_tensors=None, dummy_run=False):
+            return scheduler_output
+
+        def sample_tokens(self, grammar_output):
+            return grammar_output
+
+    class Manager:
+        def run_fullgraph(self, num_tokens):
+            return num_tokens
+
+    @contextlib.contextmanager
+    def set_forward_context(attn_metadata, vllm_config):
+        yield
+
+    runner_module = types.SimpleNamespace(GPUModelRunner=Runner,
+                                          set_forward_context=set_forward_context)
+    graphs = types.ModuleType("vllm.v1.worker.gpu.cudagraph_utils")
+    graphs.CudaGraphManager = Manager
+    monkeypatch.setitem(sys.modules, "vllm.v1.worker.gpu.cudagraph_utils", graphs)
+    monkeypatch.setattr(probe._Timeline, "_event", staticmethod(lambda: None))
+    probe._patch(runner_module)
+    so = object()
+    bound = inspect.signature(Runner.execute_model).bind(Runner(), so, dummy_run=True)
+    assert bound.arguments["scheduler_output"] is so and bound.arguments["dummy_run"]
+    assert Runner().execute_model(so) is so and Runner().sample_tokens(3) == 3
+    assert "num_tokens" in inspect.signature(Manager.run_fullgraph).parameters
+    with runner_module.set_forward_context(None, None):
+        pass
+
+
+def test_step_timeline_counts_the_wait_inside_steps_not_the_idle_time_between_them(tmp_path,
+                                                                                   monkeypatch):
+    """The probe's bookkeeping on fake CUDA events (times in ms): a step whose forward came
+    2 ms after its begin and ran 10 ms, a step that ran nothing (no forward: dropped), then a
+    step 5 s later that waited 0.5 ms; the 5 s without a step count nowhere."""
+    probe = load_timeline_probe(monkeypatch)
 
     class Event:
         def __init__(self, t: float) -> None:

@@ -21,6 +21,7 @@ server's path.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.abc
 import importlib.machinery
 import json
@@ -100,6 +101,7 @@ def _patch(module: Any) -> None:
     runner = module.GPUModelRunner
     execute_model, sample_tokens = runner.execute_model, runner.sample_tokens
 
+    @functools.wraps(execute_model)  # the plugin's hook binds its arguments by name
     def execute_model_marked(self: Any, *args: Any, **kwargs: Any) -> Any:
         with contextlib.suppress(Exception):
             timeline.mark_begin()
@@ -107,6 +109,7 @@ def _patch(module: Any) -> None:
 
     forward_context = module.set_forward_context
 
+    @functools.wraps(sample_tokens)
     def sample_tokens_marked(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = sample_tokens(self, *args, **kwargs)
         with contextlib.suppress(Exception):
@@ -114,6 +117,7 @@ def _patch(module: Any) -> None:
         return result
 
     @contextlib.contextmanager
+    @functools.wraps(forward_context)
     def forward_context_marked(*args: Any, **kwargs: Any) -> Any:
         with contextlib.suppress(Exception):
             timeline.mark_forward()
@@ -128,6 +132,7 @@ def _patch(module: Any) -> None:
     manager = cudagraph_utils.CudaGraphManager
     run_fullgraph = manager.run_fullgraph
 
+    @functools.wraps(run_fullgraph)
     def run_fullgraph_marked(self: Any, *args: Any, **kwargs: Any) -> Any:
         with contextlib.suppress(Exception):
             timeline.mark_forward()
