@@ -57,9 +57,11 @@ ROWS: list[tuple[str, str, str, tuple[str, ...]]] = [
      "reason logged once and shown by `check`", ()),
     ("tensor parallelism", "opt-in (`CASCADE_UNVERIFIED=1`), flat by default",
      "needs two GPUs; whole-step graphs are off at TP > 1", ("tp",)),
-    ("sliding-window attention", "those layers run flat",
+    ("sliding-window attention", "those layers run flat; under vLLM's hybrid KV-cache manager "
+     "(its default) the full layers' group runs cascade with `CASCADE_UNVERIFIED=1` only",
      "GPU: a model mixing sliding-window and full layers in both KV-cache layouts (V1 runner, "
-     "vLLM 0.26-0.33: its full layers run cascade with `--disable-hybrid-kv-cache-manager`)",
+     "vLLM 0.26-0.33: its full layers run cascade with `--disable-hybrid-kv-cache-manager`); "
+     "the full layers' group under the hybrid manager: CPU suite",
      ("sliding",)),
     ("`vllm-cascade demo`, `examples/`", "run", "GPU, as a user runs them",
      ("demo", "examples")),

@@ -130,7 +130,7 @@ class V2Rows:
                                       num_blocks=SimpleNamespace(np=np.zeros((1, SLOTS), np.int32)))
         self.mirror = np.zeros((SLOTS, batch.block_table.shape[1]), np.int32)
         self.keys = np.zeros(SLOTS, np.int64)
-        vars(self.tables)[hooks_dispatch.MIRROR] = self.mirror
+        vars(self.tables)[hooks_dispatch.MIRROR] = [self.mirror]
         vars(self.tables)[row_keys.V2_KEYS] = self.keys
         self.computed = np.zeros(SLOTS, np.int32)
         self.runner = SimpleNamespace(

@@ -18,7 +18,9 @@ vLLM 0.26 lays out such a model's KV cache one of two ways; the V1 model runner,
   reads that from vLLM's own grouping.)
 * with it (vLLM's default on a GPU): a group of the sliding layers and one of the full layers.
   The sliding layers' builder runs flat (said once) and every step runs flat because the step has
-  two KV-cache groups (counted as a fallback): the plugin was live and saw the steps.
+  two KV-cache groups (counted as a fallback): the plugin was live and saw the steps. With
+  ``CASCADE_UNVERIFIED=1`` the steps are planned from the full layers' group, which runs
+  cascade (``integration/kv_groups.py``).
 
 The tests assert which layers run flat and whether any step ran cascade in each layout, so that a
 change in either (vLLM's layout, the plugin's choice) shows here. The engines run vLLM's
@@ -46,12 +48,13 @@ ATTN = "model.layers.{}.self_attn.attn"
 RESULTS: list[dict] = []
 
 
-def _judged_run(model_dir: str, extra: tuple[str, ...], layout: str) -> tuple[dict, dict]:
-    """The plugin-on engine in ``layout``, judged against plugin-off FLASH_ATTN and TRITON_ATTN
-    (one KV-cache group, run side by side with it); none of its steps waited for the GPU.
-    Returns its result and the workload's counters."""
+def _judged_run(model_dir: str, extra: tuple[str, ...], layout: str,
+                knobs: tuple[tuple[str, str], ...] = ()) -> tuple[dict, dict]:
+    """The plugin-on engine in ``layout`` (with ``knobs``), judged against plugin-off FLASH_ATTN
+    and TRITON_ATTN (one KV-cache group, run side by side with it); none of its steps waited for
+    the GPU. Returns its result and the workload's counters."""
     off = Engine(model_dir, False, RUNNER, "FLASH_ATTN", UNIFIED)
-    on, flat, triton = engines.run(off.with_(plugin=True, extra=extra), off,
+    on, flat, triton = engines.run(off.with_(plugin=True, extra=extra, knobs=knobs), off,
                                    off.with_(backend="TRITON_ATTN"))
     row = engine_oracle.judge(WORKLOAD, RUNNER, on["workloads"][WORKLOAD],
                               flat["workloads"][WORKLOAD], triton["workloads"][WORKLOAD])
@@ -90,6 +93,18 @@ def test_hybrid_kv_cache_runs_sliding_layers_flat_and_matches_vllm(sliding_model
     [line] = _flat_lines(on)  # once, for the sliding layers' builder alone
     assert "for 2 attention layer(s)" in line, line
     assert ATTN.format(0) in line and ATTN.format(2) in line, line
+    assert ATTN.format(1) not in line and ATTN.format(3) not in line, line
+
+
+def test_hybrid_kv_cache_with_unverified_paths_runs_the_full_layers_group_as_cascade(
+        sliding_model_dir):
+    """``CASCADE_UNVERIFIED=1``: steps are planned from the full-attention layers' group (its
+    own block table), which runs cascade; the sliding layers' group runs flat; vLLM's answers."""
+    on, counts = _judged_run(sliding_model_dir, ONLY, "hybrid, full-attention group planned",
+                             (("CASCADE_UNVERIFIED", "1"),))
+    assert counts["steps_cascade"] > 0, counts
+    assert counts["fallbacks"] == {}, counts
+    [line] = _flat_lines(on)
     assert ATTN.format(1) not in line and ATTN.format(3) not in line, line
 
 

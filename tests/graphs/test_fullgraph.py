@@ -186,10 +186,13 @@ def test_whole_step_graphs_are_kept_per_runner_and_refused_where_unsupported(con
     plain = make_runner()
     graphs = hooks_graphs.full_graphs(plain)
     assert isinstance(graphs, fullgraph.StepGraphs) and hooks_graphs.full_graphs(plain) is graphs
+    hybrid = make_runner()  # a hybrid model's sliding-window and full-attention groups
+    hybrid.kv_cache_config = SimpleNamespace(kv_cache_groups=[object(), object()])
     saved = offloader.get_offloader()
     with caplog.at_level(logging.INFO, logger="vllm.cascade_plugin"):
         for refused, why in ((make_runner(tp=2), "parallel size"),
-                            (make_runner(lora=object()), "LoRA")):
+                            (make_runner(lora=object()), "LoRA"),
+                            (hybrid, "several KV-cache groups")):
             assert hooks_graphs.full_graphs(refused) is None
             assert hooks_graphs.full_graphs(refused) is None
             assert sum(why in r.getMessage() for r in caplog.records) == 1  # logged once

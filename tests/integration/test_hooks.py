@@ -393,7 +393,7 @@ def test_v2_block_id_mirror_equals_what_vllm_writes(state):
     tables.append_block_ids(2, ([10],), overwrite=False)
     tables.append_block_ids(1, ([3, 4],), overwrite=True)
     tables.append_block_ids(2, ([11, 12],), overwrite=True)  # a reused slot is rewritten
-    mirror = tables.__dict__[hooks_dispatch.MIRROR]
+    [mirror] = tables.__dict__[hooks_dispatch.MIRROR]
     for row in range(4):
         count = tables.num_blocks.np[0, row]
         assert np.array_equal(mirror[row, :count], tables.block_tables[0].gpu[row, :count])

@@ -449,7 +449,8 @@ def v1_dispatch_call(monkeypatch):
 
 
 def append_call(monkeypatch):
-    tables = SimpleNamespace(num_blocks=SimpleNamespace(np=np.zeros((1, 4), np.int32)),
+    tables = SimpleNamespace(num_kv_cache_groups=1,
+                             num_blocks=SimpleNamespace(np=np.zeros((1, 4), np.int32)),
                              block_tables=[SimpleNamespace(gpu=np.zeros((4, 8), np.int32))])
     return (tables, 2, ([7, 8],), False), {}
 

@@ -162,7 +162,7 @@ def test_debug_compares_the_mirrored_block_ids_with_vllms_and_stops_planning_fro
 
     step = hooks_step.execute_model(execute_model)
     step(runner, so)
-    tables.__dict__[hooks_dispatch.MIRROR][2, 1] = 99  # a write the mirror got wrong
+    tables.__dict__[hooks_dispatch.MIRROR][0][2, 1] = 99  # a write the mirror got wrong
     step(runner, so)
     step(runner, so)
     assert seen == [True, False, False]

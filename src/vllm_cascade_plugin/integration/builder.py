@@ -220,6 +220,7 @@ class CascadeBuilder:
         self._cascade_kernel = self.default_kernel
         config = load_config()
         steady: CostModel | None = None
+        layer_graphs: CostModel | None = None
         split: CostModel | None = None
         eager, page_bytes = CostModel(), 0
         capture_sizes: tuple[int, ...] = ()
@@ -232,6 +233,8 @@ class CascadeBuilder:
             graphs = self._cuda_graphs and config.fused_decode
             full = config.full_graphs and full_graphs_reason(vllm_config) is None
             eager, steady = self._cost_models(self._cascade_kernel, graphs, full)
+            if full:  # where the engine turns out to have several KV-cache groups
+                layer_graphs = self._cost_models(self._cascade_kernel, graphs, False)[1]
             split = None if reason is not None else self._split_cost_model(graphs, args)
             page_bytes = kv_cache_spec.page_size_bytes * len(layer_names)
             capture_sizes = compat.cudagraph_capture_sizes(vllm_config)
@@ -244,7 +247,8 @@ class CascadeBuilder:
         self._settings = BuilderSettings(
             config, shape, args.page_size, reason, cost_model=eager, steady_cost_model=steady,
             capture_sizes=capture_sizes, page_bytes=page_bytes, backend=self.backend_name,
-            split_cost_model=split)
+            split_cost_model=split, layer_graphs_cost_model=layer_graphs,
+            layers=frozenset(layer_names))
         session.register(layer_names, self._settings)
 
     def _pick_kernel(self, config: CascadeConfig, args: KernelArgs,

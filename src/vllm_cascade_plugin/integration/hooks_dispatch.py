@@ -21,14 +21,15 @@ import numpy as np
 
 from .. import stats
 from ..step import session
-from . import compat, hooks_step, row_keys
+from . import compat, hooks_step, kv_groups, row_keys
 from .hooks_step import PendingStep, failed, run_flat
 
 
 def plan_rows(first_pages: np.ndarray, block_table: np.ndarray, num_blocks: np.ndarray,
               seq_lens: np.ndarray, query_lens: np.ndarray,
               keys: Callable[[], np.ndarray | None],
-              row_index: np.ndarray | None = None) -> bool:
+              row_index: np.ndarray | None = None,
+              group_layers: frozenset[str] | None = None) -> bool:
     """Plan a step from CPU rows; True when it will run cascade.
 
     ``block_table``: the rows' block ids; with ``row_index``, row ``r``'s are
@@ -38,7 +39,8 @@ def plan_rows(first_pages: np.ndarray, block_table: np.ndarray, num_blocks: np.n
     (its lengths do). The pre-checks (the rows' first block ids leave sharing
     possible, their lengths leave cascade a chance to beat flat: the cost model's floor) are
     skipped for a step that continues the last one
-    (:meth:`~.planning.planner.CascadePlanner.continues`).
+    (:meth:`~.planning.planner.CascadePlanner.continues`). ``group_layers``: the layers of
+    the KV-cache group ``block_table`` is, in an engine of several (:mod:`.kv_groups`).
     """
     facts = session.row_facts(first_pages, seq_lens, query_lens, num_blocks)
     if facts.short:
@@ -67,7 +69,8 @@ def plan_rows(first_pages: np.ndarray, block_table: np.ndarray, num_blocks: np.n
     if keys_read is not None:
         stats.log_once("planned from changes", "vllm-cascade-plugin: steps are planned from "
                        "the rows vLLM changed (CASCADE_PLAN_FROM_CHANGES).")
-    step = session.plan_step(block_table, seq_lens, query_lens, keys_read, row_index)
+    step = session.plan_step(block_table, seq_lens, query_lens, keys_read, row_index,
+                             group_layers)
     return step is not None and step.decision.use_cascade
 
 
@@ -117,9 +120,10 @@ def record_padding(num_tokens: Callable[[], int]) -> None:
 
 def v1_plan(step: PendingStep) -> bool:
     runner, so = step.runner, step.scheduler_output
-    if len(runner.kv_cache_config.kv_cache_groups) != 1:
-        stats.record_fallback("more than one KV cache group")
+    group = kv_groups.planned_group(runner, len(runner.kv_cache_config.kv_cache_groups))
+    if group is None:
         return False
+    g, group_layers = group
     batch = runner.input_batch
     n = batch.num_reqs
     if n == 0:  # a step without requests runs a dummy batch (external launcher under DP)
@@ -128,9 +132,11 @@ def v1_plan(step: PendingStep) -> bool:
                              dtype=np.int32, count=n)
     seq_lens = np.asarray(batch.num_computed_tokens_cpu[:n], dtype=np.int32) + query_lens
     step.rows = list(batch.req_ids[:n])  # who the rows are: checked when a builder takes the plan
-    rows = batch.block_table[0].block_table.np[:n]
-    return plan_rows(rows[:, 0], rows, batch.block_table[0].num_blocks_per_row[:n],
-                     seq_lens, query_lens, lambda: row_keys.v1_rows(runner, batch.req_ids, n))
+    table = batch.block_table[g]
+    rows = table.block_table.np[:n]
+    return plan_rows(rows[:, 0], rows, table.num_blocks_per_row[:n], seq_lens, query_lens,
+                     lambda: row_keys.v1_rows(runner, batch.req_ids, n),
+                     group_layers=group_layers)
 
 
 def v1_determine_batch_execution(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -178,7 +184,8 @@ def v1_dispatch(original: Callable[..., Any]) -> Callable[..., Any]:
 
 # ----------------------------------------------------------------------------------- V2 runner
 
-MIRROR = "_cascade_block_ids"  # BlockTables attribute: the CPU mirror, or False once unusable
+# BlockTables attribute: the CPU mirror, one array per KV-cache group, or False once unusable
+MIRROR = "_cascade_block_ids"
 
 
 def _mirror_failed(tables: Any, exc: BaseException) -> None:
@@ -193,25 +200,28 @@ def _mirror_failed(tables: Any, exc: BaseException) -> None:
 
 def v2_append_block_ids(original: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(self: Any, req_index: int, new_block_ids: Any, overwrite: bool) -> Any:
-        start: int | None
-        try:  # where the ids go: the row's length before vLLM's write
-            start = 0 if overwrite else int(self.num_blocks.np[0, req_index])
+        starts: list[int] | None
+        try:  # where the ids go: the row's length in each group before vLLM's write
+            starts = [0 if overwrite else int(self.num_blocks.np[g, req_index])
+                      for g in range(self.num_kv_cache_groups)]
         except Exception as exc:
-            start = None
+            starts = None
             _mirror_failed(self, exc)
         result = original(self, req_index, new_block_ids, overwrite)
-        if start is None:
+        if starts is None:
             return result
         try:
-            mirror = self.__dict__.get(MIRROR)
-            if mirror is False:  # a write was missed before: the mirror stays unusable
+            mirrors = self.__dict__.get(MIRROR)
+            if mirrors is False:  # a write was missed before: the mirror stays unusable
                 return result
-            if mirror is None:
-                mirror = np.zeros(tuple(self.block_tables[0].gpu.shape), dtype=np.int32)
-                self.__dict__[MIRROR] = mirror
-            ids = compat.v2_block_ids_written(self, 0, new_block_ids[0])
-            mirror[req_index, start:start + len(ids)] = ids
-            row_keys.v2_written(self, req_index, overwrite, len(mirror))
+            if mirrors is None:  # zeros: the pages of slots never written are never touched
+                mirrors = [np.zeros(tuple(table.gpu.shape), dtype=np.int32)
+                           for table in self.block_tables]
+                self.__dict__[MIRROR] = mirrors
+            for g, start in enumerate(starts):
+                ids = compat.v2_block_ids_written(self, g, new_block_ids[g])
+                mirrors[g][req_index, start:start + len(ids)] = ids
+            row_keys.v2_written(self, req_index, overwrite, len(mirrors[0]))
         except Exception as exc:
             _mirror_failed(self, exc)
         return result
@@ -221,15 +231,16 @@ def v2_append_block_ids(original: Callable[..., Any]) -> Callable[..., Any]:
 MIRROR_DIFFERS = "block id mirror differs from vLLM's block table"
 
 
-def mirror_differs(tables: Any, mirror: np.ndarray, index: np.ndarray,
+def mirror_differs(tables: Any, group: int, mirror: np.ndarray, index: np.ndarray,
                    pages: np.ndarray) -> str | None:
-    """``CASCADE_DEBUG``: where the CPU mirror's block ids of the planned rows differ from the
-    ones vLLM holds on the GPU (read back: a device sync, debug only), or None. ``pages``: the
-    pages each row's tokens fill."""
+    """``CASCADE_DEBUG``: where the CPU mirror's block ids of the planned rows (of KV-cache
+    group ``group``) differ from the ones vLLM holds on the GPU (read back: a device sync,
+    debug only), or None. ``pages``: the pages each row's tokens fill."""
     import torch
 
     width = int(pages.max(initial=0))
-    held = tables.block_tables[0].gpu[torch.from_numpy(np.array(index)), :width].cpu().numpy()
+    held = tables.block_tables[group].gpu[torch.from_numpy(np.array(index)), :width]
+    held = held.cpu().numpy()
     used = np.arange(width)[None, :] < pages[:, None]
     wrong = used & (held != mirror[index, :width])
     if not wrong.any():
@@ -288,13 +299,15 @@ def _v2_slots(runner: Any, so: Any, req_ids: list[str]) -> np.ndarray:
 def v2_plan(step: PendingStep) -> bool:
     runner, so = step.runner, step.scheduler_output
     tables = runner.block_tables
-    if tables.num_kv_cache_groups != 1:
-        stats.record_fallback("more than one KV cache group")
+    group = kv_groups.planned_group(runner, tables.num_kv_cache_groups)
+    if group is None:
         return False
-    mirror = tables.__dict__.get(MIRROR)
-    if mirror is None or mirror is False:
+    g, group_layers = group
+    mirrors = tables.__dict__.get(MIRROR)
+    if mirrors is None or mirrors is False:
         stats.record_fallback("no CPU block ids")
         return False
+    mirror = mirrors[g]
     req_ids, query_lens, order = v2_rows(runner, so)
     index = _v2_slots(runner, so, req_ids)
     if order is not None:
@@ -302,15 +315,16 @@ def v2_plan(step: PendingStep) -> bool:
     step.rows = index  # who the rows are: checked against idx_mapping when a builder takes it
     seq_lens = runner.req_states.num_computed_tokens_np[index] + query_lens
     if session.config is not None and session.config.debug:
-        differs = mirror_differs(tables, mirror, index, -(-seq_lens // max(session.page_size, 1)))
+        differs = mirror_differs(tables, g, mirror, index,
+                                 -(-seq_lens // max(session.page_size, 1)))
         if differs is not None:
             tables.__dict__[MIRROR] = False  # never plan from it again
             stats.record_fallback(MIRROR_DIFFERS, differs)
             return False
     # The planner reads the rows of the mirror it needs (a copy of 256 rows x 2K pages would
     # take ~70 us).
-    return plan_rows(mirror[index, 0], mirror, tables.num_blocks.np[0, index], seq_lens,
-                     query_lens, lambda: row_keys.v2_rows(tables, index), index)
+    return plan_rows(mirror[index, 0], mirror, tables.num_blocks.np[g, index], seq_lens,
+                     query_lens, lambda: row_keys.v2_rows(tables, index), index, group_layers)
 
 
 def v2_dispatch(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -53,6 +53,10 @@ def full_graphs(runner: Any) -> Any:
         from ..graphs.fullgraph import StepGraphs
 
         reason = full_graphs_reason(runner.vllm_config)
+        groups = getattr(getattr(runner, "kv_cache_config", None), "kv_cache_groups", ())
+        if reason is None and len(groups) > 1:
+            reason = ("the engine has several KV-cache groups (a hybrid model): whole-step "
+                      "graphs are not verified with its other layers inside")
         if reason is not None:
             stats.logger.info("vllm-cascade-plugin: cascade decode steps keep vLLM's piecewise "
                               "path and per-layer graphs, not whole-step graphs: %s.", reason)

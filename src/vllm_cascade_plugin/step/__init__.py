@@ -65,6 +65,10 @@ class StepSession(PreChecks):
         self.padded_tokens = 0
         self._capture_sizes: tuple[int, ...] = ()
         self._planner: CascadePlanner | None = None
+        # The layers of the builder steps are planned with: their KV-cache group's block table
+        # is the one planned, where the engine has several (see the runner hooks).
+        self.planning_layers: frozenset[str] = frozenset()
+        self._layer_graphs_cost_model: CostModel | None = None
         # The last planned step's flat verdict while the next decode step keeps it
         # (:meth:`~.prechecks.PreChecks.continued_flat`): (cost model, cascade estimate (µs),
         # pages flat decode reads again past the L2 window, reason); None: none to keep.
@@ -132,6 +136,8 @@ class StepSession(PreChecks):
         self.cost_model = settings.cost_model
         self.steady_cost_model = settings.steady_cost_model
         self.split_cost_model = settings.split_cost_model
+        self.planning_layers = settings.layers
+        self._layer_graphs_cost_model = settings.layer_graphs_cost_model
         self._capture_sizes = tuple(sorted(settings.capture_sizes))
         self._layouts_seen = set()
         self.disabled_reason = settings.unsupported
@@ -172,11 +178,14 @@ class StepSession(PreChecks):
     def plan_step(self, block_table: np.ndarray,
                   seq_lens: np.ndarray, query_lens: np.ndarray,
                   row_keys: np.ndarray | None = None,
-                  row_index: np.ndarray | None = None) -> StepPlan | None:
+                  row_index: np.ndarray | None = None,
+                  group_layers: frozenset[str] | None = None) -> StepPlan | None:
         """Plan a real engine step (rows in the builder's order); None: run it flat.
 
         ``block_table``: the rows' block ids; with ``row_index``, row ``r``'s are
         ``block_table[row_index[r]]``.
+        ``group_layers``: the layers of the KV-cache group ``block_table`` is, where the engine
+        has several (only their builders may run the plan); None: one group.
         ``row_keys``: which rows changed since the last step planned with them
         (:meth:`~.planning.planner.CascadePlanner.plan`), or None to compare the block ids.
         A failure here never escapes into vLLM: the step runs flat and the reason is counted.
@@ -216,7 +225,8 @@ class StepSession(PreChecks):
             np.cumsum(query_lens, out=qsl[1:])
             self.current = StepPlan(plan, decision, qsl, decode,
                                     np.array(seq_lens, dtype=np.int32), self.page_size,
-                                    self.shape, None if split is None else split.astype(bool))
+                                    self.shape, None if split is None else split.astype(bool),
+                                    group_layers)
         if stats.logger.isEnabledFor(logging.DEBUG):
             stats.logger.debug(
                 "cascade step: %s (%s); %d levels, groups %s, pages %d flat -> %d; totals %s",
@@ -320,6 +330,12 @@ class StepSession(PreChecks):
             self._layouts_seen.clear()
         self._layouts_seen.add(key)
         return FIRST
+
+    def whole_step_graphs_off(self) -> None:
+        """The executor's whole-step graphs are not used in this engine (several KV-cache
+        groups): charge a graphed decode step what per-layer graphs cost."""
+        if self.steady_cost_model is not None and self._layer_graphs_cost_model is not None:
+            self.steady_cost_model = self._layer_graphs_cost_model
 
     def graphs_lost(self) -> None:
         """The executor's graphs are off from now on (a capture failed): charge every step

@@ -29,6 +29,9 @@ class StepPlan:
     # token, which ``plan`` covers alone, in batch order; the other rows run flat. None: the
     # plan covers every row.
     decode_rows: np.ndarray | None = None
+    # The layers of the KV-cache group whose block table the plan read, where the engine has
+    # several (a hybrid model's full-attention group beside its sliding-window ones); None: one.
+    group_layers: frozenset[str] | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -49,8 +52,10 @@ class StepPlan:
 
     def planned_for(self, settings: BuilderSettings) -> bool:
         """Whether the plan was made for layers like ``settings``': its pages are numbered in
-        their page size and its cascade-or-flat decision was costed for their shape."""
-        return self.page_size == settings.page_size and self.shape == settings.shape
+        their page size, its cascade-or-flat decision was costed for their shape, and its block
+        ids are their KV-cache group's."""
+        return (self.page_size == settings.page_size and self.shape == settings.shape
+                and (self.group_layers is None or settings.layers <= self.group_layers))
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,10 @@ class BuilderSettings:
     # the others flat: ``execution.fa3_split``), charged to the decode rows' plan; None: the
     # executor does not split mixed steps (they are planned whole, at the eager cost).
     split_cost_model: CostModel | None = None
+    # The steady cost where the executor's whole-step graphs cannot be used (an engine of
+    # several KV-cache groups: per-layer graphs); None: ``steady_cost_model``.
+    layer_graphs_cost_model: CostModel | None = None
+    layers: frozenset[str] = frozenset()  # the builder's attention layers
 
 
 def flat_attention(backend: str) -> str:

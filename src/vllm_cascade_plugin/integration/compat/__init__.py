@@ -282,3 +282,20 @@ def dynamic_kv_scales(vllm_config: Any) -> bool:
     ``cache_config.calculate_kv_scales`` in 0.26, gone by 0.33, where scales come from the
     checkpoint or are 1.0)."""
     return bool(getattr(vllm_config.cache_config, "calculate_kv_scales", False))
+
+
+SLIDING = "sliding-window attention"  # what kv_cache_kind calls a sliding-window group
+
+
+def kv_cache_kind(spec: Any) -> str:
+    """What a KV-cache group holds, by its spec (``vllm.v1.kv_cache_interface``): "full
+    attention", :data:`SLIDING`, "recurrent (Mamba)", or else the spec's class name."""
+    from vllm.v1 import kv_cache_interface as kv
+
+    if isinstance(spec, kv.SlidingWindowSpec):
+        return SLIDING
+    if isinstance(spec, kv.MambaSpec):
+        return "recurrent (Mamba)"
+    if type(spec) is kv.FullAttentionSpec:
+        return "full attention"
+    return type(spec).__name__
