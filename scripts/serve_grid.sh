@@ -77,6 +77,10 @@
 #                      shared document at 50% and a burst. About 14 min on a fresh machine.
 #   never_slower_chat  the same on prefill-heavy chat only, once per load (about 9 min on a
 #                      fresh machine at SERVE_DURATION=15).
+#   never_slower_paired  prefill-heavy chat (a burst, 50%, 90%, 110%) on three servers with the
+#                      step-timeline probe: flat, a second flat one (flash_attn_again: how far
+#                      two identical servers are apart in this run) and the plugin; the plugin
+#                      is judged against that spread. About 13 min on a fresh machine.
 serve_slice() {  # name, timeout (s), serve/bench.py arguments...
   local name=$1 limit=$2 start=$SECONDS
   shift 2
@@ -149,6 +153,9 @@ part_serve_grid() {  # run it detached, alone; the slices in SERVE_GRID's order
       --workloads chat_1k_prefill_heavy --rates burst,50%,90%,110% --profile 110% ;;
     never_slower_chat) serve_slice never_slower_chat 900 --configs flash_attn,cascade_flash_attn \
       --workloads chat_1k_prefill_heavy --step-timeline --rates burst,50%,90%,110% ;;
+    never_slower_paired) serve_slice never_slower_paired 1200 \
+      --configs flash_attn,flash_attn_again,cascade_flash_attn --workloads chat_1k_prefill_heavy \
+      --step-timeline --rates burst,50%,90%,110% ;;
     never_slower) serve_slice never_slower 1500 --configs flash_attn,cascade_flash_attn \
       --workloads chat_1k_prefill_heavy,random_2k,prefix_8k_x4 --step-timeline \
       --rates "chat_1k_prefill_heavy=burst*2,50%*2,90%,110%;random_2k=burst,90%;prefix_8k_x4=burst,50%" ;;

@@ -42,6 +42,9 @@ CONFIGS = {
     "flashinfer": Config("FLASHINFER", {"CASCADE_ATTENTION": "0"}),
     "cascade": Config("FLASHINFER", {"CASCADE_ATTENTION": "1"}),
     "flash_attn": Config("FLASH_ATTN", {"CASCADE_ATTENTION": "0"}),
+    # A second flat server in the same run, compared with the first: how far two identical
+    # servers' figures are apart (the spread a plugin row is judged against).
+    "flash_attn_again": Config("FLASH_ATTN", {"CASCADE_ATTENTION": "0"}, flat="flash_attn"),
     # The plugin in vLLM's default backend (FA3 kernels), against plain flash_attn.
     "cascade_flash_attn": Config("FLASH_ATTN", {"CASCADE_ATTENTION": "1"}),
     # Cascade on every step with a shared level, the cost model not asked: whether the steps it

@@ -1130,7 +1130,8 @@ def test_the_serving_grid_of_gpu_validate_is_a_valid_bench(tmp_path, capsys):
                                                "mixed_bursts", "chat_burst",
                                                "capture_bursts", "chat", "policy_moderate",
                                                "flashinfer_chat", "chat_capacity",
-                                               "never_slower", "never_slower_chat"}
+                                               "never_slower", "never_slower_chat",
+                                               "never_slower_paired"}
     assert all(name == log for name, log, _ in slices)
     for _, _, args in slices:
         argv = shlex.split(args)
@@ -1139,8 +1140,8 @@ def test_the_serving_grid_of_gpu_validate_is_a_valid_bench(tmp_path, capsys):
             keep += [flag, argv[argv.index(flag) + 1]]
         configs = keep[1].split(",")
         assert len({sc.CONFIGS[c].backend for c in configs}) == 1 and len(configs) >= 2
-        flat = [c for c in configs if not sc.CONFIGS[c].plugin_on]
-        assert len(flat) == 1  # its backend flat, the one every plugin config is compared with
+        flat = [c for c in configs if sc.baseline(c) == c]
+        assert len(flat) == 1  # its backend flat, the one every other config is compared with
         assert all(sc.baseline(c) == flat[0] for c in configs)
         assert sb.main(["--dry-run", "--model", str(TINY), "--out", str(tmp_path / "s.json"),
                         "--work-dir", str(tmp_path / "w"), *keep]) == 0
