@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 import engine_oracle
 from gpu import engines
 from gpu.engines import Engine
@@ -49,14 +51,16 @@ RESULTS: list[dict] = []
 
 
 def _judged_run(model_dir: str, extra: tuple[str, ...], layout: str,
-                knobs: tuple[tuple[str, str], ...] = ()) -> tuple[dict, dict]:
-    """The plugin-on engine in ``layout`` (with ``knobs``), judged against plugin-off FLASH_ATTN
-    and TRITON_ATTN (one KV-cache group, run side by side with it); none of its steps waited for
-    the GPU. Returns its result and the workload's counters."""
+                knobs: tuple[tuple[str, str], ...] = (), runner: str = RUNNER,
+                ) -> tuple[dict, dict]:
+    """The plugin-on engine in ``layout`` (with ``knobs``, on ``runner``), judged against
+    plugin-off FLASH_ATTN and TRITON_ATTN (V1, one KV-cache group, run side by side with it);
+    none of its steps waited for the GPU. Returns its result and the workload's counters."""
     off = Engine(model_dir, False, RUNNER, "FLASH_ATTN", UNIFIED)
-    on, flat, triton = engines.run(off.with_(plugin=True, extra=extra, knobs=knobs), off,
-                                   off.with_(backend="TRITON_ATTN"))
-    row = engine_oracle.judge(WORKLOAD, RUNNER, on["workloads"][WORKLOAD],
+    on, flat, triton = engines.run(
+        off.with_(plugin=True, extra=extra, knobs=knobs, runner=runner), off,
+        off.with_(backend="TRITON_ATTN"))
+    row = engine_oracle.judge(WORKLOAD, runner, on["workloads"][WORKLOAD],
                               flat["workloads"][WORKLOAD], triton["workloads"][WORKLOAD])
     row = {**row, "backend": "FLASH_ATTN", "reference_backend": "TRITON_ATTN",
            "kv_cache_layout": layout}
@@ -96,12 +100,14 @@ def test_hybrid_kv_cache_runs_sliding_layers_flat_and_matches_vllm(sliding_model
     assert ATTN.format(1) not in line and ATTN.format(3) not in line, line
 
 
+@pytest.mark.parametrize("runner", ["v1", "v2"])
 def test_hybrid_kv_cache_with_unverified_paths_runs_the_full_layers_group_as_cascade(
-        sliding_model_dir):
+        sliding_model_dir, runner):
     """``CASCADE_UNVERIFIED=1``: steps are planned from the full-attention layers' group (its
-    own block table), which runs cascade; the sliding layers' group runs flat; vLLM's answers."""
-    on, counts = _judged_run(sliding_model_dir, ONLY, "hybrid, full-attention group planned",
-                             (("CASCADE_UNVERIFIED", "1"),))
+    own block table; on V2 its CPU mirror), which runs cascade; the sliding layers' group runs
+    flat; vLLM's answers."""
+    on, counts = _judged_run(sliding_model_dir, ONLY, f"hybrid on {runner}, full-attention "
+                             "group planned", (("CASCADE_UNVERIFIED", "1"),), runner)
     assert counts["steps_cascade"] > 0, counts
     assert counts["fallbacks"] == {}, counts
     [line] = _flat_lines(on)
