@@ -32,12 +32,15 @@ COST_REASONS = (COST_MODEL, NOT_CAPTURED, MIXED, MULTI_TOKEN)
 # (the rows' first block ids share nothing; the cost model's floor cannot beat flat), or planned
 # by the planner (``planning.planner.CascadePlanner.last_path``): the last step's decode rows
 # continued, the rows followed in the last step's prefix trie, or a trie built from scratch;
-# "other": none of these (a step the hooks ran flat before planning, or one that failed).
+# the last step's decode rows continued and kept flat as it was, without a plan
+# (``StepSession.continued_flat``); "other": none of these (a step the hooks ran flat before
+# planning, or one that failed).
 PATH_UNSHARED, PATH_COST_FLOOR = "pre-check: nothing shared", "pre-check: cost floor"
 PATH_CONTINUED, PATH_FOLLOWED, PATH_SCRATCH = "continued", "followed", "from scratch"
+PATH_KEPT_FLAT = "continued, kept flat"
 PATH_OTHER = "other"
-PLAN_PATHS = (PATH_UNSHARED, PATH_COST_FLOOR, PATH_CONTINUED, PATH_FOLLOWED, PATH_SCRATCH,
-              PATH_OTHER)
+PLAN_PATHS = (PATH_UNSHARED, PATH_COST_FLOOR, PATH_CONTINUED, PATH_KEPT_FLAT, PATH_FOLLOWED,
+              PATH_SCRATCH, PATH_OTHER)
 
 
 @dataclass

@@ -19,7 +19,7 @@ from ..planning.cost import (
     flat_floor_from_facts,
 )
 from ..planning.planner import CascadePlanner, nothing_shared
-from ..stats.counters import PATH_CONTINUED, PATH_COST_FLOOR, PATH_UNSHARED
+from ..stats.counters import PATH_COST_FLOOR, PATH_KEPT_FLAT, PATH_UNSHARED
 from .plan import flat_reason, unshared_reason
 
 if TYPE_CHECKING:
@@ -161,7 +161,7 @@ class PreChecks:
                 stats.record_fallback("planner error", f"{type(exc).__name__}: {exc}")
                 return False
             stats.record_planned(True)
-            stats.plan_path(PATH_CONTINUED)
+            stats.plan_path(PATH_KEPT_FLAT)
             stats.flat_decision(reason, cascade_us / flat_us)
         return True
 
