@@ -223,12 +223,14 @@ def cost_model_for(kernel: str, decode_graphs: bool = True,
 
 @dataclass(frozen=True)
 class Decision:
-    """What :func:`decide` chose, its two estimates (µs) and why, for logs."""
+    """What :func:`decide` chose, its two estimates (µs) and why, for logs; the pages of the
+    plan flat decode reads again past the L2 window (what its flat estimate charged them)."""
 
     use_cascade: bool
     flat_us: float
     cascade_us: float
     reason: str
+    missed_pages: int = 0
 
 
 def _prefill_padding_pairs(plan: CascadePlan, tile: int) -> float:
@@ -299,9 +301,10 @@ def decide(plan: CascadePlan, shape: AttentionShape, model: CostModel = CostMode
 
     # Flat reads every row's pages once; its query-key pairs are those of all levels together.
     all_pairs = sum(pairs(level) for level in plan.levels)
+    missed = missed_pages(plan, model)
     flat_us = _flat_us(plan.stats.pages_flat * plan.page_size, all_pairs,
                        _prefill_padding_pairs(plan, model.flat_prefill_tile), shape, model,
-                       missed_pages(plan, model) * plan.page_size)
+                       missed * plan.page_size)
     if plan.num_levels < 2:
         return Decision(False, flat_us, flat_us, "no shared prefix")
     cascade_us = _cascade_fixed_us(plan.num_levels, plan.stats.num_requests, shape, model)
@@ -314,7 +317,7 @@ def decide(plan: CascadePlan, shape: AttentionShape, model: CostModel = CostMode
     use_cascade = cascade_us * (1 + model.margin) < flat_us
     verdict = "cascade" if use_cascade else "flat"
     reason = f"{verdict}: cascade {cascade_us:.0f} us vs flat {flat_us:.0f} us"
-    return Decision(use_cascade, flat_us, cascade_us, reason)
+    return Decision(use_cascade, flat_us, cascade_us, reason, missed)
 
 
 def missed_pages(plan: CascadePlan, model: CostModel) -> int:

@@ -27,7 +27,7 @@ import numpy as np
 from .. import stats
 from ..config import CascadeConfig
 from ..planning.compiled import compile_once
-from ..planning.cost import AttentionShape, CostModel, Decision, decide, missed_pages
+from ..planning.cost import AttentionShape, CostModel, Decision, decide
 from ..planning.graph_layout import graph_shape
 from ..planning.invariants import plan_violations
 from ..planning.plan import CascadePlan
@@ -276,23 +276,19 @@ class StepSession(PreChecks):
                 reason = NOT_CAPTURED  # the next step of this layout gets the graphed cost
             else:
                 reason = COST_MODEL
-                self._hold_flat(plan, steady, decision, reason)
+                self._flat_held = (steady, decision.cascade_us, decision.missed_pages, reason)
         else:
             decision = decide(plan, self.shape, self.cost_model)
             if decision.use_cascade:
                 return decision
             # such steps never replay the plugin's graphs: always the eager cost
             reason = flat_reason(decode, query_lens)
-            if decode:
-                self._hold_flat(plan, self.cost_model, decision, reason)
+            if decode:  # kept for the steps that continue it (continued_flat)
+                self._flat_held = (self.cost_model, decision.cascade_us, decision.missed_pages,
+                                   reason)
         ratio = decision.cascade_us / decision.flat_us if decision.flat_us > 0 else None
         stats.flat_decision(reason, ratio)
         return decision
-
-    def _hold_flat(self, plan: CascadePlan, model: CostModel, decision: Decision,
-                   reason: str) -> None:
-        """Keep a decode step's flat verdict under ``model`` for the steps that continue it."""
-        self._flat_held = (model, decision.cascade_us, missed_pages(plan, model), reason)
 
     def padded(self, num_tokens: int) -> int:
         """The token count vLLM pads a step of ``num_tokens`` to: the smallest capture size
