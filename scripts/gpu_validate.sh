@@ -24,8 +24,9 @@
 #                      graphs; a corrupted plan and a one-page error must fail
 #   engine_graphs      the same with CASCADE_FULL_GRAPHS=0 (the per-layer graphs)
 #   kernels            tests/gpu/test_kernels.py, test_kernels_split.py, test_graphs.py,
-#                      test_staging.py, test_merge_empty_levels.py: executors vs flat
-#                      attention and an fp32 reference; graphed decode steps; mixed steps split;
+#                      test_staging.py, test_merge_empty_levels.py, test_kernels_sinks.py:
+#                      executors vs flat attention and an fp32 reference; graphed decode
+#                      steps; mixed steps split; attention sinks (gpt-oss) in every executor;
 #                      the graph pools; uploads staged through the pinned ring; every merge on
 #                      levels that saw no key (FlashInfer 0.7's -inf rows)
 #   serving            tests/gpu/test_serving.py: the engine as `vllm serve` runs it, a batch
@@ -97,7 +98,8 @@ part_engine_graphs() { pytest_part engine_graphs 900 -n 2 tests/gpu/test_engine.
 part_kernels() {
   pytest_part kernels 600 -n 4 tests/gpu/test_graphs.py tests/gpu/test_kernels.py \
     tests/gpu/test_kernels_split.py tests/gpu/test_staging.py tests/gpu/test_merge_empty_levels.py \
-    -k "graphs or fa3 or fp32_reference or graphed or corrupted or staging or split or empty"
+    tests/gpu/test_kernels_sinks.py \
+    -k "graphs or fa3 or fp32_reference or graphed or corrupted or staging or split or empty or sink"
 }
 part_serving() { pytest_part serving 720 tests/gpu/test_serving.py -k changing_batch; }
 part_serving_memory() { pytest_part serving_memory 420 tests/gpu/test_serving.py -k 0_92; }

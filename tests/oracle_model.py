@@ -113,3 +113,55 @@ def save_mixed(out: str | Path) -> str:
     saved = json.loads(path.read_text())
     path.write_text(json.dumps({**saved, "architectures": [MIXED_ARCHITECTURE]}, indent=1))
     return str(out)
+
+
+# The gpt-oss oracle: gpt-oss's attention stack at a small size (layers alternating 128-token
+# sliding windows and full attention, attention sinks on every layer, biases, YaRN RoPE, a
+# mixture of experts whose router picks the same experts for every token) with the same
+# sharpening. Its sinks sit around the rows' log-sum-exps
+# (attention logits spread by QK_SCALE over hundreds to thousands of keys), where they take a
+# tenth to a half of each head's softmax: a sink dropped or counted twice moves every output.
+GPT_OSS_CONFIG: dict[str, Any] = {
+    "hidden_size": 512, "intermediate_size": 512, "num_hidden_layers": 4,
+    "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
+    "num_local_experts": 4, "num_experts_per_tok": 2, "vocab_size": 32000,
+    "max_position_embeddings": 131072, "sliding_window": 128,
+    "layer_types": ["sliding_attention", "full_attention"] * 2, "tie_word_embeddings": False,
+    "bos_token_id": 1, "eos_token_id": 2,
+}
+GPT_OSS_SINKS = (4.0, 9.0)  # each head's sink drawn uniformly from this range
+
+
+def build_gpt_oss() -> Any:
+    """The gpt-oss oracle in bfloat16 (seeded), as transformers' GptOssForCausalLM."""
+    import torch
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(SEED)
+    model = GptOssForCausalLM(GptOssConfig(**GPT_OSS_CONFIG)).float().eval()
+    low, high = GPT_OSS_SINKS
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn, experts = layer.self_attn, layer.mlp.experts
+            attn.q_proj.weight.mul_(QK_SCALE)
+            attn.k_proj.weight.mul_(QK_SCALE)
+            attn.sinks.copy_(low + (high - low) * torch.rand(attn.sinks.shape))
+            # Nothing writes hidden dimension 0: it stays OFFSET_INPUT at every position.
+            attn.o_proj.weight[0] = 0
+            attn.o_proj.bias[0] = 0
+            experts.down_proj[:, :, 0] = 0
+            experts.down_proj_bias[:, 0] = 0
+            # Every token routed to the same two experts: a routing choice is discontinuous,
+            # and two correct kernels' rounding would flip it at some tokens.
+            layer.mlp.router.weight.zero_()
+            layer.mlp.router.bias.copy_(torch.arange(layer.mlp.router.bias.numel(), 0, -1))
+        model.model.embed_tokens.weight[:, 0] = OFFSET_INPUT
+        model.lm_head.weight.mul_(LM_HEAD_SCALE)
+        model.lm_head.weight[:, 0] = -OFFSET_WEIGHT
+    return model.to(torch.bfloat16)
+
+
+def save_gpt_oss(out: str | Path) -> str:
+    """Build the gpt-oss oracle and save it into ``out`` as vLLM loads it."""
+    build_gpt_oss().save_pretrained(out)
+    return str(out)

@@ -40,10 +40,11 @@ CALLS: list[dict] = []
 def fake_flash_attn_varlen_func(*, q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k,
                                 max_seqlen_k, softmax_scale, causal, window_size, block_table,
                                 softcap, return_softmax_lse, fa_version, q_descale=None,
-                                k_descale=None, v_descale=None):
+                                k_descale=None, v_descale=None, s_aux=None):
     """FA3's varlen call with a block table, in plain torch (fp32 math). FP8 as FA3 takes it:
     q, K and V all e4m3, descales of shape (sequences, KV heads) multiplying each sequence's
-    q, K and V per KV head, output bf16."""
+    q, K and V per KV head, output bf16. ``s_aux``: attention sinks, one more softmax column
+    per head with a zero value (the LSE over the keys alone)."""
     assert fa_version == 3 and return_softmax_lse and window_size == [-1, -1]
     assert cu_seqlens_q.dtype == seqused_k.dtype == block_table.dtype == torch.int32
     assert block_table.stride(-1) == 1 and out.is_contiguous()
@@ -77,7 +78,11 @@ def fake_flash_attn_varlen_func(*, q, k, v, out, cu_seqlens_q, max_seqlen_q, seq
         if causal:  # bottom-right aligned, as FlashAttention documents
             future = torch.arange(n_kv)[None, :] > (torch.arange(n_q) + n_kv - n_q)[:, None]
             scores = scores.masked_fill(future, -math.inf)
-        out[rows] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), values).to(out.dtype)
+        probs = torch.softmax(scores, -1)
+        if s_aux is not None:
+            sink_column = s_aux.float()[:, None, None].expand(-1, n_q, 1)
+            probs = torch.softmax(torch.cat([scores, sink_column], -1), -1)[..., :-1]
+        out[rows] = torch.einsum("hqk,khd->qhd", probs, values).to(out.dtype)
         lse[:, rows] = torch.logsumexp(scores, -1)
     return out, lse
 
@@ -123,9 +128,10 @@ def planned(plan, shape, executor=None, soft_cap=None, fused=True):
 @given(batch=batches(max_requests=6), limits=limits,
        dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
        group_size=st.sampled_from([1, 4]), soft_cap=st.sampled_from([None, 5.0]),
-       decode=st.booleans(), fused=st.booleans(), seed=st.integers(0, 2**16))
+       decode=st.booleans(), fused=st.booleans(), with_sinks=st.booleans(),
+       seed=st.integers(0, 2**16))
 def test_fa3_executor_equals_per_request_attention(batch, limits, dtype, group_size, soft_cap,
-                                                   decode, fused, seed):
+                                                   decode, fused, with_sinks, seed):
     if decode:  # a decode step: one query per request (the fused kernel's case)
         batch = dataclasses.replace(batch, query_lens=np.minimum(batch.query_lens, 1))
     # The interpreter's bf16 dot is wrong (module docstring): bf16 runs unfused here.
@@ -142,8 +148,10 @@ def test_fa3_executor_equals_per_request_attention(batch, limits, dtype, group_s
     executor = planned(plan, (group_size * kv_heads, kv_heads, head_dim, dtype),
                        soft_cap=soft_cap, fused=fused)
     out = torch.full(q.shape, math.nan, dtype=dtype)
-    executor.run(q, k_cache, v_cache, out)
-    want, want_lse = dense_attention(batch, q, k_cache, v_cache, head_dim**-0.5, soft_cap)
+    sinks = (3 * torch.rand(group_size * kv_heads, generator=torch.Generator().manual_seed(seed))
+             if with_sinks else None)  # gpt-oss's: one logit per query head
+    executor.run(q, k_cache, v_cache, out, sinks=sinks)
+    want, want_lse = dense_attention(batch, q, k_cache, v_cache, head_dim**-0.5, soft_cap, sinks)
     tol = {**TOLERANCE, torch.float16: 2e-3}[dtype]
     torch.testing.assert_close(out, want, atol=tol, rtol=tol)
     torch.testing.assert_close(executor.lse, want_lse, atol=tol, rtol=tol)  # base 2, [T, H]

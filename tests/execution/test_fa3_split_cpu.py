@@ -64,11 +64,12 @@ def planned_split(batch, plan, decode, executor, heads, kv_heads, d, dtype, padd
 
 @settings(max_examples=160, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(batch=batches(max_requests=6), dtype=st.sampled_from([torch.float32, torch.float16]),
-       fused=st.booleans(), seed=st.integers(0, 2**16))
+       fused=st.booleans(), with_sinks=st.booleans(), seed=st.integers(0, 2**16))
 # A padding row (no query) longer than its table: the flat call reads nothing of it.
 @example(batch=make_batch([[2], [0, 3], []], [1, 2, 3], [1, 2, 0], 1), dtype=torch.float32,
-         fused=False, seed=0)
-def test_a_split_step_equals_per_request_attention_of_every_row(batch, dtype, fused, seed):
+         fused=False, with_sinks=True, seed=0)
+def test_a_split_step_equals_per_request_attention_of_every_row(batch, dtype, fused, with_sinks,
+                                                                seed):
     decode = batch.query_lens == 1
     if not decode.any() or not (batch.query_lens > 1).any():
         return  # not a mixed step
@@ -84,8 +85,11 @@ def test_a_split_step_equals_per_request_attention_of_every_row(batch, dtype, fu
     k_cache, v_cache = kv_cache(batch.num_blocks, batch.page_size, kv_heads, d, dtype, seed)
     q = torch.randn(tokens, heads, d, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
     out = torch.full(q.shape, math.nan, dtype=dtype)
-    executor.run(q, k_cache, v_cache, out)
-    want, _ = dense_attention(batch, q, k_cache, v_cache, d**-0.5)
+    # Sinks (gpt-oss): the flat rows take them in the flat call, the decode rows after their merge.
+    sinks = 3 * torch.rand(heads, generator=torch.Generator().manual_seed(seed)) if with_sinks \
+        else None
+    executor.run(q, k_cache, v_cache, out, sinks=sinks)
+    want, _ = dense_attention(batch, q, k_cache, v_cache, d**-0.5, sinks=sinks)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(out, want, atol=tol, rtol=tol)
     # The first call is the flat one, over every row; the decode rows' cascade reads only them.

@@ -27,8 +27,11 @@ def kv_cache(num_blocks: int, page_size: int, kv_heads: int, head_dim: int, dtyp
     return packed[..., :head_dim], packed[..., head_dim:]
 
 
-def dense_attention(batch: Batch, q, k_cache, v_cache, sm_scale: float, soft_cap=None):
-    """Per-request causal attention, request by request, with no plan: the yardstick."""
+def dense_attention(batch: Batch, q, k_cache, v_cache, sm_scale: float, soft_cap=None,
+                    sinks=None):
+    """Per-request causal attention, request by request, with no plan: the yardstick. ``sinks``
+    (one logit per head, gpt-oss's): one more column of each head's softmax, whose value is zero;
+    the LSE is over the keys alone."""
     num_heads, kv_heads = q.shape[1], k_cache.shape[2]
     kv_head_of = torch.arange(num_heads) // (num_heads // kv_heads)
     outs, lses, start = [], [], 0
@@ -45,7 +48,11 @@ def dense_attention(batch: Batch, q, k_cache, v_cache, sm_scale: float, soft_cap
         query_position = torch.arange(total - n, total)
         future = torch.arange(total)[None, :] > query_position[:, None]
         scores = scores.masked_fill(future, -math.inf)
-        outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v))
+        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:
+            sink_column = sinks.float()[:, None, None].expand(-1, n, 1)
+            probs = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1]
+        outs.append(torch.einsum("hqk,khd->qhd", probs, v))
         lses.append(torch.logsumexp(scores, dim=-1).T * LOG2E)
         start += n
     return torch.cat(outs).to(q.dtype), torch.cat(lses)
@@ -67,10 +74,11 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
     kv_heads=st.integers(1, 2),
     head_dim=st.sampled_from([64, 128, 256]),
     soft_cap=st.sampled_from([None, 5.0]),
+    with_sinks=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_plan_run_by_the_reference_equals_per_request_attention(
-    batch, limits, dtype, group_size, kv_heads, head_dim, soft_cap, seed
+    batch, limits, dtype, group_size, kv_heads, head_dim, soft_cap, with_sinks, seed
 ):
     plan = batch.plan(**limits)
     if plan.stats.num_tokens == 0:
@@ -84,8 +92,13 @@ def test_plan_run_by_the_reference_equals_per_request_attention(
         generator=torch.Generator().manual_seed(seed + 1),
     ).to(dtype)
     sm_scale = head_dim**-0.5
-    out, lse = run_plan(plan, q, k_cache, v_cache, sm_scale=sm_scale, logits_soft_cap=soft_cap)
-    expected_out, expected_lse = dense_attention(batch, q, k_cache, v_cache, sm_scale, soft_cap)
+    # Sinks around the rows' own log-sum-exps (|logits| ~ 1 here), so they move outputs a lot.
+    sinks = (3 * torch.rand(num_heads, generator=torch.Generator().manual_seed(seed + 2))
+             if with_sinks else None)
+    out, lse = run_plan(plan, q, k_cache, v_cache, sm_scale=sm_scale, logits_soft_cap=soft_cap,
+                        sinks=sinks)
+    expected_out, expected_lse = dense_attention(batch, q, k_cache, v_cache, sm_scale, soft_cap,
+                                                 sinks)
     assert out.dtype == dtype and lse.dtype == torch.float32
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out, expected_out, atol=tol, rtol=tol)
@@ -162,3 +175,24 @@ def test_empty_step_gives_empty_outputs():
     out, lse = run_plan(plan, torch.zeros(0, 2, 64), k_cache, v_cache, sm_scale=1.0)
     assert out.shape == (0, 2, 64) and lse.shape == (0, 2)
     assert np.array_equal(plan.permutation, np.arange(0))
+
+
+@pytest.mark.parametrize("sink", [-30.0, 0.0, 2.5, 30.0])
+def test_a_sink_applied_to_the_merged_output_is_softmax_attention_with_the_sink(sink):
+    """``apply_sinks`` (what the GPU executors do after their last merge) on the keys-only
+    output and LSE equals softmax attention with the sink's column, from a sink that adds
+    nothing to one that takes almost all of the softmax."""
+    from vllm_cascade_plugin.execution.common import apply_sinks
+
+    batch = make_batch([[1, 2, 3], [1, 2, 4], [1, 5]], [40, 45, 20], [1, 3, 20], page_size=16)
+    k_cache, v_cache = kv_cache(batch.num_blocks, batch.page_size, 2, 64, torch.float32, 3)
+    q = torch.randn(24, 8, 64, generator=torch.Generator().manual_seed(4))
+    sinks = torch.full((8,), sink) + torch.linspace(-1, 1, 8)
+    out, lse = dense_attention(batch, q, k_cache, v_cache, 0.125)
+    want, _ = dense_attention(batch, q, k_cache, v_cache, 0.125, sinks=sinks)
+    apply_sinks(out, lse / LOG2E, sinks)
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-5)
+    if sink < 0:  # a sink far below every row's LSE changes nothing; far above, it zeroes out
+        torch.testing.assert_close(out, dense_attention(batch, q, k_cache, v_cache, 0.125)[0])
+    if sink > 10:
+        assert out.abs().max() < 1e-6

@@ -81,3 +81,12 @@ def sliding_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     import oracle_model
 
     return _saved("sliding-oracle", tmp_path_factory, oracle_model.save_mixed)
+
+
+@pytest.fixture(scope="session")
+def gpt_oss_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The gpt-oss oracle (``oracle_model.save_gpt_oss``: gpt-oss's attention stack with sinks
+    and a mixture of experts at a small size), saved once."""
+    import oracle_model
+
+    return _saved("gpt-oss-oracle", tmp_path_factory, oracle_model.save_gpt_oss)

@@ -52,11 +52,12 @@ RESULTS: list[dict] = []
 
 def _judged_run(model_dir: str, extra: tuple[str, ...], layout: str,
                 knobs: tuple[tuple[str, str], ...] = (), runner: str = RUNNER,
-                ) -> tuple[dict, dict]:
+                reference: tuple[str, ...] = UNIFIED) -> tuple[dict, dict]:
     """The plugin-on engine in ``layout`` (with ``knobs``, on ``runner``), judged against
-    plugin-off FLASH_ATTN and TRITON_ATTN (V1, one KV-cache group, run side by side with it);
-    none of its steps waited for the GPU. Returns its result and the workload's counters."""
-    off = Engine(model_dir, False, RUNNER, "FLASH_ATTN", UNIFIED)
+    plugin-off FLASH_ATTN and TRITON_ATTN (V1, one KV-cache group unless ``reference`` says
+    otherwise, run side by side with it); none of its steps waited for the GPU. Returns its
+    result and the workload's counters."""
+    off = Engine(model_dir, False, RUNNER, "FLASH_ATTN", reference)
     on, flat, triton = engines.run(
         off.with_(plugin=True, extra=extra, knobs=knobs, runner=runner), off,
         off.with_(backend="TRITON_ATTN"))
@@ -112,6 +113,24 @@ def test_hybrid_kv_cache_with_unverified_paths_runs_the_full_layers_group_as_cas
     assert counts["fallbacks"] == {}, counts
     [line] = _flat_lines(on)
     assert ATTN.format(1) not in line and ATTN.format(3) not in line, line
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_gpt_oss_attention_with_sinks_runs_its_full_layers_as_cascade(gpt_oss_model_dir, runner):
+    """gpt-oss's attention stack (``oracle_model.build_gpt_oss``: 128-token sliding layers
+    between full ones, a sink per head on every layer, a mixture of experts) as vLLM's
+    GptOssForCausalLM with its default hybrid KV cache: with ``CASCADE_UNVERIFIED=1`` the full
+    layers' group runs cascade, each layer's sinks applied to its merged output; the sliding
+    layers run flat; the answers are plugin-off vLLM's (FLASH_ATTN, and TRITON_ATTN as the
+    second correct kernel, both with their sinks)."""
+    on, counts = _judged_run(gpt_oss_model_dir, ONLY, f"gpt-oss hybrid on {runner}, sinks",
+                             (("CASCADE_UNVERIFIED", "1"),), runner, reference=ONLY)
+    assert counts["steps_cascade"] > 0, counts
+    assert counts["fallbacks"] == {}, counts
+    [line] = _flat_lines(on)  # the sliding (even) layers' builder, once
+    gpt_oss_attn = "model.layers.{}.attn.attn"  # vLLM's names of gpt-oss's attention layers
+    assert gpt_oss_attn.format(0) in line and gpt_oss_attn.format(2) in line, line
+    assert gpt_oss_attn.format(1) not in line and gpt_oss_attn.format(3) not in line, line
 
 
 def teardown_module() -> None:

@@ -252,6 +252,22 @@ def test_unsupported_layer_is_detected(engine, change, reason):  # noqa: F811
     assert unsupported_reason(config, spec(), [impl(config), impl(config, **change)]) == reason
 
 
+@pytest.mark.flashinfer
+def test_attention_sinks_run_flat_unless_unverified_paths_are_on(engine, monkeypatch):  # noqa: F811
+    """A layer with sinks (gpt-oss) keeps its builder flat, saying how to turn it on; with
+    ``CASCADE_UNVERIFIED=1`` it is served (the sink applied to the merged output)."""
+    from vllm_cascade_plugin.integration.flashinfer_backend import unsupported_reason
+
+    config = engine[0]
+    with_sinks = impl(config)
+    with_sinks.sinks = torch.zeros(8)
+    reason = unsupported_reason(config, spec(), [impl(config), with_sinks])
+    assert reason is not None and reason.startswith("attention sinks"), reason
+    assert "CASCADE_UNVERIFIED=1" in reason
+    monkeypatch.setenv("CASCADE_UNVERIFIED", "1")
+    assert unsupported_reason(config, spec(), [impl(config), with_sinks]) is None
+
+
 @pytest.mark.parametrize(("path", "value", "reason"), [
     ("speculative_config", SimpleNamespace(method="eagle"),
      support.speculative_reason("eagle", False)),

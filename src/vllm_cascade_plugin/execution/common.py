@@ -92,6 +92,24 @@ def unsupported_reason(
     return None
 
 
+def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None) -> None:
+    """A layer's attention sinks on its merged cascade output, in place.
+
+    A sink adds ``exp(sink[h])`` once to head ``h``'s softmax denominator (gpt-oss: vLLM's
+    FlashAttention takes it as ``s_aux``). The levels' merge gives ``out = sum_k p_k v_k / S`` and
+    ``lse = log S`` over every key of the row; with the sink the denominator is ``S + exp(sink)``,
+    so ``out`` scales by ``S / (S + exp(sink)) = sigmoid(lse - sink)``: the sink enters the
+    softmax exactly once, whichever levels the row's keys were split into. ``lse``: natural log,
+    ``[rows, heads]`` for the first ``rows`` rows of ``out`` (``[rows, heads, head_dim]``);
+    scaled in float32, rounded once to ``out``'s dtype. ``sinks`` None: nothing to do.
+    """
+    if sinks is None:
+        return
+    rows = lse.shape[0]
+    scale = torch.sigmoid(lse - sinks.to(torch.float32))
+    out[:rows].copy_(out[:rows].float() * scale.unsqueeze(-1))
+
+
 def check_plan(plan: CascadePlan, page_size: int, max_levels: int) -> None:
     if plan.page_size != page_size:
         raise ValueError(f"plan page size {plan.page_size} != cache page size {page_size}")

@@ -18,7 +18,16 @@ from ..graphs.capture import LayerGraphs
 from ..planning import graph_layout
 from ..planning.plan import CascadeLevel, CascadePlan
 from . import decode_level, fa3_split, vllm_kernels
-from .common import EXECUTORS, FP8_KV_DTYPE, LOG2_E, KvScales, Scratch, check_plan, quantise_fp8
+from .common import (
+    EXECUTORS,
+    FP8_KV_DTYPE,
+    LOG2_E,
+    KvScales,
+    Scratch,
+    apply_sinks,
+    check_plan,
+    quantise_fp8,
+)
 from .fa3_levels import FaLevel, gather_rows, upload_levels, write_static
 from .fa3_split import FlatRows
 
@@ -270,7 +279,8 @@ class FlashAttnCascadeExecutor:
         return self._lse.t() * LOG2_E
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            out: torch.Tensor, scales: KvScales | None = None) -> None:
+            out: torch.Tensor, scales: KvScales | None = None,
+            sinks: torch.Tensor | None = None) -> None:
         """Same contract as :meth:`FlashInferCascadeExecutor.run` (NHD caches only), with
         :attr:`rows` query rows (more than the plan's tokens in a padded graphed step: the
         extra rows' output is written and meaningless; a split step's LSE: its decode rows',
@@ -293,13 +303,21 @@ class FlashAttnCascadeExecutor:
         self.runs += 1
         if step.split is None:
             self._run_levels(q, k_cache, v_cache, out, step)
+            self._sink(out, sinks)
             return
         flat, split_q, split_out = step.split  # a mixed step: see fa3_split
         fa3_split.run_flat(self._attention, flat, q, k_cache, v_cache, out, self._sm_scale,
-                           self._softcap)
+                           self._softcap, sinks)
         fa3_split.gather(flat, q, split_q)
         self._run_levels(split_q, k_cache, v_cache, split_out, step)
+        self._sink(split_out, sinks)
         fa3_split.scatter(flat, split_out, out)
+
+    def _sink(self, out: torch.Tensor, sinks: torch.Tensor | None) -> None:
+        """The layer's attention sinks (``s_aux``, one per query head) on the merged output."""
+        if sinks is not None:
+            assert self._lse is not None
+            apply_sinks(out, self._lse.t(), sinks)
 
     def _run_levels(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     out: torch.Tensor, step: _FaStep) -> None:

@@ -67,13 +67,16 @@ def flat_rows(query_start_loc: torch.Tensor, block_table: torch.Tensor, max_quer
 
 
 def run_flat(attention: Any, rows: FlatRows, q: torch.Tensor, k_cache: torch.Tensor,
-             v_cache: torch.Tensor, out: torch.Tensor, sm_scale: float, softcap: float) -> None:
-    """Part 1: every row flat into ``out``, decode rows reading no KV (zeros)."""
+             v_cache: torch.Tensor, out: torch.Tensor, sm_scale: float, softcap: float,
+             sinks: torch.Tensor | None = None) -> None:
+    """Part 1: every row flat into ``out``, decode rows reading no KV (zeros); ``sinks``: the
+    layer's attention sinks, as vLLM passes them (``s_aux``)."""
     attention(q=q, k=k_cache, v=v_cache, out=out, cu_seqlens_q=rows.query_start_loc,
               max_seqlen_q=rows.max_query_len, seqused_k=rows.seq_lens,
               max_seqlen_k=rows.max_seq_len, softmax_scale=sm_scale, causal=True,
               window_size=[-1, -1], block_table=rows.block_table, softcap=softcap,
-              return_softmax_lse=True, fa_version=3)
+              return_softmax_lse=True, fa_version=3,
+              **({} if sinks is None else {"s_aux": sinks}))
 
 
 def gather(rows: FlatRows, q: torch.Tensor, into: torch.Tensor) -> None:

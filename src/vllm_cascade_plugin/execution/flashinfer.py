@@ -15,8 +15,10 @@ from ..planning.plan import CascadeLevel, CascadePlan
 from .common import (
     EXECUTORS,
     FP8_KV_DTYPE,
+    LOG2_E,
     KvScales,
     Scratch,
+    apply_sinks,
     check_plan,
     device_index,
     staged,
@@ -215,7 +217,8 @@ class FlashInferCascadeExecutor:
         return self._step.lse
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            out: torch.Tensor, scales: KvScales | None = None) -> None:
+            out: torch.Tensor, scales: KvScales | None = None,
+            sinks: torch.Tensor | None = None) -> None:
         """Cascade attention for one layer, written into ``out``.
 
         Parameters
@@ -235,6 +238,9 @@ class FlashInferCascadeExecutor:
             every level's ``run`` as vLLM's FlashInfer forward passes them (``k_scale`` folded
             into the softmax scale, so the LSE is the dequantised logits'; ``v_scale``
             multiplying the level's output), so the merges see exact partial states.
+        sinks : torch.Tensor or None
+            The layer's attention sinks (``[num_qo_heads]``, logits in the units of the scaled
+            ``q @ k``; gpt-oss), applied once to the merged output (:func:`.common.apply_sinks`).
 
         Notes
         -----
@@ -271,4 +277,6 @@ class FlashInferCascadeExecutor:
             flashinfer.merge_state_in_place(g.out, g.lse, level.out, level.lse)
             out.index_copy_(0, g.index, g.out)
             lse.index_copy_(0, g.index, g.lse)
+        if sinks is not None:
+            apply_sinks(out, lse / LOG2_E, sinks)
 

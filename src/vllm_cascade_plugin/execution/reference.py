@@ -24,6 +24,7 @@ def run_plan(
     *,
     sm_scale: float,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of every query token of the step, computed level by level and merged.
 
@@ -35,11 +36,14 @@ def run_plan(
         views (vLLM splits one packed K/V tensor along its last dim).
     sm_scale : softmax scale applied to ``q @ k``.
     logits_soft_cap : if set, logits are ``cap * tanh(sm_scale * q @ k / cap)`` (FlashInfer's).
+    sinks : ``[num_qo_heads]`` attention sinks (gpt-oss), logits of a key every row sees whose
+        value is zero: merged last, as one more state (output 0, LSE the sink).
 
     Returns
     -------
     out : ``[num_tokens, num_qo_heads, head_dim]`` in ``q.dtype``.
-    lse : ``[num_tokens, num_qo_heads]`` float32, base-2 log-sum-exp of each row's logits.
+    lse : ``[num_tokens, num_qo_heads]`` float32, base-2 log-sum-exp of each row's logits over
+        its keys (the sink not included).
     """
     num_tokens, num_heads, _ = q.shape
     out = q.new_zeros((num_tokens, num_heads, v_cache.shape[-1]), dtype=torch.float32)
@@ -50,6 +54,9 @@ def run_plan(
             level, q[index], k_cache, v_cache, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap
         )
         out[index], lse[index] = merge_states(out[index], lse[index], o_level, lse_level)
+    if sinks is not None:
+        sink_lse = (sinks.float().to(q.device) / math.log(2.0)).expand(num_tokens, num_heads)
+        out, _ = merge_states(out, lse, torch.zeros_like(out), sink_lse)
     return out.to(q.dtype), lse
 
 

@@ -119,6 +119,8 @@ def _reasons(vllm_config: Any, kv_cache_spec: Any, impls: list[Any],
             getattr(speculative, "method", None),
             getattr(vllm_config.scheduler_config, "async_scheduling", None), config.unverified)
     yield support.parallel_reason(parallel.tensor_parallel_size, config.unverified)
+    yield support.sinks_reason(any(getattr(i, "sinks", None) is not None for i in impls),
+                               config.unverified)
     yield support.kv_cache_dtype_reason(getattr(vllm_config.cache_config, "cache_dtype", None),
                                         fp8)
     yield next(filter(None, (support.kv_cache_dtype_reason(getattr(i, "kv_cache_dtype", None),
@@ -143,7 +145,6 @@ def _reasons(vllm_config: Any, kv_cache_spec: Any, impls: list[Any],
         (any(getattr(i, "sliding_window", (-1, -1)) not in ((-1, -1), None) for i in impls),
          "sliding-window attention"),
         (any(getattr(i, "alibi_slopes", None) is not None for i in impls), "ALiBi"),
-        (any(getattr(i, "sinks", None) is not None for i in impls), "attention sinks"),
         (len({getattr(i, "logits_soft_cap", None) for i in impls}) > 1,
          "layers with different logit soft-caps"),
         (len({getattr(i, "scale", None) for i in impls}) > 1, "layers with different scales"),
@@ -388,10 +389,12 @@ class CascadeImpl:
             elif k_cache.dtype == torch.float8_e4m3fn:
                 from ..execution.common import KvScales
 
-                executor.run(query[:n], k_cache, v_cache, output[:n], KvScales.of_layer(layer))
+                executor.run(query[:n], k_cache, v_cache, output[:n], KvScales.of_layer(layer),
+                             sinks=getattr(self, "sinks", None))
                 return True
             else:
-                executor.run(query[:n], k_cache, v_cache, output[:n])
+                executor.run(query[:n], k_cache, v_cache, output[:n],
+                             sinks=getattr(self, "sinks", None))
                 return True
         except Exception as exc:  # this layer runs flat; both paths compute the same thing
             stats.record_fallback("kernel error", f"{type(exc).__name__}: {exc}")

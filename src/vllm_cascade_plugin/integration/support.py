@@ -87,6 +87,16 @@ def parallel_reason(tensor_parallel_size: int | None, unverified: bool = False) 
     return None
 
 
+def sinks_reason(has_sinks: bool, unverified: bool = False) -> str | None:
+    """Why layers with attention sinks (gpt-oss) run flat, or None. Their cascade applies the
+    sink once to the merged output (``execution.common.apply_sinks``), checked per kernel
+    against softmax attention with sinks; no engine has served them on a GPU yet."""
+    if has_sinks and not unverified:
+        return ("attention sinks: not verified in an engine on a GPU with this release; "
+                f"{UNVERIFIED}")
+    return None
+
+
 # ------------------------------------------------------------ `vllm-cascade check VLLM_ARGS`
 
 # The EngineArgs fields ``check`` reads from vLLM's command line (the same names, flags and
