@@ -225,6 +225,13 @@ def _engine_arguments(argv: list[str], config: CascadeConfig | None = None) -> i
 
         values["async_scheduling"] = async_scheduling_by_default()
     reasons = support.engine_argument_reasons(values, config.fp8_kv, config.unverified)
+    if not argv[0].startswith("-"):  # the model, as vllm serve takes it
+        from .families import model_lines
+
+        lines, runs = model_lines(argv[0], config.unverified)
+        say(lines)
+        if runs is False:
+            reasons.append("no attention layer of this model runs cascade (above)")
     backend = values["attention_backend"]
     where = (f"--attention-backend {backend}" if backend is not None
              else "no --attention-backend, so vLLM picks it: FLASH_ATTN on Hopper")

@@ -386,15 +386,15 @@ class CascadeImpl:
             elif n > query.shape[0] or n > output.shape[0]:
                 stats.record_fallback("padded rows beyond the step's tensors",
                                       f"{n} rows planned, {query.shape[0]} given")
-            elif k_cache.dtype == torch.float8_e4m3fn:
-                from ..execution.common import KvScales
-
-                executor.run(query[:n], k_cache, v_cache, output[:n], KvScales.of_layer(layer),
-                             sinks=getattr(self, "sinks", None))
-                return True
             else:
-                executor.run(query[:n], k_cache, v_cache, output[:n],
-                             sinks=getattr(self, "sinks", None))
+                # gpt-oss's attention sinks (vLLM's impl keeps them), where the layer has some.
+                sinks = getattr(self, "sinks", None)
+                extra = {} if sinks is None else {"sinks": sinks}
+                if k_cache.dtype == torch.float8_e4m3fn:
+                    from ..execution.common import KvScales
+
+                    extra["scales"] = KvScales.of_layer(layer)
+                executor.run(query[:n], k_cache, v_cache, output[:n], **extra)
                 return True
         except Exception as exc:  # this layer runs flat; both paths compute the same thing
             stats.record_fallback("kernel error", f"{type(exc).__name__}: {exc}")
