@@ -190,7 +190,7 @@ def block_serve() -> list[str]:
     lines = []
     if (GPU / "serve.png").is_file():
         shown = " and ".join(sorted(set(gpu_of_run.values()), key=lambda g: g != main_gpu))
-        lines += [f"![Online serving, {shown}](benchmarks/results/gpu/serve.png)", ""]
+        lines += [f"![Online serving, {shown}](../benchmarks/results/gpu/serve.png)", ""]  # docs/
     setup = "".join(f"{version}, " for version in _versions(meta))
     gpus = "; ".join(f"{gpu} {', '.join(sorted(dates))}" for gpu, dates in sorted(
         by_gpu.items(), key=lambda item: item[0] != main_gpu))
