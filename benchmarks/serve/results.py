@@ -101,7 +101,8 @@ PLOT_WORKLOADS = {  # workload -> what it is, in the plot's order (most sharing 
     "prefix_2k_x16": "16 documents of 2K", "chat_1k5_system": "chat, 1.5K system prompt",
     "chat_1k_prefill_heavy": "prefill-heavy chat,\n1K system prompt",
     "random_2k": "no sharing (2K random)"}
-PLOT_BARS = (("90%", "tpot_ms_p50", True, "TPOT p50 at 90% of flat's burst rate: flat \u00f7 plugin"),
+PLOT_BARS = (("90%", "tpot_ms_p50", True,
+              "TPOT p50 at 90% of flat's burst rate: flat \u00f7 plugin"),
              (BURST, "output_tok_per_s", False, "a burst's output tokens/s: plugin \u00f7 flat"))
 
 
@@ -142,10 +143,11 @@ def plot(out: Path, order: Sequence[str] = ()) -> Path:
     for i, (_, _, _, label) in enumerate(PLOT_BARS):
         xs = [j + (i - 0.5) * width for j in range(len(bars))]
         latest = [found[i][-1] if found[i] else 0.0 for _, found in bars]
-        low = [v - min(found[i]) if found[i] else 0.0 for v, (_, found) in zip(latest, bars)]
-        high = [max(found[i]) - v if found[i] else 0.0 for v, (_, found) in zip(latest, bars)]
+        pairs = list(zip(latest, bars, strict=True))
+        low = [v - min(found[i]) if found[i] else 0.0 for v, (_, found) in pairs]
+        high = [max(found[i]) - v if found[i] else 0.0 for v, (_, found) in pairs]
         ax.bar(xs, latest, width, yerr=[low, high], capsize=3, color=f"C{i}", label=label)
-        for x, (_, found), v, up in zip(xs, bars, latest, high):
+        for x, (_, found), v, up in zip(xs, bars, latest, high, strict=True):
             ax.annotate(f"{v:.2f}\u00d7" if found[i] else "not\nmeasured", (x, v + up),
                         ha="center", va="bottom", fontsize=7, xytext=(0, 2),
                         textcoords="offset points")
