@@ -385,3 +385,13 @@ def test_the_serving_headline_adds_the_burst_with_four_api_servers(tmp_path, mon
     (tmp_path / "serve.json").write_text(json.dumps(earlier + rows))
     assert (f"not measured / 1.50{x} (1.20{tables.DASH}1.50{x} over 2 runs; 2.50{x} with "
             f"`--api-server-count 4`) with 4 documents") in serve.serve_headline()
+
+
+def test_the_readme_and_the_package_metadata_agree():
+    """pyproject's setuptools floor is the one the README's Install names, and its description
+    names both backends the plugin runs in."""
+    pyproject = (REPO / "pyproject.toml").read_text()  # read as text: tomllib needs 3.11
+    [floor] = re.findall(r'^requires = \["setuptools>=([\d.]+)"', pyproject, re.M)
+    assert f"setuptools ≥ {floor}" in README.read_text()
+    [description] = re.findall(r'^description = "(.*)"$', pyproject, re.M)
+    assert "FlashAttention" in description and "FlashInfer" in description
