@@ -63,8 +63,8 @@ def make_row(*, workload: str, config: str, request_rate: float | str, tensor_pa
 
 def merge_rows(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``new`` (an invocation's rows so far) after ``old``: every other run's rows are kept (a
-    point measured again is one more run of it, beside the earlier ones: the README's table
-    shows a point's latest run and the range over all its runs); rows of ``new``'s own runs
+    point measured again is one more run of it, beside the earlier ones: docs/performance.md's
+    table shows a point's latest run and the range over all its runs); rows of ``new``'s own runs
     (``run_id``) are replaced."""
     runs = {r.get("run_id") for r in new}
     return [r for r in old if r.get("run_id") not in runs] + new
