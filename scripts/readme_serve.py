@@ -13,6 +13,7 @@ from readme_common import DASH, GPU, ROOT, TIMES, _load, _meta, _ratio, _source,
 
 sys.path.insert(0, str(ROOT))  # the serve bench's reading of its rows (benchmarks.serve)
 from benchmarks.serve.metrics import shared_cascade_fraction
+from benchmarks.serve.pairs import serve_runs  # each plugin row's flat row
 
 # The serving headline's workloads (serve/workloads.py): what each is.
 SERVE_HEADLINE = {"prefix_8k_x4": "4 documents of 8K tokens", "prefix_32k_x1": "one of 32K",
@@ -74,12 +75,6 @@ def gpu_of(row: dict[str, Any]) -> str:
     return (row.get("gpu") or "GPU not recorded").split(" (")[0]
 
 
-def _rate_key(row: dict[str, Any]) -> tuple[int, float, str]:
-    spec = str(row.get("rate_spec", row["request_rate"]))
-    rate = row["request_rate"]
-    return (0, 0.0, spec) if rate == "burst" else (1, float(rate), spec)
-
-
 # (flat config, plugin config, the backend both run) of serve/bench.py's CONFIGS; the plugin
 # with cascade on every step that shares (no cost model) beside the plugin as shipped
 SERVE_PAIRS = (("flash_attn", "cascade_flash_attn", "FLASH_ATTN"),
@@ -117,33 +112,6 @@ def _ttft_parts(row: dict[str, Any]) -> str:
     client, server, queue, prefill = (row[k] for k in TTFT_PARTS)
     return (f"{client:,.0f} ms = HTTP {client - server:,.0f} + tokenizing and hand-off "
             f"{server - queue - prefill:,.0f} + queue {queue:,.0f} + prefill {prefill:,.0f}")
-
-
-def serve_runs(rows: list[dict[str, Any]], flat_config: str, plugin_config: str, workload: str,
-               tp: int = 1) -> dict[str, list[tuple[dict[str, Any], dict[str, Any]]]]:
-    """Per rate spec (in rate order), every run's (flat row, plugin row) of ``workload``, in
-    file order: each plugin row with the flat row of its own run, else the latest flat row
-    before it in the file (the one it was measured against), else the first after it. A run
-    whose every request failed measured nothing and is left out."""
-    def of(config: str) -> dict[str, list[tuple[int, dict[str, Any]]]]:
-        out: dict[str, list[tuple[int, dict[str, Any]]]] = {}
-        for i, r in enumerate(rows):
-            if (r["workload"] == workload and r["config"] == config
-                    and r.get("tensor_parallel_size", 1) == tp and r.get("completed", 1)):
-                # a repeat at the same rate ("90%#2", serve/bench.py's "90%*2") is another run of it
-                spec = str(r.get("rate_spec", r["request_rate"])).partition("#")[0]
-                out.setdefault(spec, []).append((i, r))
-        return out
-    flat, on = of(flat_config), of(plugin_config)
-    runs = {}
-    for spec in sorted(set(flat) & set(on), key=lambda s: _rate_key(flat[s][-1][1])):
-        runs[spec] = []
-        for at, c in on[spec]:
-            same = [f for _, f in flat[spec] if f.get("run_id") == c.get("run_id")]
-            same = [f for f in same if f.get("rate_spec") == c.get("rate_spec")] or same
-            before = [f for i, f in flat[spec] if i < at]
-            runs[spec].append(((same or before or [flat[spec][0][1]])[-1], c))
-    return runs
 
 
 def block_serve() -> list[str]:
@@ -222,7 +190,7 @@ def block_serve() -> list[str]:
     lines = []
     if (GPU / "serve.png").is_file():
         shown = " and ".join(sorted(set(gpu_of_run.values()), key=lambda g: g != main_gpu))
-        lines += [f"![Online serving, {shown}](benchmarks/results/gpu/serve.png)", ""]
+        lines += [f"![Online serving, {shown}](../benchmarks/results/gpu/serve.png)", ""]  # docs/
     setup = "".join(f"{version}, " for version in _versions(meta))
     gpus = "; ".join(f"{gpu} {', '.join(sorted(dates))}" for gpu, dates in sorted(
         by_gpu.items(), key=lambda item: item[0] != main_gpu))

@@ -1,12 +1,12 @@
-"""Render README.md's measured figures from the committed result files.
+"""Render the measured figures of README.md and docs/ from the committed result files.
 
-    python scripts/readme_tables.py            # rewrite README.md's generated blocks
-    python scripts/readme_tables.py --check    # exit 1 if README.md differs from what it renders
+    python scripts/readme_tables.py            # rewrite the documents' generated blocks
+    python scripts/readme_tables.py --check    # exit 1 if a document differs from what it renders
 
-Every block of the README between ``<!-- table:NAME -->`` and ``<!-- /table -->`` is generated
-here from ``benchmarks/results/`` (standard library only); the rest of the README is prose without
-measured figures. ``tests/test_readme.py`` fails when the README's blocks differ from what this
-renders from the committed JSON, so a new result file means running this script.
+Every block of README.md and of the documents in ``DOCUMENTS`` between ``<!-- table:NAME -->``
+and ``<!-- /table -->`` is generated here from ``benchmarks/results/`` (standard library only);
+the rest is prose without measured figures. ``tests/test_readme.py`` fails when a block differs
+from what this renders from the committed JSON, so a new result file means running this script.
 """
 
 from __future__ import annotations
@@ -34,9 +34,12 @@ from readme_common import (
     _table,
 )
 from readme_compat import block_compatibility
+from readme_glance import block_costs, block_exactness, block_glance, block_serve_summary
 from readme_serve import block_serve, serve_headline
 
 README = ROOT / "README.md"
+# Every document with generated blocks: the README, and the docs its evidence moved to.
+DOCUMENTS = (README, ROOT / "docs" / "performance.md", ROOT / "docs" / "compatibility.md")
 BLOCK = re.compile(r"(<!-- table:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
 E2E_WORKLOADS = {  # e2e/bench.py workload -> what it is
     "b128_16k_prefix_64_own": "128 requests behind one 16K-token prefix",
@@ -86,7 +89,7 @@ def block_summary() -> list[str]:
             f"attention layer, up to "
             f"{_ratio(best['ms']['fi_decode'] / best['ms']['plugin'])} faster than flat "
             f"FlashInfer decode ({best['B']} requests {TIMES} {best['P']:,} shared tokens). "
-            f"Details in [Performance](#performance)."]
+            f"Details below."]
 
 
 def block_e2e() -> list[str]:
@@ -254,6 +257,8 @@ BLOCKS: dict[str, Callable[[], list[str]]] = {
     "planner": block_planner, "serve": block_serve, "correctness": block_correctness,
     "kernel_correctness": block_kernel_correctness, "soak": block_soak,
     "demo_cpu": block_demo_cpu, "compatibility": block_compatibility,
+    "glance": block_glance, "costs": block_costs, "exactness": block_exactness,
+    "serve_summary": block_serve_summary,
 }
 
 
@@ -274,21 +279,25 @@ def block_names(text: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true",
-                        help="exit 1 if README.md is not what the result files render")
-    parser.add_argument("--readme", type=Path, default=README)
+                        help="exit 1 if a document is not what the result files render")
+    parser.add_argument("--readme", type=Path, action="append",
+                        help="a document to render (repeatable; default: README.md and docs/ "
+                             "files with blocks)")
     args = parser.parse_args(argv)
-    old = args.readme.read_text()
-    new = render(old)
-    if args.check:
-        if new != old:
-            print(f"{args.readme}: generated blocks are stale; run python "
-                  f"scripts/readme_tables.py", file=sys.stderr)
-            return 1
-        return 0
-    if new != old:
-        args.readme.write_text(new)
-        print(f"readme_tables: rewrote {', '.join(block_names(new))} in {args.readme}")
-    return 0
+    stale = []
+    for path in args.readme or DOCUMENTS:
+        old = path.read_text()
+        new = render(old)
+        if new == old:
+            continue
+        if args.check:
+            stale.append(path)
+            print(f"{path}: generated blocks are stale; run python scripts/readme_tables.py",
+                  file=sys.stderr)
+        else:
+            path.write_text(new)
+            print(f"readme_tables: rewrote {', '.join(block_names(new))} in {path}")
+    return 1 if stale else 0
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
-"""README.md: its measured figures are what scripts/readme_tables.py renders from the committed
-result files, it stays a user's document, and it lists every runtime patch and knob."""
+"""README.md and docs/: their measured figures are what scripts/readme_tables.py renders from the
+committed result files, the README stays a short user's document, and together they list every
+runtime patch (docs/architecture.md) and every knob (README: the user's, docs/configuration.md:
+the advanced ones)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+DOCS = REPO / "docs"
 
 
 def _tables():
@@ -31,20 +34,29 @@ common = sys.modules["readme_common"]  # the result files' paths, the formatting
 
 
 def test_every_generated_block_is_what_the_committed_results_render():
-    text = README.read_text()
-    assert set(tables.block_names(text)) == set(tables.BLOCKS)
-    assert tables.render(text) == text, "run: python scripts/readme_tables.py"
+    assert README in tables.DOCUMENTS
+    names = []
+    for document in tables.DOCUMENTS:
+        text = document.read_text()
+        names += tables.block_names(text)
+        assert tables.render(text) == text, f"{document}: run python scripts/readme_tables.py"
+    assert set(names) == set(tables.BLOCKS)
+    # No document outside DOCUMENTS has blocks the script would leave stale.
+    for document in [README, *sorted(DOCS.rglob("*.md"))]:
+        if document not in tables.DOCUMENTS:
+            assert not tables.block_names(document.read_text()), document
 
 
 def test_the_check_mode_fails_on_a_stale_figure(tmp_path, capsys):
     text = README.read_text()
     stale = tmp_path / "README.md"
-    stale.write_text(text.replace("<!-- table:e2e -->\n", "<!-- table:e2e -->\n9.99 "))
+    stale.write_text(text.replace("<!-- table:glance -->\n", "<!-- table:glance -->\n9.99 "))
     assert tables.main(["--check", "--readme", str(stale)]) == 1
     assert "stale" in capsys.readouterr().err
     fresh = tmp_path / "fresh.md"
     fresh.write_text(text)
     assert tables.main(["--check", "--readme", str(fresh)]) == 0
+    assert tables.main(["--check"]) == 0  # every document as committed
 
 
 def test_an_unknown_block_is_an_error():
@@ -52,40 +64,87 @@ def test_an_unknown_block_is_an_error():
         tables.render("<!-- table:nonesuch -->\n<!-- /table -->\n")
 
 
+def _documents() -> list[Path]:
+    """The README and the user's documents under docs/ (not docs/design/)."""
+    return [README, *sorted(DOCS.glob("*.md"))]
+
+
 def test_readme_is_short_and_has_no_development_history():
-    text = README.read_text()
-    assert len(text.splitlines()) <= 300
-    for pattern in (r"\bsession ?\d", r"\b(start|final|round|part)\d", r"DESIGN\.md",
-                    r"\bnot re-run\b"):
-        assert not re.search(pattern, text, re.I), pattern
-    # Commit hashes only where the compatibility table names the code a GPU check last passed
-    # on, read from gpu_validate.json: provenance of a measurement, not history.
-    compatibility = re.search(r"<!-- table:compatibility -->.*?<!-- /table -->", text, re.S)
+    assert len(README.read_text().splitlines()) <= 300
+    compatibility = re.search(r"<!-- table:compatibility -->.*?<!-- /table -->",
+                              (DOCS / "compatibility.md").read_text(), re.S)
     assert compatibility is not None
+    for document in _documents():
+        text = document.read_text()
+        for pattern in (r"\bsession ?\d", r"\b(start|final|round|part)\d", r"DESIGN\.md",
+                        r"\bnot re-run\b"):
+            assert not re.search(pattern, text, re.I), (document, pattern)
+        # Commit hashes only where the compatibility table names the code a GPU check last
+        # passed on, read from gpu_validate.json: provenance of a measurement, not history.
+        rest = text.replace(compatibility.group(0), "")
+        for word in re.findall(r"\b[0-9a-f]{7,40}\b", rest):
+            assert not (re.search(r"\d", word) and re.search(r"[a-f]", word)), (document, word)
     recorded = (REPO / "benchmarks/results/gpu/gpu_validate.json").read_text()
     for word in re.findall(r"\b[0-9a-f]{7,40}\b", compatibility.group(0)):
         assert word in recorded, word
-    for word in re.findall(r"\b[0-9a-f]{7,40}\b", text.replace(compatibility.group(0), "")):
-        assert not (re.search(r"\d", word) and re.search(r"[a-f]", word)), word
 
 
-def test_every_path_the_readme_names_exists():
+def test_the_readmes_first_screen_answers_a_new_users_questions():
+    """Will it help me, how much, what it costs, how to turn it on, how to see it work: in the
+    first 60 lines, each figure from a rendered block."""
+    first = "\n".join(README.read_text().splitlines()[:60])
+    for needed in ("<!-- table:glance -->", "<!-- table:costs -->", "pip install .",
+                   "vllm-cascade check", "CASCADE_ATTENTION=1 vllm serve",
+                   "cascade attention on", "ran cascade", "/metrics", "## Will it help you?"):
+        assert needed in first, needed
+
+
+def test_the_quoted_log_lines_are_the_plugins_own():
+    """The README's startup and statistics lines are in the committed server log it names, and
+    the code still writes them."""
     text = README.read_text()
-    serve = re.search(r"<!-- table:serve -->.*?<!-- /table -->", text, re.S)
-    assert serve is not None
-    rest = text.replace(serve.group(0), "")  # names serve.json before it exists
-    paths = re.findall(r"`((?:benchmarks|examples|scripts|tests|docs|src)/[^`\s]*)`", rest)
-    paths += re.findall(r"\]\(((?!https?:|#)[^)\s]+)\)", rest)
-    assert paths
-    for path in paths:
-        assert (REPO / path).exists(), path
+    log = (REPO / "benchmarks/results/gpu/gpu_validate/serving/serving-on-v2-memshared.log")
+    assert f"`{log.relative_to(REPO)}`" in text
+    quoted = [line.split("] ", 1)[1] for line in text.splitlines()
+              if "] vllm-cascade-plugin: " in line]
+    assert len(quoted) == 3
+    committed = log.read_text()
+    for line in quoted:
+        assert line in committed, line
+    src = REPO / "src" / "vllm_cascade_plugin"
+    assert "cascade attention on for the FLASH_ATTN and FLASHINFER" in (
+        src / "integration" / "registration.py").read_text()
+    assert "ran cascade (decode steps: %s" in (src / "stats" / "line.py").read_text()
 
 
-def test_every_knob_is_in_the_configuration_table():
+def test_every_path_the_documents_name_exists():
+    for document in _documents():
+        text = document.read_text()
+        serve = re.search(r"<!-- table:serve -->.*?<!-- /table -->", text, re.S)
+        rest = text.replace(serve.group(0), "") if serve else text  # names serve.json first
+        paths = [REPO / p for p in re.findall(
+            r"`((?:benchmarks|examples|scripts|tests|docs|src)/[^`\s]*)`", rest)]
+        paths += [document.parent / p.split("#")[0] for p in
+                  re.findall(r"\]\(((?!https?:|#)[^)\s]+)\)", rest)]
+        if document == README:
+            assert paths
+        for path in paths:
+            if not re.search(r"[<*{]", str(path)):  # a pattern (tests/<part>/...), not a path
+                assert path.exists(), (document, path)
+
+
+def _knob_rows(path: Path) -> list[str]:
+    return re.findall(r"^\| `(CASCADE_[A-Z_]+)` \|", path.read_text(), re.M)
+
+
+def test_every_knob_is_in_a_configuration_table():
+    """The user's knobs in the README, the advanced ones in docs/configuration.md: every knob of
+    config.py in exactly one of them."""
     knobs = set(re.findall(r'"(CASCADE_[A-Z_]+)"',
                            (REPO / "src" / "vllm_cascade_plugin" / "config.py").read_text()))
-    rows = set(re.findall(r"^\| `(CASCADE_[A-Z_]+)` \|", README.read_text(), re.M))
-    assert knobs and rows == knobs
+    user, advanced = _knob_rows(README), _knob_rows(DOCS / "configuration.md")
+    assert knobs and sorted(user + advanced) == sorted(knobs)
+    assert {"CASCADE_ATTENTION", "CASCADE_POLICY", "CASCADE_ALLOW_UNTESTED_VLLM"} <= set(user)
 
 
 def test_every_runtime_patch_of_vllm_is_listed():
@@ -96,7 +155,7 @@ def test_every_runtime_patch_of_vllm_is_listed():
     def runner(module: str) -> str:
         return "V2" if ".worker.gpu." in module else "V1"
 
-    text = README.read_text()
+    text = (DOCS / "architecture.md").read_text()  # the patch table
     listed = re.findall(r"^\| (V[12]) `(\w+)\.(\w+)` \|", text, re.M)
     # Every method patched in some supported release (V1's only up to 0.33) ...
     recorded = {(runner(module), owner, name) for methods in releases.PATCHED_METHODS.values()
@@ -326,3 +385,13 @@ def test_the_serving_headline_adds_the_burst_with_four_api_servers(tmp_path, mon
     (tmp_path / "serve.json").write_text(json.dumps(earlier + rows))
     assert (f"not measured / 1.50{x} (1.20{tables.DASH}1.50{x} over 2 runs; 2.50{x} with "
             f"`--api-server-count 4`) with 4 documents") in serve.serve_headline()
+
+
+def test_the_readme_and_the_package_metadata_agree():
+    """pyproject's setuptools floor is the one the README's Install names, and its description
+    names both backends the plugin runs in."""
+    pyproject = (REPO / "pyproject.toml").read_text()  # read as text: tomllib needs 3.11
+    [floor] = re.findall(r'^requires = \["setuptools>=([\d.]+)"', pyproject, re.M)
+    assert f"setuptools ≥ {floor}" in README.read_text()
+    [description] = re.findall(r'^description = "(.*)"$', pyproject, re.M)
+    assert "FlashAttention" in description and "FlashInfer" in description

@@ -63,8 +63,8 @@ def make_row(*, workload: str, config: str, request_rate: float | str, tensor_pa
 
 def merge_rows(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``new`` (an invocation's rows so far) after ``old``: every other run's rows are kept (a
-    point measured again is one more run of it, beside the earlier ones: the README's table
-    shows a point's latest run and the range over all its runs); rows of ``new``'s own runs
+    point measured again is one more run of it, beside the earlier ones: docs/performance.md's
+    table shows a point's latest run and the range over all its runs); rows of ``new``'s own runs
     (``run_id``) are replaced."""
     runs = {r.get("run_id") for r in new}
     return [r for r in old if r.get("run_id") not in runs] + new
@@ -92,46 +92,73 @@ def baseline_rates(rows: list[dict[str, Any]], baseline: str, tp: int) -> dict[s
             and r["tensor_parallel_size"] == tp and r.get("request_throughput")}
 
 
+# (flat config, plugin config, backend) the plot compares, first found first: vLLM's default
+# backend, else FlashInfer's
+PLOT_PAIRS = (("flash_attn", "cascade_flash_attn", "FLASH_ATTN"),
+              ("flashinfer", "cascade", "FLASHINFER"))
+PLOT_WORKLOADS = {  # workload -> what it is, in the plot's order (most sharing first)
+    "prefix_32k_x1": "one 32K-token document", "prefix_8k_x4": "4 documents of 8K",
+    "prefix_2k_x16": "16 documents of 2K", "chat_1k5_system": "chat, 1.5K system prompt",
+    "chat_1k_prefill_heavy": "prefill-heavy chat,\n1K system prompt",
+    "random_2k": "no sharing (2K random)"}
+PLOT_BARS = (("90%", "tpot_ms_p50", True,
+              "TPOT p50 at 90% of flat's burst rate: flat \u00f7 plugin"),
+             (BURST, "output_tok_per_s", False, "a burst's output tokens/s: plugin \u00f7 flat"))
+
+
 def plot(out: Path, order: Sequence[str] = ()) -> Path:
-    """TPOT p50 (solid) and TTFT p99 (dashed) against request rate, a line per config, a panel
-    per workload; bursts at the rate they achieved. ``<out>.png``, from the JSON only."""
+    """Plugin over flat per workload, on one linear axis (above 1: the plugin better): TPOT p50
+    at 90% load and a burst's output tokens/s, each bar the latest run, its whisker the range
+    over every run (each against its own flat server). ``<out>.png``, from the JSON only;
+    ``order`` is accepted for the callers' sake (the shipped configs are compared)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    # A run whose every request failed measured nothing.
-    rows = [r for r in load_rows(out)
-            if r.get("tpot_ms_p50") is not None and r.get("completed", 1)]
-    workloads = sorted({r["workload"] for r in rows})
-    cols = max(min(len(workloads), 3), 1)
-    grid = max(-(-len(workloads) // cols), 1)
-    fig, axes = plt.subplots(grid, cols, figsize=(6 * cols, 4.2 * grid), squeeze=False)
-    for ax in axes.flat[len(workloads):]:
-        ax.axis("off")
-    configs = sorted({r["config"] for r in rows},
-                     key=lambda c: (list(order).index(c) if c in order else len(order), c))
-    for ax, workload in zip(axes.flat, workloads, strict=False):
-        twin = ax.twinx()
-        for i, config in enumerate(configs):
-            mine = [r for r in rows if r["workload"] == workload and r["config"] == config]
-            points = sorted((x, j, r) for j, r in enumerate(mine) if (x := (
-                r.get("request_throughput") if r["request_rate"] == BURST
-                else r["request_rate"])) is not None)
-            if not points:
-                continue
-            xs = [x for x, _, _ in points]
-            ax.plot(xs, [r["tpot_ms_p50"] for *_, r in points], "o-", color=f"C{i}", label=config)
-            twin.plot(xs, [r["ttft_ms_p99"] for *_, r in points], "s--", color=f"C{i}", alpha=0.6)
-            for x, _, r in points:
-                if r["request_rate"] == BURST:
-                    ax.annotate("burst", (x, r["tpot_ms_p50"]), fontsize=7, color=f"C{i}")
-        ax.set_title(workload)
-        ax.set_xlabel("request rate (req/s; burst: achieved)")
-        ax.set_ylabel("TPOT p50 (ms), solid")
-        twin.set_ylabel("TTFT p99 (ms), dashed")
-        twin.set_yscale("log")
-        ax.legend(fontsize=8, loc="upper left")
+    from benchmarks.serve.pairs import ratios, serve_runs
+
+    rows = load_rows(out)
+    bars: list[tuple[str, list[list[float]]]] = []  # workload label -> per bar kind, the ratios
+    backends: set[str] = set()
+    gpus: set[str] = set()
+    names = list(PLOT_WORKLOADS)
+    for workload in sorted({r["workload"] for r in rows},
+                           key=lambda w: (names.index(w) if w in names else len(names), w)):
+        for flat, plugin, backend in PLOT_PAIRS:
+            runs = serve_runs(rows, flat, plugin, workload)
+            found = [ratios(runs.get(spec, []), key, lower) for spec, key, lower, _ in PLOT_BARS]
+            if any(found):
+                mine = sorted({str(r.get("gpu") or "GPU not recorded").split(" (")[0]
+                               .removeprefix("NVIDIA ").split(" ")[0]
+                               for pairs in runs.values() for pair in pairs for r in pair})
+                label = f"{PLOT_WORKLOADS.get(workload, workload)}\n{', '.join(mine)}"
+                bars.append((label if backend == "FLASH_ATTN" else f"{label}, {backend}",
+                             found))
+                backends.add(backend)
+                gpus.update(mine)
+                break
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.5 * len(bars) + 2), 4.2))
+    width = 0.38
+    for i, (_, _, _, label) in enumerate(PLOT_BARS):
+        xs = [j + (i - 0.5) * width for j in range(len(bars))]
+        latest = [found[i][-1] if found[i] else 0.0 for _, found in bars]
+        pairs = list(zip(latest, bars, strict=True))
+        low = [v - min(found[i]) if found[i] else 0.0 for v, (_, found) in pairs]
+        high = [max(found[i]) - v if found[i] else 0.0 for v, (_, found) in pairs]
+        ax.bar(xs, latest, width, yerr=[low, high], capsize=3, color=f"C{i}", label=label)
+        for x, (_, found), v, up in zip(xs, bars, latest, high, strict=True):
+            ax.annotate(f"{v:.2f}\u00d7" if found[i] else "not\nmeasured", (x, v + up),
+                        ha="center", va="bottom", fontsize=7, xytext=(0, 2),
+                        textcoords="offset points")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(bars)), [name for name, _ in bars], fontsize=8)
+    ax.set_ylabel("plugin over flat (above 1: better)")
+    ax.set_ylim(0, max([1.2, *(max(f) * 1.12 for _, found in bars for f in found if f)]))
+    ax.set_title(f"vllm serve, the plugin over flat on the same backend "
+                 f"({', '.join(sorted(backends)) or 'none'}); bar: latest run, whisker: every run",
+                 fontsize=9)
+    ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
     png = out.with_suffix(".png")
     fig.savefig(png, dpi=110)

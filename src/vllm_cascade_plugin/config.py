@@ -104,7 +104,7 @@ KNOBS: tuple[Knob, ...] = (
          "the same layout came before (on), or the whole step planned as one, its prefill "
          "rows' query tokens in the plan, and run as cascade where the eager cost model says "
          "it wins, else flat (off). Served, the split cost more host time and CUDA-graph "
-         "captures than it saved; whole steps gave bursts the lowest TPOT (README, Limits)."),
+         "captures than it saved; whole steps gave bursts the lowest TPOT (docs/performance.md)."),
     Knob("CASCADE_MAX_LEVELS", "max_levels", 3, _int_at_least(2), "an integer >= 2",
          "Most attention levels per step, the per-request level included (2 = one shared level)."),
     Knob("CASCADE_MIN_SHARED_PAGES", "min_shared_pages", 1, _int_at_least(1), "an integer >= 1",

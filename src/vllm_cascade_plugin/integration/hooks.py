@@ -10,7 +10,7 @@ Each wrapper calls the original exactly once, never replaces it, and passes its 
 exception through unchanged; its own failures are counted, logged once, and cost the step its
 cascade, never the engine. Every patched method exists with the arguments we read in vLLM 0.26
 through 0.34; what differs between releases is asked of :mod:`.compat`. The list is mirrored in
-the README and guarded by ``tests/integration/test_hooks.py``, which compares each patched
+docs/architecture.md and guarded by ``tests/integration/test_hooks.py``, which compares each patched
 method's whole parameter list with the one recorded for the release
 (:data:`.compat.releases.PATCHED_METHODS`) and fails loudly on any change.
 
