@@ -17,17 +17,8 @@ from .. import stats
 from ..graphs.capture import LayerGraphs
 from ..planning import graph_layout
 from ..planning.plan import CascadeLevel, CascadePlan
-from . import decode_level, fa3_split, vllm_kernels
-from .common import (
-    EXECUTORS,
-    FP8_KV_DTYPE,
-    LOG2_E,
-    KvScales,
-    Scratch,
-    apply_sinks,
-    check_plan,
-    quantise_fp8,
-)
+from . import common, decode_level, fa3_split, vllm_kernels
+from .common import EXECUTORS, FP8_KV_DTYPE, LOG2_E, KvScales, Scratch, check_plan, quantise_fp8
 from .fa3_levels import FaLevel, gather_rows, upload_levels, write_static
 from .fa3_split import FlatRows
 
@@ -317,7 +308,7 @@ class FlashAttnCascadeExecutor:
         """The layer's attention sinks (``s_aux``, one per query head) on the merged output."""
         if sinks is not None:
             assert self._lse is not None
-            apply_sinks(out, self._lse.t(), sinks)
+            common.apply_sinks(out, self._lse.t(), sinks)
 
     def _run_levels(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     out: torch.Tensor, step: _FaStep) -> None:
