@@ -78,9 +78,10 @@
 #   never_slower_chat  the same on prefill-heavy chat only, once per load (about 9 min on a
 #                      fresh machine at SERVE_DURATION=15).
 #   never_slower_paired  prefill-heavy chat (a burst, 50%, 90%, 110%) on three servers with the
-#                      step-timeline probe: flat, a second flat one (flash_attn_again: how far
-#                      two identical servers are apart in this run) and the plugin; the plugin
-#                      is judged against that spread. About 13 min on a fresh machine.
+#                      step-timeline probe: flat, the plugin, then a second flat one
+#                      (flash_attn_again: how far two identical servers are apart in this run);
+#                      the plugin is judged against that spread. About 13 min on a fresh
+#                      machine; a run cut short keeps the plugin's pair.
 serve_slice() {  # name, timeout (s), serve/bench.py arguments...
   local name=$1 limit=$2 start=$SECONDS
   shift 2
@@ -154,7 +155,7 @@ part_serve_grid() {  # run it detached, alone; the slices in SERVE_GRID's order
     never_slower_chat) serve_slice never_slower_chat 900 --configs flash_attn,cascade_flash_attn \
       --workloads chat_1k_prefill_heavy --step-timeline --rates burst,50%,90%,110% ;;
     never_slower_paired) serve_slice never_slower_paired 1200 \
-      --configs flash_attn,flash_attn_again,cascade_flash_attn --workloads chat_1k_prefill_heavy \
+      --configs flash_attn,cascade_flash_attn,flash_attn_again --workloads chat_1k_prefill_heavy \
       --step-timeline --rates burst,50%,90%,110% ;;
     never_slower) serve_slice never_slower 1500 --configs flash_attn,cascade_flash_attn \
       --workloads chat_1k_prefill_heavy,random_2k,prefix_8k_x4 --step-timeline \
