@@ -10,7 +10,8 @@ from pathlib import Path
 HERE = Path(__file__).parent
 # Modules that import FlashInfer at their top: every test in them is marked, and they are not
 # collected where FlashInfer is unusable.
-FLASHINFER_MODULES = ("gpu/test_kernels.py", "gpu/test_kernels_fp8.py", "gpu/test_kernels_split.py")
+FLASHINFER_MODULES = ("gpu/test_kernels.py", "gpu/test_kernels_fp8.py", "gpu/test_kernels_split.py",
+                      "gpu/test_kernels_sinks.py")
 
 
 def flashinfer_files() -> list[Path]:
