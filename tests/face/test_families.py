@@ -114,6 +114,7 @@ def test_a_downloaded_model_is_read_from_the_hugging_face_cache(tmp_path, monkey
     assert families.read_config("acme/tiny-gemma") == config
 
 
+@pytest.mark.flashinfer  # check reports the installed FlashInfer
 def test_check_with_a_model_whose_layers_all_run_flat_exits_1(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("CASCADE_ATTENTION", "1")
     model = saved(tmp_path, {"model_type": "jamba", "num_hidden_layers": 8,
