@@ -58,15 +58,22 @@ ROWS: list[tuple[str, str, str, tuple[str, ...]]] = [
     ("tensor parallelism", "opt-in (`CASCADE_UNVERIFIED=1`), flat by default",
      "needs two GPUs; whole-step graphs are off at TP > 1", ("tp",)),
     ("sliding-window attention", "those layers run flat; under vLLM's hybrid KV-cache manager "
-     "(its default) the full layers' group runs cascade with `CASCADE_UNVERIFIED=1` only",
+     "(its default) the full layers' group runs cascade with `CASCADE_UNVERIFIED=1` only "
+     "(correct on a GPU, its speed not measured yet)",
      "GPU: a model mixing sliding-window and full layers in both KV-cache layouts (V1 runner, "
-     "vLLM 0.26-0.33: its full layers run cascade with `--disable-hybrid-kv-cache-manager`); "
-     "the full layers' group under the hybrid manager: CPU suite",
+     "vLLM 0.26-0.33: its full layers run cascade with `--disable-hybrid-kv-cache-manager`), and "
+     "under the hybrid manager with `CASCADE_UNVERIFIED=1` on V1 and V2 (the full layers' group "
+     "runs cascade; engine vs two flat kernels)",
      ("sliding",)),
+    ("attention sinks (gpt-oss)", "opt-in (`CASCADE_UNVERIFIED=1`), flat by default",
+     "GPU: every executor against fp32 softmax with sinks and FA3 with `s_aux` (`kernels`); "
+     "the gpt-oss engine test needs vLLM's fused-MoE kernels, which the validation machine's "
+     "vLLM build lacks: not run", ("kernels",)),
     ("`vllm-cascade demo`, `examples/`", "run", "GPU, as a user runs them",
      ("demo", "examples")),
-    ("prefix caching off; other attention backends; ALiBi, sinks, context or pipeline "
-     "parallelism, microbatching, encoder-decoder and hybrid models, mixed scales or soft-caps",
+    ("prefix caching off; other attention backends; ALiBi, context or pipeline parallelism, "
+     "microbatching, encoder-decoder models, recurrent (Mamba, linear-attention) hybrids, mixed "
+     "scales or soft-caps",
      "run as without the plugin", "one INFO line, `check` says so", ()),
 ]
 
