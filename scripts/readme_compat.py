@@ -71,9 +71,11 @@ ROWS: list[tuple[str, str, str, tuple[str, ...]]] = [
      "vLLM build lacks: not run", ("kernels",)),
     ("`vllm-cascade demo`, `examples/`", "run", "GPU, as a user runs them",
      ("demo", "examples")),
+    ("recurrent hybrids (Mamba or linear-attention layers beside full-attention ones)",
+     "the recurrent layers run as without the plugin; the full-attention layers' group runs "
+     "cascade with `CASCADE_UNVERIFIED=1` only", "CPU suite (the group chosen, its plans)", ()),
     ("prefix caching off; other attention backends; ALiBi, context or pipeline parallelism, "
-     "microbatching, encoder-decoder models, recurrent (Mamba, linear-attention) hybrids, mixed "
-     "scales or soft-caps",
+     "microbatching, encoder-decoder models, mixed scales or soft-caps",
      "run as without the plugin", "one INFO line, `check` says so", ()),
 ]
 

@@ -122,9 +122,9 @@ KNOBS: tuple[Knob, ...] = (
     Knob("CASCADE_UNVERIFIED", "unverified", False, _bool, "1/true/on or 0/false/off",
          "Cascade where this release is not verified on a GPU: tensor parallelism above 1, "
          "suffix speculative decoding, and the full-attention layers of a model whose "
-         "sliding-window layers vLLM's hybrid KV-cache manager keeps in KV-cache groups of "
-         "their own (Gemma 3, gpt-oss), and layers with attention sinks (gpt-oss). Off: those "
-         "run flat, saying why."),
+         "sliding-window or recurrent layers vLLM's hybrid KV-cache manager keeps in KV-cache "
+         "groups of their own (Gemma 3, gpt-oss, Mamba hybrids), and layers with attention "
+         "sinks (gpt-oss). Off: those run flat, saying why."),
     Knob("CASCADE_ALLOW_UNTESTED_VLLM", "allow_untested_vllm", False, _bool,
          "1/true/on or 0/false/off",
          "Run on a vLLM release newer than the newest one the plugin is tested with, where every "

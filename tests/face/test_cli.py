@@ -62,8 +62,8 @@ def test_check_with_the_plugin_on_registers_for_real_and_exits_0_here_only_with_
                      "the plugin has nothing to do)",
                      "Off unless asked for: an FP8 KV cache", "its speed is not measured yet",
                      "CASCADE_FP8_KV=off", "tensor parallelism above 1, suffix speculative "
-                     "decoding, the full-attention layers beside sliding-window ones under "
-                     "the hybrid KV-cache manager, and attention sinks (gpt-oss): "
+                     "decoding, the full-attention layers beside sliding-window or recurrent "
+                     "ones under the hybrid KV-cache manager, and attention sinks (gpt-oss): "
                      "CASCADE_UNVERIFIED=off"):
         assert expected in out
     assert "Traceback" not in proc.stderr

@@ -55,12 +55,18 @@ def test_gemma3s_sliding_window_pattern_is_read_as_transformers_reads_it(tmp_pat
       + ["full_attention"]},
      lambda: __import__("transformers").Qwen3NextConfig(num_hidden_layers=8).layer_types),
 ], ids=["nemotron_h", "jamba", "qwen3_next"])
-def test_recurrent_hybrids_run_flat(tmp_path, raw, reference):
-    assert families.layer_kinds(raw) == transformers_kinds(reference())
+def test_recurrent_hybrids_attention_layers_need_unverified_paths(tmp_path, raw, reference):
+    kinds = families.layer_kinds(raw)
+    assert kinds == transformers_kinds(reference())
     model = saved(tmp_path, raw)
-    for unverified in (False, True):
-        lines, runs = families.model_lines(model, unverified)
-        assert runs is False and "recurrent layers' state" in " ".join(lines)
+    lines, runs = families.model_lines(model, unverified=False)
+    assert runs is False and "beside recurrent ones" in " ".join(lines)
+    lines, runs = families.model_lines(model, unverified=True)
+    text = " ".join(lines)
+    assert runs is True, text
+    assert f"{kinds.count(families.FULL)} full-attention layer(s) can run cascade" in text
+    assert f"the {kinds.count(families.RECURRENT)} recurrent layer(s) run as vLLM runs them" \
+        in text
 
 
 def test_gpt_oss_needs_unverified_paths_for_its_sinks_and_hybrid_cache(tmp_path):
@@ -82,6 +88,7 @@ def test_gpt_oss_needs_unverified_paths_for_its_sinks_and_hybrid_cache(tmp_path)
     ({"model_type": "qwen2", "num_hidden_layers": 28, "sliding_window": 32768,
       "use_sliding_window": False}, True),
     ({"model_type": "mistral", "num_hidden_layers": 32, "sliding_window": 4096}, False),
+    ({"model_type": "mamba", "num_hidden_layers": 24, "layer_types": ["mamba"] * 24}, False),
 ])
 def test_one_kind_of_layer(tmp_path, raw, runs):
     lines, got = families.model_lines(saved(tmp_path, raw), unverified=False)
@@ -122,4 +129,5 @@ def test_check_with_a_model_whose_layers_all_run_flat_exits_1(tmp_path, capsys, 
     assert cli.main(["check", model]) == 1
     out = " ".join(capsys.readouterr().out.split())
     assert "1 full-attention, 0 sliding-window and 7 recurrent" in out
+    assert "CASCADE_UNVERIFIED=1 runs the 1 full-attention layer(s)" in out
     assert "no attention layer of this model runs cascade" in out

@@ -2,8 +2,7 @@
 layers in groups beside its full-attention one): which group's block table a step is planned
 from, that only that group's builders may run the plan, and that Model Runner V2's CPU mirror of
 the block ids holds every group's ids as vLLM writes them. The reference for each plan is a fresh
-``plan_cascade`` of the planned group's own rows. Off unless ``CASCADE_UNVERIFIED`` (not yet run
-on a GPU)."""
+``plan_cascade`` of the planned group's own rows. Off unless ``CASCADE_UNVERIFIED``."""
 
 from __future__ import annotations
 
@@ -33,7 +32,7 @@ def spec(kind: str):
     from vllm.v1 import kv_cache_interface as kv
 
     return object.__new__({"full": kv.FullAttentionSpec, "sliding": kv.SlidingWindowSpec,
-                           "mamba": kv.MambaSpec}[kind])
+                           "mamba": kv.MambaSpec, "chunked": kv.ChunkedLocalAttentionSpec}[kind])
 
 
 def groups(*kinds_and_layers):
@@ -88,12 +87,23 @@ def test_the_full_attention_layers_group_is_planned_with_per_layer_graphs_cost(h
     assert stats.snapshot().fallbacks == {}
 
 
+def test_a_recurrent_hybrids_attention_group_is_planned_beside_its_mamba_state(hybrid_session):
+    """A Mamba or linear-attention hybrid (vLLM gives both a MambaSpec group): the attention
+    layers' group is planned, the recurrent layers' group left to its own builders."""
+    hybrid_session()
+    runner = SimpleNamespace(kv_cache_config=groups(
+        ("mamba", ["model.layers.0.mixer", "model.layers.2.mixer"]), ("full", FULL_LAYERS)))
+    assert kv_groups.planned_group(runner, 2) == (1, frozenset(FULL_LAYERS))
+    assert stats.snapshot().fallbacks == {}
+
+
 @pytest.mark.parametrize(("layout", "detail"), [
-    ((("mamba", ["model.layers.0.mixer"]), ("full", FULL_LAYERS)), "recurrent (Mamba)"),
+    ((("chunked", ["model.layers.0.self_attn.attn"]), ("full", FULL_LAYERS)),
+     "ChunkedLocalAttentionSpec"),
     ((("full", FULL_LAYERS[:1]), ("full", FULL_LAYERS[1:])), "no one KV-cache group"),
 ])
-def test_groups_other_than_sliding_window_ones_keep_the_step_flat(hybrid_session, caplog,
-                                                                  layout, detail):
+def test_groups_other_than_sliding_window_and_recurrent_ones_keep_the_step_flat(
+        hybrid_session, caplog, layout, detail):
     hybrid_session()
     runner = SimpleNamespace(kv_cache_config=groups(*layout))
     assert kv_groups.planned_group(runner, 2) is None

@@ -204,7 +204,8 @@ def _startup_lines(config: CascadeConfig, found_gpu: str | None) -> None:
         "engines agree with flat FP8 attention on a GPU, its speed is not measured yet): "
         f"CASCADE_FP8_KV={'on' if config.fp8_kv else 'off'}; not verified on a GPU with this "
         "release: tensor parallelism above 1, suffix speculative decoding, the "
-        "full-attention layers beside sliding-window ones under the hybrid KV-cache manager, "
+        "full-attention layers beside sliding-window or recurrent ones under the hybrid "
+        "KV-cache manager, "
         "and attention sinks (gpt-oss): "
         f"CASCADE_UNVERIFIED={'on' if config.unverified else 'off'}.",
     ])

@@ -7,7 +7,8 @@ NemotronH's ``hybrid_override_pattern``, Jamba's ``attn_layer_period``/``attn_la
 else one ``sliding_window`` for every layer (Mistral's first models) or none. Under vLLM's
 default hybrid KV-cache manager, sliding-window layers and recurrent (Mamba, linear-attention)
 layers are KV-cache groups of their own beside the full-attention layers'
-(``integration/kv_groups.py``). Pure Python: no vLLM, no network.
+(``integration/kv_groups.py``: such a model's full-attention layers run cascade only with
+``CASCADE_UNVERIFIED=1``). Pure Python: no vLLM, no network.
 """
 
 from __future__ import annotations
@@ -84,17 +85,15 @@ def model_lines(model: str, unverified: bool) -> tuple[list[str], bool | None]:
     model_type = config.get("model_type", "unknown")
     head = (f"Model {model} ({model_type}): {full} full-attention, {sliding} sliding-window and "
             f"{recurrent} recurrent layer(s)")
-    if recurrent:
-        return [f"{head}. Every layer runs flat: the recurrent layers' state is a KV-cache "
-                "group of its own, and the plugin plans steps only beside sliding-window "
-                "groups."], False
     if not full:
-        return [f"{head}. Every layer runs flat: a sliding window is not served as "
-                "cascade."], False
+        return [f"{head}. Every layer runs flat: only full-attention layers run cascade."], False
     unverified_parts = [part for applies, part in (
         (sliding > 0, "full-attention layers beside sliding-window ones (hybrid KV cache)"),
+        (recurrent > 0, "attention layers beside recurrent ones (hybrid KV cache)"),
         (model_type in SINK_MODELS, "attention sinks")) if applies]
-    flat = f"; the {sliding} sliding-window layer(s) run flat" if sliding else ""
+    flat = "".join(f"; the {n} {kind} layer(s) run {how}" for n, kind, how in (
+        (sliding, "sliding-window", "flat"), (recurrent, "recurrent", "as vLLM runs them"))
+        if n)
     if unverified_parts and not unverified:
         return [f"{head}. Every layer runs flat: {' and '.join(unverified_parts)} are not "
                 "verified on a GPU with this release; CASCADE_UNVERIFIED=1 runs the "

@@ -1,16 +1,19 @@
 """Which KV-cache group's block table the runner hooks plan a step from.
 
 An engine of one KV-cache group plans from it. vLLM's hybrid KV-cache manager (its default)
-gives a model whose attention layers are of several kinds a group per kind, each with a block
-table of its own: Gemma 3 and gpt-oss put their sliding-window layers in groups beside the
-full-attention one. Such a step is planned from the group of the layers steps are planned for
-(the first builder that can run cascade: ``session.planning_layers``, a full-attention one),
-and only builders of that group's layers may run the plan (``StepPlan.group_layers``); the
-sliding-window layers' builders run flat, as they do in an engine of one group. Beside the
-planned group only sliding-window groups are accepted: a recurrent (Mamba) model's groups, and
-their block sizes, are not verified. The path agrees with flat attention in engines on a GPU
-(tests/gpu/test_sliding_window_engine.py, V1 and V2) but its speed is not measured, so it is off
-unless ``CASCADE_UNVERIFIED=1``; without it such a step runs flat, counted as
+gives a model whose layers are of several kinds a group per kind, each with a block table of its
+own: Gemma 3 and gpt-oss put their sliding-window layers in groups beside the full-attention
+one; a Mamba or linear-attention hybrid (Jamba, NemotronH, Qwen3-Next) its recurrent layers'
+state, whose builders the plugin never touches. Such a step is planned from the group of the
+layers steps are planned for (the first builder that can run cascade:
+``session.planning_layers``, a full-attention one), and only builders of that group's layers may
+run the plan (``StepPlan.group_layers``); the sliding-window layers' builders run flat, as they
+do in an engine of one group. Beside the planned group only sliding-window and recurrent groups
+are accepted (any other kind keeps the step flat). With sliding-window groups the path agrees
+with flat attention in engines on a GPU (tests/gpu/test_sliding_window_engine.py, V1 and V2),
+its speed not measured; with recurrent ones it has not run on a GPU (vLLM's prefix caching of
+Mamba state is experimental, and such a model's attention pages are as large as a state's). So
+it is off unless ``CASCADE_UNVERIFIED=1``; without it such a step runs flat, counted as
 :data:`SEVERAL_GROUPS`.
 """
 
@@ -59,8 +62,10 @@ def _choose(groups: list[Any], layers: frozenset[str],
     if len(held) != 1:
         return SEVERAL_GROUPS, "the planned layers are in no one KV-cache group"
     others = sorted({compat.kv_cache_kind(group.kv_cache_spec)
-                     for g, group in enumerate(groups) if g != held[0]} - {compat.SLIDING})
+                     for g, group in enumerate(groups) if g != held[0]}
+                    - {compat.SLIDING, compat.RECURRENT})
     if others:
         return SEVERAL_GROUPS, (f"KV-cache groups of {', '.join(others)} layers beside the "
-                                "planned one (only sliding-window ones are supported)")
+                                "planned one (only sliding-window and recurrent ones are "
+                                "supported)")
     return held[0], frozenset(groups[held[0]].layer_names)

@@ -285,17 +285,19 @@ def dynamic_kv_scales(vllm_config: Any) -> bool:
 
 
 SLIDING = "sliding-window attention"  # what kv_cache_kind calls a sliding-window group
+RECURRENT = "recurrent (Mamba)"  # and a Mamba or linear-attention layers' group
 
 
 def kv_cache_kind(spec: Any) -> str:
     """What a KV-cache group holds, by its spec (``vllm.v1.kv_cache_interface``): "full
-    attention", :data:`SLIDING`, "recurrent (Mamba)", or else the spec's class name."""
+    attention", :data:`SLIDING`, :data:`RECURRENT` (Mamba and linear attention: vLLM gives both
+    a ``MambaSpec``), or else the spec's class name."""
     from vllm.v1 import kv_cache_interface as kv
 
     if isinstance(spec, kv.SlidingWindowSpec):
         return SLIDING
     if isinstance(spec, kv.MambaSpec):
-        return "recurrent (Mamba)"
+        return RECURRENT
     if type(spec) is kv.FullAttentionSpec:
         return "full attention"
     return type(spec).__name__
