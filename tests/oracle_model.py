@@ -165,3 +165,42 @@ def save_gpt_oss(out: str | Path) -> str:
     """Build the gpt-oss oracle and save it into ``out`` as vLLM loads it."""
     build_gpt_oss().save_pretrained(out)
     return str(out)
+
+
+# The Gemma 3 oracle: Gemma 3's text stack at a small size (five 512-token sliding-window layers
+# to one full-attention layer, QK-norm, pre- and post-norms, two RoPE bases) with the same
+# sharpening. Its QK-norm normalises q and k after their projections, so the logits are spread
+# through q_norm's weight instead (Gemma's RMSNorm multiplies by 1 + weight).
+GEMMA3_CONFIG: dict[str, Any] = {
+    "hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 6,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128,
+    "query_pre_attn_scalar": 128, "sliding_window": WINDOW, "vocab_size": 32000,
+    "max_position_embeddings": 16384, "tie_word_embeddings": False,
+    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+}
+GEMMA3_Q_NORM = 1.8  # q_norm's 1 + weight: logits spread with a standard deviation of ~1.8
+
+
+def build_gemma3() -> Any:
+    """The Gemma 3 oracle in bfloat16 (seeded), as transformers' Gemma3ForCausalLM."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(SEED)
+    model = Gemma3ForCausalLM(Gemma3TextConfig(**GEMMA3_CONFIG)).float().eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.fill_(GEMMA3_Q_NORM - 1)
+            # Nothing writes hidden dimension 0 (the post-norms keep a 0 there).
+            layer.self_attn.o_proj.weight[0] = 0
+            layer.mlp.down_proj.weight[0] = 0
+        model.model.embed_tokens.weight[:, 0] = OFFSET_INPUT
+        model.lm_head.weight.mul_(LM_HEAD_SCALE)
+        model.lm_head.weight[:, 0] = -OFFSET_WEIGHT
+    return model.to(torch.bfloat16)
+
+
+def save_gemma3(out: str | Path) -> str:
+    """Build the Gemma 3 oracle and save it into ``out`` as vLLM loads it."""
+    build_gemma3().save_pretrained(out)
+    return str(out)

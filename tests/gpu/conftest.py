@@ -84,6 +84,15 @@ def sliding_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="session")
+def gemma3_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The Gemma 3 oracle (``oracle_model.save_gemma3``: Gemma 3's text stack at a small
+    size), saved once."""
+    import oracle_model
+
+    return _saved("gemma3-oracle", tmp_path_factory, oracle_model.save_gemma3)
+
+
+@pytest.fixture(scope="session")
 def gpt_oss_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The gpt-oss oracle (``oracle_model.save_gpt_oss``: gpt-oss's attention stack with sinks
     and a mixture of experts at a small size), saved once."""

@@ -150,5 +150,21 @@ def test_gpt_oss_attention_with_sinks_runs_its_full_layers_as_cascade(gpt_oss_mo
     assert gpt_oss_attn.format(1) not in line and gpt_oss_attn.format(3) not in line, line
 
 
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_gemma3_runs_its_full_attention_layer_as_cascade_under_the_hybrid_kv_cache(
+        gemma3_model_dir, runner):
+    """Gemma 3's text stack (``oracle_model.build_gemma3``: five 512-token sliding-window
+    layers to one full-attention layer, QK-norm, two RoPE bases) as vLLM's Gemma3ForCausalLM
+    with its default hybrid KV cache, a group per layer kind: with ``CASCADE_UNVERIFIED=1`` the
+    full-attention layer's group runs cascade, the sliding-window layers flat; vLLM's answers."""
+    on, counts = _judged_run(gemma3_model_dir, ONLY, f"gemma3 hybrid on {runner}",
+                             (("CASCADE_UNVERIFIED", "1"),), runner, reference=ONLY)
+    assert counts["steps_cascade"] > 0, counts
+    assert counts["fallbacks"] == {}, counts
+    lines = " ".join(_flat_lines(on))  # the sliding layers' builders, one line each at most
+    assert all(ATTN.format(i) in lines for i in range(5)), lines
+    assert ATTN.format(5) not in lines, lines
+
+
 def teardown_module() -> None:
     engines.write_results("correctness_sliding_window", RESULTS)
