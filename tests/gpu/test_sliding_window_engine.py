@@ -22,6 +22,11 @@ vLLM 0.26 lays out such a model's KV cache one of two ways; the V1 model runner,
   ``CASCADE_UNVERIFIED=1`` the steps are planned from the full layers' group, which runs
   cascade (``integration/kv_groups.py``).
 
+Two more oracles take the same workload in vLLM's default hybrid layout with
+``CASCADE_UNVERIFIED=1``: Gemma 3's text stack (five sliding layers to one full layer, a KV-cache
+group per kind) and gpt-oss's (alternating 128-token windows, a sink per head on every layer, a
+mixture of experts; it needs vLLM's fused-MoE kernels and skips where the build lacks them).
+
 The tests assert which layers run flat and whether any step ran cascade in each layout, so that a
 change in either (vLLM's layout, the plugin's choice) shows here. The engines run vLLM's
 FLASH_ATTN backend: its FlashInfer backend refuses sliding-window layers on SM90 (vLLM 0.26,

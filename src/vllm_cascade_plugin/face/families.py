@@ -95,7 +95,8 @@ def model_lines(model: str, unverified: bool) -> tuple[list[str], bool | None]:
         (sliding, "sliding-window", "flat"), (recurrent, "recurrent", "as vLLM runs them"))
         if n)
     if unverified_parts and not unverified:
-        return [f"{head}. Every layer runs flat: {' and '.join(unverified_parts)} are not "
-                "verified on a GPU with this release; CASCADE_UNVERIFIED=1 runs the "
-                f"{full} full-attention layer(s) as cascade{flat}."], False
+        return [f"{head}. Every layer runs flat: {' and '.join(unverified_parts)} are off "
+                "by default in this release (their correctness or speed not yet verified on a "
+                f"GPU); CASCADE_UNVERIFIED=1 runs the {full} full-attention layer(s) as "
+                f"cascade{flat}."], False
     return [f"{head}. The {full} full-attention layer(s) can run cascade{flat}."], True
