@@ -57,7 +57,9 @@ def _choose(groups: list[Any], layers: frozenset[str],
     if config is None or not config.unverified:
         return SEVERAL_GROUPS, ("the hybrid KV-cache manager's layout (layers of several kinds); "
                                 "CASCADE_UNVERIFIED=1 runs the full-attention layers' group as "
-                                "cascade: correct on a GPU, its speed not yet measured")
+                                "cascade (beside sliding-window layers correct on a GPU, its "
+                                "speed not yet measured; beside recurrent ones not yet run on "
+                                "a GPU)")
     held = [g for g, group in enumerate(groups) if layers and layers <= set(group.layer_names)]
     if len(held) != 1:
         return SEVERAL_GROUPS, "the planned layers are in no one KV-cache group"
