@@ -58,6 +58,15 @@ def _sharpen(model: Any) -> Any:
             # Nothing writes hidden dimension 0: it stays OFFSET_INPUT at every position.
             layer.self_attn.o_proj.weight[0] = 0
             layer.mlp.down_proj.weight[0] = 0
+    return _offset_logits(model)
+
+
+def _offset_logits(model: Any) -> Any:
+    """The logit offset and the spread logits (the last two changes above), in place; the model
+    returned in bfloat16, as it is saved."""
+    import torch
+
+    with torch.no_grad():
         model.model.embed_tokens.weight[:, 0] = OFFSET_INPUT
         model.lm_head.weight.mul_(LM_HEAD_SCALE)
         model.lm_head.weight[:, 0] = -OFFSET_WEIGHT
@@ -155,10 +164,7 @@ def build_gpt_oss() -> Any:
             # and two correct kernels' rounding would flip it at some tokens.
             layer.mlp.router.weight.zero_()
             layer.mlp.router.bias.copy_(torch.arange(layer.mlp.router.bias.numel(), 0, -1))
-        model.model.embed_tokens.weight[:, 0] = OFFSET_INPUT
-        model.lm_head.weight.mul_(LM_HEAD_SCALE)
-        model.lm_head.weight[:, 0] = -OFFSET_WEIGHT
-    return model.to(torch.bfloat16)
+    return _offset_logits(model)
 
 
 def save_gpt_oss(out: str | Path) -> str:
@@ -194,10 +200,7 @@ def build_gemma3() -> Any:
             # Nothing writes hidden dimension 0 (the post-norms keep a 0 there).
             layer.self_attn.o_proj.weight[0] = 0
             layer.mlp.down_proj.weight[0] = 0
-        model.model.embed_tokens.weight[:, 0] = OFFSET_INPUT
-        model.lm_head.weight.mul_(LM_HEAD_SCALE)
-        model.lm_head.weight[:, 0] = -OFFSET_WEIGHT
-    return model.to(torch.bfloat16)
+    return _offset_logits(model)
 
 
 def save_gemma3(out: str | Path) -> str:
