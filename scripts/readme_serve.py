@@ -13,7 +13,7 @@ from readme_common import DASH, GPU, ROOT, TIMES, _load, _meta, _ratio, _source,
 
 sys.path.insert(0, str(ROOT))  # the serve bench's reading of its rows (benchmarks.serve)
 from benchmarks.serve.metrics import shared_cascade_fraction
-from benchmarks.serve.pairs import serve_runs  # each plugin row's flat row
+from benchmarks.serve.pairs import DEFAULT_MODEL, model_of, serve_runs  # plugin row's flat row
 
 # The serving headline's workloads (serve/workloads.py): what each is.
 SERVE_HEADLINE = {"prefix_8k_x4": "4 documents of 8K tokens", "prefix_32k_x1": "one of 32K",
@@ -88,6 +88,7 @@ SERVE_PAIRS = (("flash_attn", "cascade_flash_attn", "FLASH_ATTN"),
                 "FLASH_ATTN, 4 API servers"),
                ("flash_attn_pow2_graphs", "cascade_flash_attn_pow2_graphs",
                 "FLASH_ATTN, capture sizes 1, 2, 4, …, 512"),
+               ("flash_attn", "cascade_flash_attn_hybrid", "FLASH_ATTN, `CASCADE_UNVERIFIED=1`"),
                ("flashinfer", "cascade", "FLASHINFER"))
 APART = "\u00b9"  # marks a pair measured by separate invocations
 
@@ -146,10 +147,13 @@ def block_serve() -> list[str]:
     main_gpu = max(by_gpu or counts, key=lambda g: len(by_gpu[g]) if by_gpu else counts[g],
                    default="")
     other_gpu = False
-    keys = dict.fromkeys((r["workload"], r.get("tensor_parallel_size", 1)) for r in rows)
+    # A row of another model than Llama-3-8B's shapes names it beside its workload.
+    keys = dict.fromkeys((r["workload"], r.get("tensor_parallel_size", 1), model_of(r))
+                         for r in rows)
     for flat_config, plugin_config, backend in SERVE_PAIRS:
-        for workload, tp in keys:
-            for spec, runs in serve_runs(rows, flat_config, plugin_config, workload, tp).items():
+        for workload, tp, model in keys:
+            for spec, runs in serve_runs(rows, flat_config, plugin_config, workload, tp,
+                                         model).items():
                 f, c = runs[-1]  # the latest run shown; the others as the ratios' range
                 rate = spec
                 if f["request_rate"] != "burst":
@@ -172,9 +176,11 @@ def block_serve() -> list[str]:
                         text = f"{text[:-1]}; {min(ratios):.2f}{DASH}{max(ratios):.2f}{TIMES})"
                     return text
 
+                named = workload + (f", TP {tp}" if tp != 1 else "") + (
+                    f", {model}" if model != DEFAULT_MODEL else "")
                 if f["request_rate"] == "burst" and all(
                         r.get(k) is not None for r in (f, c) for k in TTFT_PARTS):
-                    splits.append(f"{backend} {workload}: flat {_ttft_parts(f)}; plugin "
+                    splits.append(f"{backend} {named}: flat {_ttft_parts(f)}; plugin "
                                   f"{_ttft_parts(c)}")
                 fraction, sharing = c.get("cascade_step_fraction"), shared_cascade_fraction(c)
                 shown = DASH if fraction is None else f"{100 * fraction:.0f}%"
@@ -182,7 +188,7 @@ def block_serve() -> list[str]:
                     middle = c.get("mid_run_shared_cascade_fraction")
                     mid = "" if middle is None else f"; {100 * middle:.0f}% mid-run"
                     shown += f" ({100 * sharing:.0f}%{mid})"
-                body.append([backend, workload + (f", TP {tp}" if tp != 1 else ""), rate,
+                body.append([backend, named, rate,
                              cell("output_tok_per_s"), cell("ttft_ms_p99"),
                              cell("tpot_ms_p50", 1), cell("tpot_ms_p99", 1),
                              shown,

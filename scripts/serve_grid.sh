@@ -3,7 +3,8 @@
 # gpu_validate.sh's environment ($res, stamp).
 # The serving grid in slices that each fit one session's 30 minutes of device time (a server
 # start is ~1.5 min once compiled, ~4 min on a fresh machine; a run ~1 min): SERVE_GRID names
-# them, run in its order.
+# them, run in its order. Slices serve Llama-3-8B's shapes (examples/models/llama3-8b) unless
+# they name a --model of their own (after serve_slice's, so theirs wins; rows name the model).
 #   flash_attn_shared  vLLM's default backend: shared documents at two loads (90% twice: the
 #                      spread) and a burst; a chat service. About 22 min (measured: 8K x 4
 #                      took 9.5 min on a fresh machine's first server, 5.7 on the next; the chat
@@ -82,6 +83,17 @@
 #                      (flash_attn_again: how far two identical servers are apart in this run);
 #                      the plugin is judged against that spread. About 13 min on a fresh
 #                      machine; a run cut short keeps the plugin's pair.
+#   hybrid_gemma3      Gemma 3 12B's text stack (examples/models/gemma3-12b: 40 sliding-window
+#                      layers of 1,024 tokens, 8 full-attention ones, head_dim 256) flat and
+#                      the plugin (cascade_flash_attn_hybrid: CASCADE_UNVERIFIED=1, the full
+#                      layers' KV-cache group as cascade) on chat_6k_system (one 6K-token system
+#                      prompt) in a burst, at 50% and 90%: the served pair of a sliding-window
+#                      family. Expected TPOT ratios: benchmarks/results/cpu/served_expected.json.
+#                      About 11 min on a fresh machine (a new model: its first server compiles).
+#   hybrid_bamba       the same pair on a Mamba2 hybrid without MoE (examples/models/bamba-9b:
+#                      Bamba-9B's shapes as vLLM's GraniteMoeHybridForCausalLM, 29 Mamba2
+#                      layers and 3 full-attention ones, 768-token pages). About 12 min on a
+#                      fresh machine (Mamba's Triton kernels compile in the first server).
 serve_slice() {  # name, timeout (s), serve/bench.py arguments...
   local name=$1 limit=$2 start=$SECONDS
   shift 2
@@ -160,6 +172,12 @@ part_serve_grid() {  # run it detached, alone; the slices in SERVE_GRID's order
     never_slower) serve_slice never_slower 1500 --configs flash_attn,cascade_flash_attn \
       --workloads chat_1k_prefill_heavy,random_2k,prefix_8k_x4 --step-timeline \
       --rates "chat_1k_prefill_heavy=burst*2,50%*2,90%,110%;random_2k=burst,90%;prefix_8k_x4=burst,50%" ;;
+    hybrid_gemma3) serve_slice hybrid_gemma3 1500 --model examples/models/gemma3-12b \
+      --configs flash_attn,cascade_flash_attn_hybrid --workloads chat_6k_system \
+      --rates burst,50%,90% ;;
+    hybrid_bamba) serve_slice hybrid_bamba 1500 --model examples/models/bamba-9b \
+      --configs flash_attn,cascade_flash_attn_hybrid --workloads chat_6k_system \
+      --rates burst,50%,90% ;;
     *) stamp "serve_grid: no slice named $slice (see the list above part_serve_grid)"; return 1 ;;
     esac
   done

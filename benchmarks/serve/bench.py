@@ -19,7 +19,8 @@ while the client runs, for the middle half of the arrivals (``mid_run_*``: the d
 steady serving, without the run's own ramp up and drain; ``metrics.mid_run``). Rows go to
 ``--out`` after every run, merged with the file's rows of other workloads/configs;
 ``serve.meta.json`` beside it records the commands. Every row of one invocation has the same
-``run`` (its start time and the checkout's commit).
+``run`` (its start time and the checkout's commit) and names the model it served (``model``: the
+``--model`` folder's name; relative rates come from that model's flat bursts only).
 """
 
 from __future__ import annotations
@@ -64,6 +65,11 @@ class Bench:
     @property
     def model_dir(self) -> Path:
         return self.work / "model"
+
+    @property
+    def model(self) -> str:
+        """The model's name in the rows: its config folder's (``pairs.model_of``)."""
+        return model_name(self.args.model)
 
     def dataset(self, w: sw.Workload, label: str, n: int | str, seed: int,
                 write: bool) -> Path | None:
@@ -161,7 +167,7 @@ def measure(bench: Bench, server: Server, w: sw.Workload, config: str) -> Iterat
                    "offered_load": sm.offered_load(rate, bench.known.get(baseline(config), {})
                                                    .get(w.name)),
                    "seed": int(cmd[cmd.index("--seed") + 1]), "run_id": bench.run_id,
-                   "run": bench.run,
+                   "run": bench.run, "model": bench.model,
                    "max_model_len": bench.max_len, "prompt_len": w.input_len,
                    "output_len": w.output_len, **middle, **timeline})
 
@@ -203,6 +209,7 @@ def snapshot(server: Server, into: list[tuple[float, dict[str, Any]]]) -> None:
 
 
 def print_dry_run(bench: Bench, configs: list[str], workloads: list[sw.Workload]) -> None:
+    print(f"# model {bench.model}: {bench.args.model}/config.json, max_model_len {bench.max_len}")
     for i, config in enumerate(configs):
         port = bench.args.port + i
         env = server_env(CONFIGS[config], bench.work / f"prometheus-{config}",
@@ -230,13 +237,14 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := sorted(set(rates) - {"*", *args.workloads}):
         sys.exit(f"--rates names {', '.join(unknown)}, not in --workloads")
     old = [] if args.fresh else sr.load_rows(args.out)
-    known = {flat: sr.baseline_rates(old, flat, args.tensor_parallel_size)
+    model = model_name(args.model)
+    known = {flat: sr.baseline_rates(old, flat, args.tensor_parallel_size, model)
              for flat in sorted({baseline(c) for c in CONFIGS})}
     for flat in sorted({baseline(c) for c in configs} - set(configs)):
         missing = [w.name for w in workloads if w.name not in known[flat] and any(
             sw.base_rate(r).endswith("%") for r in rates.get(w.name, rates.get("*", [])))]
         if missing:
-            print(f"no {flat} burst row in {args.out} for {', '.join(missing)}: their "
+            print(f"no {flat} burst row of {model} in {args.out} for {', '.join(missing)}: their "
                   f"relative rates are skipped (add {flat} to --configs, or give req/s)",
                   file=sys.stderr)
     run_id = datetime.datetime.now().strftime("%Y%m%dT%H%M%S")
@@ -292,6 +300,12 @@ def main(argv: list[str] | None = None) -> int:
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def model_name(model: str | Path) -> str:
+    """A model folder's name, as rows name the model they served (``examples/models/gemma3-12b``
+    -> ``gemma3-12b``)."""
+    return Path(model).resolve().name
 
 
 def _names(known: Any) -> Any:

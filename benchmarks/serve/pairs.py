@@ -7,6 +7,14 @@ from __future__ import annotations
 from typing import Any
 
 BURST = "burst"
+# The model a row served, by its folder's name (``serve/bench.py --model``); rows written before
+# rows named their model served Llama-3-8B's shapes (examples/models/llama3-8b).
+DEFAULT_MODEL = "llama3-8b"
+
+
+def model_of(row: dict[str, Any]) -> str:
+    """The model folder's name a row served (:data:`DEFAULT_MODEL` for a row without one)."""
+    return str(row.get("model") or DEFAULT_MODEL)
 
 
 def rate_spec(row: dict[str, Any]) -> str:
@@ -21,15 +29,17 @@ def _rate_key(row: dict[str, Any]) -> tuple[int, float, str]:
 
 
 def serve_runs(rows: list[dict[str, Any]], flat_config: str, plugin_config: str, workload: str,
-               tp: int = 1) -> dict[str, list[tuple[dict[str, Any], dict[str, Any]]]]:
-    """Per rate point (in rate order), every run's (flat row, plugin row) of ``workload``, in
-    file order: each plugin row with the flat row of its own run, else the latest flat row
-    before it in the file (the one it was measured against), else the first after it. A run
-    whose every request failed measured nothing and is left out."""
+               tp: int = 1, model: str = DEFAULT_MODEL,
+               ) -> dict[str, list[tuple[dict[str, Any], dict[str, Any]]]]:
+    """Per rate point (in rate order), every run's (flat row, plugin row) of ``workload`` served
+    with ``model`` (:func:`model_of`), in file order: each plugin row with the flat row of its
+    own run, else the latest flat row before it in the file (the one it was measured against),
+    else the first after it. A run whose every request failed measured nothing and is left
+    out."""
     def of(config: str) -> dict[str, list[tuple[int, dict[str, Any]]]]:
         out: dict[str, list[tuple[int, dict[str, Any]]]] = {}
         for i, r in enumerate(rows):
-            if (r["workload"] == workload and r["config"] == config
+            if (r["workload"] == workload and r["config"] == config and model_of(r) == model
                     and r.get("tensor_parallel_size", 1) == tp and r.get("completed", 1)):
                 out.setdefault(rate_spec(r), []).append((i, r))
         return out

@@ -23,6 +23,7 @@ from benchmarks.serve.metrics import (
     request_times,
     shared_cascade_fraction,
 )
+from benchmarks.serve.pairs import DEFAULT_MODEL, model_of
 from benchmarks.serve.workloads import BURST
 
 ROW_KEYS = ("workload", "config", "request_rate", "tensor_parallel_size", "output_tok_per_s",
@@ -85,10 +86,12 @@ def write_results(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -
     meta_path.write_text(json.dumps({**meta, "runs": [*runs, meta]}, indent=1))
 
 
-def baseline_rates(rows: list[dict[str, Any]], baseline: str, tp: int) -> dict[str, float]:
-    """The sustainable rate per workload: req/s of ``baseline``'s burst rows."""
+def baseline_rates(rows: list[dict[str, Any]], baseline: str, tp: int,
+                   model: str = DEFAULT_MODEL) -> dict[str, float]:
+    """The sustainable rate per workload: req/s of ``baseline``'s burst rows serving ``model``
+    (``pairs.model_of``: a model's rates never come from another's bursts)."""
     return {r["workload"]: r["request_throughput"] for r in rows
-            if r["config"] == baseline and r["request_rate"] == BURST
+            if r["config"] == baseline and r["request_rate"] == BURST and model_of(r) == model
             and r["tensor_parallel_size"] == tp and r.get("request_throughput")}
 
 

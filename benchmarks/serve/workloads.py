@@ -82,6 +82,11 @@ def _workloads() -> dict[str, Workload]:
     # few and their shared part is small.
     w["chat_1k_prefill_heavy"] = Workload("chat_1k_prefill_heavy", "chat", prefix_len=1024,
                                           suffix_len=512, range_ratio=0.5, output_len=96)
+    # A long shared system prompt (6K tokens: 8 pages of 768, the page of a Mamba hybrid's
+    # attention layers, and 384 of 16), 256-768 tokens of each user's own, 128-token answers: the
+    # served pair of each model family (hybrids: benchmarks/serve/expected.py).
+    w["chat_6k_system"] = Workload("chat_6k_system", "chat", prefix_len=6144, suffix_len=512,
+                                   range_ratio=0.5, output_len=128)
     return w
 
 

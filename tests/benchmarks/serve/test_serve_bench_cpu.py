@@ -30,6 +30,7 @@ ROOT = Path(__file__).parents[3]
 SRC = ROOT.resolve() / "src"  # what a server process imports the plugin from
 TINY = ROOT / "examples" / "models" / "llama-tiny"  # vocab 32000, bos 1, eos 2
 LLAMA3 = ROOT / "examples" / "models" / "llama3-8b"  # vocab 128256, bos 128000, eos 128001
+GEMMA3 = ROOT / "examples" / "models" / "gemma3-12b"  # vocab 262208, bos 2, eos 1
 
 ROW_KEYS = ["workload", "config", "request_rate", "tensor_parallel_size", "output_tok_per_s",
             "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "cascade_step_fraction",
@@ -389,7 +390,7 @@ def test_workload_lengths_and_max_model_len():
                             32000) == 768
 
 
-@pytest.mark.parametrize("source", [TINY, LLAMA3])
+@pytest.mark.parametrize("source", [TINY, LLAMA3, GEMMA3])
 def test_every_workloads_longest_prompt_passes_vllms_own_length_checks(source, tmp_path):
     """vLLM refuses, before tokenizing, a prompt of more characters than its input token limit
     times the vocabulary's longest token (400 Bad Request). The worst prompt of each workload
@@ -986,6 +987,7 @@ def test_whole_loop_writes_rows_after_each_run_and_merges(tmp_path, monkeypatch,
         assert r["mid_run_window_s"] is None and r["mid_run_shared_cascade_fraction"] is None
     assert len({r["seed"] for r in rows}) == 6  # same prompts in both configs
     [run] = {r["run"] for r in rows}  # one per invocation: when, and which commit
+    assert {r["model"] for r in rows} == {"llama-tiny"}  # the --model folder's name
     assert run.startswith(rows[0]["run_id"] + "-") and run == meta_run(out)
     assert (out.parent / "serve.png").is_file() and (out.parent / "logs").is_dir()
     meta = json.loads(out.with_suffix(".meta.json").read_text())
@@ -1131,21 +1133,28 @@ def test_the_serving_grid_of_gpu_validate_is_a_valid_bench(tmp_path, capsys):
                                                "capture_bursts", "chat", "policy_moderate",
                                                "flashinfer_chat", "chat_capacity",
                                                "never_slower", "never_slower_chat",
-                                               "never_slower_paired"}
+                                               "never_slower_paired", "hybrid_gemma3",
+                                               "hybrid_bamba"}
     assert all(name == log for name, log, _ in slices)
-    for _, _, args in slices:
+    models = {}
+    for name, _, args in slices:
         argv = shlex.split(args)
         keep = []
         for flag in ("--configs", "--workloads", "--rates"):
             keep += [flag, argv[argv.index(flag) + 1]]
         configs = keep[1].split(",")
+        # A slice of another model serves its own folder (the grid's Llama otherwise: TINY).
+        model = argv[argv.index("--model") + 1] if "--model" in argv else str(TINY)
+        models[name] = Path(model).name
         assert len({sc.CONFIGS[c].backend for c in configs}) == 1 and len(configs) >= 2
         flat = [c for c in configs if sc.baseline(c) == c]
         assert len(flat) == 1  # its backend flat, the one every other config is compared with
         assert all(sc.baseline(c) == flat[0] for c in configs)
-        assert sb.main(["--dry-run", "--model", str(TINY), "--out", str(tmp_path / "s.json"),
-                        "--work-dir", str(tmp_path / "w"), *keep]) == 0
+        assert sb.main(["--dry-run", "--model", str(ROOT / model), "--out",
+                        str(tmp_path / "s.json"), "--work-dir", str(tmp_path / "w"), *keep]) == 0
+    assert models["hybrid_gemma3"] == "gemma3-12b" and models["hybrid_bamba"] == "bamba-9b"
     printed = capsys.readouterr().out
+    assert "# model gemma3-12b: " in printed and "# model bamba-9b: " in printed
     assert re.search(r"prefix_8k_x4 90%#2: ", printed) and "chat_1k5_system 90%: " in printed
     assert "random_2k 90%: " in printed and "prefix_32k_x1 burst: " in printed
 
@@ -1166,7 +1175,7 @@ def test_configs_with_their_own_server_args_pair_with_each_other_and_take_their_
     # Only a one-API-server flat burst on record: no rate for the 4-API-server configs.
     out.write_text(json.dumps([{"workload": "prefix_8k_x4", "config": "flash_attn",
                                 "request_rate": "burst", "tensor_parallel_size": 1,
-                                "request_throughput": 13.0}]))
+                                "request_throughput": 13.0, "model": "llama-tiny"}]))
     assert sb.main(["--dry-run", "--model", str(TINY), "--out", str(out),
                     "--work-dir", str(tmp_path / "w"), "--configs", plugin,
                     "--workloads", "prefix_8k_x4", "--rates", "90%"]) == 0
@@ -1179,7 +1188,7 @@ def test_configs_with_their_own_server_args_pair_with_each_other_and_take_their_
     assert f"<90% of {flat} burst req/s on prefix_8k_x4>" in printed
     out.write_text(json.dumps([{"workload": "prefix_8k_x4", "config": flat,
                                 "request_rate": "burst", "tensor_parallel_size": 1,
-                                "request_throughput": 20.0}]))
+                                "request_throughput": 20.0, "model": "llama-tiny"}]))
     assert sb.main(["--dry-run", "--model", str(TINY), "--out", str(out),
                     "--work-dir", str(tmp_path / "w"), "--configs", plugin,
                     "--workloads", "prefix_8k_x4", "--rates", "90%"]) == 0

@@ -1,0 +1,104 @@
+"""The served model folders (examples/models/, config only: ``vllm serve --load-format dummy``) as
+vLLM 0.26 reads them on the CPU: the architecture it builds, each layer's kind, the attention
+shape, the hybrid KV cache's Mamba mode and the attention page it sets on FLASH_ATTN; and what
+``vllm-cascade check`` says of them. serve/expected.py's shapes rest on these."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from benchmarks.serve import expected as se
+from vllm_cascade_plugin.face import families
+
+HERE = Path(__file__).parent
+ROOT = HERE.parents[2]
+MODELS = ROOT / "examples" / "models"
+
+
+def vllm_view(folder: str) -> dict:
+    """Run in a child process: the folder's engine config as ``vllm serve`` makes it (dummy
+    weights, prefix caching), and for a Mamba hybrid the page ``Platform`` aligns on
+    FLASH_ATTN from its default 16 tokens."""
+    import vllm_cpu
+
+    vllm_cpu.use_cpu_platform()
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.platforms.interface import Platform
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+
+    with vllm_cpu.triton_for_the_cpu_platform():
+        config = EngineArgs(model=folder, load_format="dummy", skip_tokenizer_init=True,
+                            enforce_eager=True, max_model_len=8192, block_size=16,
+                            enable_prefix_caching=True).create_engine_config()
+    model = config.model_config
+    cls, _ = ModelRegistry.resolve_model_cls(model.architectures, model_config=model)
+    hf = model.hf_config
+    out = {"class": cls.__name__,
+           "layer_types": dict(Counter(getattr(hf, "layer_types", None) or [])),
+           "head_size": model.get_head_size(),
+           "kv_heads": model.get_num_kv_heads(config.parallel_config),
+           "sliding_window": getattr(hf, "sliding_window", None), "hybrid": model.is_hybrid,
+           "mamba_cache_mode": config.cache_config.mamba_cache_mode}
+    if model.is_hybrid:
+        Platform._align_hybrid_block_size(config, FlashAttentionBackend)
+    out["page"] = config.cache_config.block_size
+    return out
+
+
+@pytest.fixture(scope="module")
+def views() -> dict:
+    pytest.importorskip("vllm")
+    code = ("import json, sys, test_serve_models_cpu as t; "
+            "print('@@' + json.dumps({f: t.vllm_view(f) for f in sys.argv[1:]}))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(HERE), str(ROOT / "tests"), str(ROOT / "src"), str(ROOT),
+         os.environ.get("PYTHONPATH", "")])}
+    env.pop("CASCADE_ATTENTION", None)
+    folders = [str(MODELS / f) for f in ("gemma3-12b", "bamba-9b", "llama3-8b")]
+    proc = subprocess.run([sys.executable, "-c", code, *folders], env=env, text=True,
+                          capture_output=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    [line] = [x for x in proc.stdout.splitlines() if x.startswith("@@")]
+    return {Path(k).name: v for k, v in json.loads(line[2:]).items()}
+
+
+def test_gemma3_is_vllms_gemma3_text_stack_of_five_sliding_layers_to_one_full(views):
+    view = views["gemma3-12b"]
+    assert view["class"] == "Gemma3ForCausalLM"
+    assert view["layer_types"] == {"sliding_attention": 40, "full_attention": 8}
+    assert (view["head_size"], view["kv_heads"], view["sliding_window"]) == (256, 8, 1024)
+    assert not view["hybrid"] and view["page"] == 16  # no recurrent layer: FLASH_ATTN's page
+
+
+def test_the_mamba_hybrid_is_dense_with_prefix_caching_of_its_state_and_768_token_pages(views):
+    """vLLM 0.26 dropped BambaForCausalLM (removed in 0.23); GraniteMoeHybridForCausalLM, the
+    architecture that carried it on, builds Bamba-9B's shapes without experts."""
+    view = views["bamba-9b"]
+    assert view["class"] == "GraniteMoeHybridForCausalLM"
+    assert view["layer_types"] == {"linear_attention": 29, "full_attention": 3}
+    assert (view["head_size"], view["kv_heads"]) == (128, 8)
+    assert view["hybrid"] and view["mamba_cache_mode"] == "all"
+    assert view["page"] == 768 == se.model_of(MODELS / "bamba-9b").page
+
+
+def test_llama_is_one_kind_of_layer(views):
+    view = views["llama3-8b"]
+    assert view["class"] == "LlamaForCausalLM" and not view["hybrid"] and view["page"] == 16
+
+
+@pytest.mark.parametrize(("folder", "kinds"), [
+    ("gemma3-12b", "8 full-attention, 40 sliding-window and 0 recurrent"),
+    ("bamba-9b", "3 full-attention, 0 sliding-window and 29 recurrent")])
+def test_check_runs_the_full_layers_as_cascade_only_with_unverified(folder, kinds):
+    lines, can = families.model_lines(str(MODELS / folder), unverified=False)
+    assert kinds in lines[0] and can is False and "CASCADE_UNVERIFIED=1" in lines[0]
+    lines, can = families.model_lines(str(MODELS / folder), unverified=True)
+    assert can is True and "full-attention layer(s) can run cascade" in lines[0]
