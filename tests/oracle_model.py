@@ -171,12 +171,6 @@ def build_gpt_oss(**changes: Any) -> Any:
     return _offset_logits(model)
 
 
-def save_gpt_oss(out: str | Path) -> str:
-    """Build the gpt-oss oracle and save it into ``out`` as vLLM loads it."""
-    build_gpt_oss().save_pretrained(out)
-    return str(out)
-
-
 # The dense gpt-oss oracle: the gpt-oss oracle with one expert, which every token takes with
 # weight 1, saved as a dense MLP per layer (gate, up and down projections with biases, gpt-oss's
 # clamped SwiGLU). vLLM runs it as GptOssDenseForCausalLM (tests/gpu/gpt_oss_dense: vLLM's own
