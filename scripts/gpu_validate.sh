@@ -35,7 +35,9 @@
 #   speculative        ngram speculative decoding, plugin on vs off (V1 runner)
 #   sliding            tests/gpu/test_sliding_window_engine.py: sliding-window layers run flat;
 #                      under the hybrid KV cache (CASCADE_UNVERIFIED=1) the full layers' group
-#                      runs cascade: a Mistral-style oracle, Gemma 3's and gpt-oss's stacks
+#                      runs cascade: a Mistral-style oracle, Gemma 3's stack, gpt-oss's
+#                      attention with sinks (a dense stand-in: vLLM's gpt-oss layers with a
+#                      dense MLP, no fused-MoE kernels needed)
 #   soak               tests/gpu/test_soak.py: benchmarks/soak/bench.py shortened to SOAK_SECONDS
 # then alone (they take most of the GPU, or time what they run):
 #   serving_memory     tests/gpu/test_serving.py at gpu_memory_utilization=0.92

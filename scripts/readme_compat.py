@@ -67,8 +67,9 @@ ROWS: list[tuple[str, str, str, tuple[str, ...]]] = [
      ("sliding",)),
     ("attention sinks (gpt-oss)", "opt-in (`CASCADE_UNVERIFIED=1`), flat by default",
      "GPU: every executor against fp32 softmax with sinks and FA3 with `s_aux` (`kernels`); "
-     "the gpt-oss engine test needs vLLM's fused-MoE kernels, which the validation machine's "
-     "vLLM build lacks: not run", ("kernels",)),
+     "the gpt-oss engine test runs a dense stand-in with gpt-oss's attention (vLLM's gpt-oss "
+     "layers, a dense MLP for its experts: the validation machine's vLLM build has no "
+     "fused-MoE kernels): not yet run on a GPU", ("kernels",)),
     ("`vllm-cascade demo`, `examples/`", "run", "GPU, as a user runs them",
      ("demo", "examples")),
     ("recurrent hybrids (Mamba or linear-attention layers beside full-attention ones)",

@@ -23,7 +23,9 @@ the positions. This model keeps the plain initialisation and changes three thing
 moves the chosen-token logprobs by more than ten times the tolerance, two correct attention
 computations stay well within it) and ``tests/gpu/conftest.py`` saves it for the engine tests.
 :func:`build_mixed` makes a sliding-window variant the same way; its teeth (the window ignored
-on its sliding layers) are proven by ``tests/test_sliding_window_model.py``.
+on its sliding layers) are proven by ``tests/test_sliding_window_model.py``;
+:func:`build_gpt_oss_dense` a gpt-oss one with sinks, whose teeth (a sink dropped or counted
+twice) and vLLM class are checked by ``tests/test_gpt_oss_dense_model.py``.
 """
 
 from __future__ import annotations
@@ -127,9 +129,10 @@ def save_mixed(out: str | Path) -> str:
 # The gpt-oss oracle: gpt-oss's attention stack at a small size (layers alternating 128-token
 # sliding windows and full attention, attention sinks on every layer, biases, YaRN RoPE, a
 # mixture of experts whose router picks the same experts for every token) with the same
-# sharpening. Its sinks sit around the rows' log-sum-exps
-# (attention logits spread by QK_SCALE over hundreds to thousands of keys), where they take a
-# tenth to a half of each head's softmax: a sink dropped or counted twice moves every output.
+# sharpening; the engine test runs its one-expert variant, the dense oracle below. Its sinks sit
+# around the rows' log-sum-exps (attention logits spread by QK_SCALE over hundreds to thousands
+# of keys), where they take a tenth to a half of each head's softmax: a sink dropped or counted
+# twice moves every output.
 GPT_OSS_CONFIG: dict[str, Any] = {
     "hidden_size": 512, "intermediate_size": 512, "num_hidden_layers": 4,
     "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
@@ -141,13 +144,14 @@ GPT_OSS_CONFIG: dict[str, Any] = {
 GPT_OSS_SINKS = (4.0, 9.0)  # each head's sink drawn uniformly from this range
 
 
-def build_gpt_oss() -> Any:
-    """The gpt-oss oracle in bfloat16 (seeded), as transformers' GptOssForCausalLM."""
+def build_gpt_oss(**changes: Any) -> Any:
+    """The gpt-oss oracle in bfloat16 (seeded), as transformers' GptOssForCausalLM;
+    ``changes``: config entries that replace :data:`GPT_OSS_CONFIG`'s."""
     import torch
     from transformers import GptOssConfig, GptOssForCausalLM
 
     torch.manual_seed(SEED)
-    model = GptOssForCausalLM(GptOssConfig(**GPT_OSS_CONFIG)).float().eval()
+    model = GptOssForCausalLM(GptOssConfig(**{**GPT_OSS_CONFIG, **changes})).float().eval()
     low, high = GPT_OSS_SINKS
     with torch.no_grad():
         for layer in model.model.layers:
@@ -167,10 +171,85 @@ def build_gpt_oss() -> Any:
     return _offset_logits(model)
 
 
-def save_gpt_oss(out: str | Path) -> str:
-    """Build the gpt-oss oracle and save it into ``out`` as vLLM loads it."""
-    build_gpt_oss().save_pretrained(out)
+# The dense gpt-oss oracle: the gpt-oss oracle with one expert, which every token takes with
+# weight 1, saved as a dense MLP per layer (gate, up and down projections with biases, gpt-oss's
+# clamped SwiGLU). vLLM runs it as GptOssDenseForCausalLM (tests/gpu/gpt_oss_dense: vLLM's own
+# gpt-oss attention, norms, embedding and head around that MLP), which needs no fused-MoE
+# kernels; transformers runs the same weights as GptOssForCausalLM (:func:`load_gpt_oss_dense`).
+GPT_OSS_DENSE = {"num_local_experts": 1, "num_experts_per_tok": 1}
+GPT_OSS_DENSE_ARCHITECTURE = "GptOssDenseForCausalLM"
+GPT_OSS_DENSE_SITE = Path(__file__).parent / "gpu" / "gpt_oss_dense"  # on the engines' path
+EXPERT = "mlp.experts."
+
+
+def build_gpt_oss_dense() -> Any:
+    """The dense gpt-oss oracle in bfloat16 (seeded), as transformers' GptOssForCausalLM with
+    its one expert."""
+    return build_gpt_oss(**GPT_OSS_DENSE)
+
+
+def dense_state(state: dict[str, Any]) -> dict[str, Any]:
+    """The one-expert model's tensors as the dense checkpoint holds them: each layer's router
+    dropped, its expert as ``mlp.{gate,up,down}_proj.{weight,bias}`` ([out, in], as nn.Linear;
+    gpt-oss interleaves gate and up columns: gate the even ones, up the odd ones)."""
+    out = {k: v for k, v in state.items() if ".mlp." not in k}
+    for key in (k for k in state if k.endswith(EXPERT + "gate_up_proj")):
+        layer = key.removesuffix(EXPERT + "gate_up_proj")
+        [gate_up], [gate_up_bias] = state[key], state[key + "_bias"]
+        [down], [down_bias] = state[layer + EXPERT + "down_proj"], \
+            state[layer + EXPERT + "down_proj_bias"]
+        for name, weight, bias in (("gate", gate_up[:, ::2], gate_up_bias[::2]),
+                                   ("up", gate_up[:, 1::2], gate_up_bias[1::2]),
+                                   ("down", down, down_bias)):
+            out[f"{layer}mlp.{name}_proj.weight"] = weight.t().contiguous()
+            out[f"{layer}mlp.{name}_proj.bias"] = bias.contiguous()
+    return out
+
+
+def save_gpt_oss_dense(out: str | Path) -> str:
+    """Build the dense gpt-oss oracle and save it into ``out`` as vLLM's
+    GptOssDenseForCausalLM loads it (config.json of model type gpt_oss, one safetensors file)."""
+    from safetensors.torch import save_file
+
+    model = build_gpt_oss_dense()
+    Path(out).mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(out)
+    path = Path(out) / "config.json"
+    saved = json.loads(path.read_text())
+    path.write_text(json.dumps({**saved, "architectures": [GPT_OSS_DENSE_ARCHITECTURE],
+                                "dtype": "bfloat16"}, indent=1))
+    save_file(dense_state(model.state_dict()), str(Path(out) / "model.safetensors"),
+              metadata={"format": "pt"})
     return str(out)
+
+
+def load_gpt_oss_dense(folder: str | Path) -> Any:
+    """The saved dense gpt-oss oracle as transformers' GptOssForCausalLM (bf16 weights, the
+    dense MLP put back as its one expert, the router's one choice at weight 1)."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    config = GptOssConfig.from_pretrained(folder)
+    state = load_file(str(Path(folder) / "model.safetensors"))
+    model = GptOssForCausalLM(config).to(torch.bfloat16).eval()
+    full = {k: v for k, v in state.items() if ".mlp." not in k}
+    for i in range(config.num_hidden_layers):
+        mlp = f"model.layers.{i}.mlp."
+        gate, up, down = (state[f"{mlp}{p}_proj.weight"].t() for p in ("gate", "up", "down"))
+        gate_bias, up_bias, down_bias = (state[f"{mlp}{p}_proj.bias"]
+                                         for p in ("gate", "up", "down"))
+        # Columns interleaved again: gate, up, gate, up...
+        full[mlp + "experts.gate_up_proj"] = torch.stack([gate, up], -1).flatten(-2)[None]
+        full[mlp + "experts.gate_up_proj_bias"] = torch.stack([gate_bias, up_bias], -1) \
+            .flatten()[None]
+        full[mlp + "experts.down_proj"] = down[None]
+        full[mlp + "experts.down_proj_bias"] = down_bias[None]
+        router = model.model.layers[i].mlp.router  # one expert: chosen with weight 1 whatever
+        full[mlp + "router.weight"] = torch.zeros_like(router.weight)
+        full[mlp + "router.bias"] = torch.zeros_like(router.bias)
+    model.load_state_dict(full, strict=True)
+    return model
 
 
 # The Gemma 3 oracle: Gemma 3's text stack at a small size (five 512-token sliding-window layers

@@ -81,3 +81,19 @@ def test_an_engines_knobs_replace_the_plugin_runs_defaults(engines, monkeypatch)
     assert on.with_(knobs=()).environment()["CASCADE_SPLIT_MIXED"] == "1"
     off = on.with_(plugin=False, knobs=()).environment()
     assert not [k for k in off if k.startswith("CASCADE_")]
+
+
+def test_an_engines_pythonpath_comes_first_plugin_on_or_off_and_is_part_of_its_identity(
+        engines, monkeypatch):
+    """A test-only model's folder (its ``sitecustomize`` registers the model with vLLM) goes
+    first on the run's ``PYTHONPATH``, before the one it inherits, with the plugin on and off;
+    a run with it is another run than one without."""
+    monkeypatch.setenv("PYTHONPATH", "/inherited")
+    plain = engines.Engine("model", False)
+    with_site = plain.with_(pythonpath=("/site",))
+    assert plain.environment()["PYTHONPATH"] == "/inherited"
+    for engine in (with_site, with_site.with_(plugin=True)):
+        assert engine.environment()["PYTHONPATH"].split(":") == ["/site", "/inherited"]
+    assert with_site.key != plain.key
+    monkeypatch.delenv("PYTHONPATH")
+    assert with_site.environment()["PYTHONPATH"] == "/site"

@@ -93,9 +93,12 @@ def gemma3_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="session")
-def gpt_oss_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The gpt-oss oracle (``oracle_model.save_gpt_oss``: gpt-oss's attention stack with sinks
-    and a mixture of experts at a small size), saved once."""
+def gpt_oss_dense_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The dense gpt-oss oracle (``oracle_model.save_gpt_oss_dense``: gpt-oss's attention stack
+    with sinks at a small size, one dense MLP per layer; vLLM runs it as GptOssDenseForCausalLM,
+    which the engines' path registers: ``oracle_model.GPT_OSS_DENSE_SITE``; its teeth and
+    vLLM's reading of it are checked on the CPU by tests/test_gpt_oss_dense_model.py), saved
+    once."""
     import oracle_model
 
-    return _saved("gpt-oss-oracle", tmp_path_factory, oracle_model.save_gpt_oss)
+    return _saved("gpt-oss-dense-oracle", tmp_path_factory, oracle_model.save_gpt_oss_dense)

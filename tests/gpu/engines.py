@@ -1,8 +1,9 @@
 """Engine runs for the GPU engine tests: each configuration runs once, side by side with others.
 
 An :class:`Engine` names one run of ``engine_driver.py`` (model, plugin on or off, runner,
-backend, extra arguments, ``CASCADE_*`` knobs). :func:`run` starts the runs a test needs at the
-same time, each in its own process (the plugin registers at startup), and returns their results.
+backend, extra arguments, ``CASCADE_*`` knobs, folders put first on its ``PYTHONPATH``).
+:func:`run` starts the runs a test needs at the same time, each in its own process (the plugin
+registers at startup), and returns their results.
 A run's result is kept in ``CASCADE_ENGINE_CACHE`` (a folder; default: one of this process), under
 a lock, so every test that needs the same run, in this pytest process or in another one beside
 it (``scripts/gpu_validate.sh`` runs several), gets that one run. A failed run is kept too: the
@@ -48,6 +49,9 @@ class Engine:
     backend: str = "FLASHINFER"
     extra: tuple[str, ...] = ()
     knobs: tuple[tuple[str, str], ...] = ()
+    # Folders put first on the run's PYTHONPATH, plugin on or off: a test-only model's
+    # registration (its sitecustomize runs in every process of the run).
+    pythonpath: tuple[str, ...] = ()
 
     def with_(self, **changes) -> Engine:
         return dataclasses.replace(self, **changes)
@@ -78,6 +82,9 @@ class Engine:
         env = {k: v for k, v in os.environ.items() if not k.startswith("CASCADE_")}
         env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0",
                    VLLM_USE_V2_MODEL_RUNNER="1" if self.runner == "v2" else "0")
+        if self.pythonpath:
+            env["PYTHONPATH"] = os.pathsep.join(
+                [*self.pythonpath, *filter(None, [env.get("PYTHONPATH")])])
         if self.plugin:
             # Every cascade path the plugin has: mixed steps split too (off by default); the
             # engine's knobs replace these.

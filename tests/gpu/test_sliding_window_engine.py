@@ -24,8 +24,11 @@ vLLM 0.26 lays out such a model's KV cache one of two ways; the V1 model runner,
 
 Two more oracles take the same workload in vLLM's default hybrid layout with
 ``CASCADE_UNVERIFIED=1``: Gemma 3's text stack (five sliding layers to one full layer, a KV-cache
-group per kind) and gpt-oss's (alternating 128-token windows, a sink per head on every layer, a
-mixture of experts; it needs vLLM's fused-MoE kernels and skips where the build lacks them).
+group per kind) and gpt-oss's attention stack (alternating 128-token windows, a sink per head on
+every layer) in a dense stand-in for gpt-oss, GptOssDenseForCausalLM: vLLM's gpt-oss attention,
+norms, embedding and head with a dense MLP in place of the mixture of experts, so that it runs
+where vLLM's build has no fused-MoE kernels (``tests/gpu/gpt_oss_dense``, registered in every
+engine process through that folder's ``sitecustomize``).
 
 The tests assert which layers run flat and whether any step ran cascade in each layout, so that a
 change in either (vLLM's layout, the plugin's choice) shows here. The engines run vLLM's
@@ -44,6 +47,7 @@ import json
 import pytest
 
 import engine_oracle
+import oracle_model
 from gpu import engines
 from gpu.engines import Engine
 
@@ -57,12 +61,14 @@ RESULTS: list[dict] = []
 
 def _judged_run(model_dir: str, extra: tuple[str, ...], layout: str,
                 knobs: tuple[tuple[str, str], ...] = (), runner: str = RUNNER,
-                reference: tuple[str, ...] = UNIFIED) -> tuple[dict, dict]:
+                reference: tuple[str, ...] = UNIFIED,
+                pythonpath: tuple[str, ...] = ()) -> tuple[dict, dict]:
     """The plugin-on engine in ``layout`` (with ``knobs``, on ``runner``), judged against
     plugin-off FLASH_ATTN and TRITON_ATTN (V1, one KV-cache group unless ``reference`` says
     otherwise, run side by side with it); none of its steps waited for the GPU. Returns its
-    result and the workload's counters."""
-    off = Engine(model_dir, False, RUNNER, "FLASH_ATTN", reference)
+    result and the workload's counters. ``pythonpath``: folders first on every engine's path
+    (a test-only model's registration)."""
+    off = Engine(model_dir, False, RUNNER, "FLASH_ATTN", reference, pythonpath=pythonpath)
     on, flat, triton = engines.run(
         off.with_(plugin=True, extra=extra, knobs=knobs, runner=runner), off,
         off.with_(backend="TRITON_ATTN"))
@@ -120,33 +126,20 @@ def test_hybrid_kv_cache_with_unverified_paths_runs_the_full_layers_group_as_cas
     assert ATTN.format(1) not in line and ATTN.format(3) not in line, line
 
 
-def moe_kernels_missing() -> str | None:
-    """Why vLLM's fused-MoE kernels cannot run here (the device bundle's vLLM build strips its
-    ``_moe_C`` extension: gpt-oss's routing op ``topk_softmax`` is absent), or None."""
-    import torch
-
-    try:
-        import vllm._custom_ops  # noqa: F401  (loads vLLM's extensions, _moe_C among them)
-    except ImportError as exc:
-        return f"vLLM's custom ops cannot be imported ({exc})"
-    if not hasattr(torch.ops._moe_C, "topk_softmax"):
-        return ("this vLLM build has no fused-MoE kernels (torch.ops._moe_C.topk_softmax), "
-                "which gpt-oss's experts need")
-    return None
-
-
 @pytest.mark.parametrize("runner", ["v1", "v2"])
-def test_gpt_oss_attention_with_sinks_runs_its_full_layers_as_cascade(gpt_oss_model_dir, runner):
-    """gpt-oss's attention stack (``oracle_model.build_gpt_oss``: 128-token sliding layers
-    between full ones, a sink per head on every layer, a mixture of experts) as vLLM's
-    GptOssForCausalLM with its default hybrid KV cache: with ``CASCADE_UNVERIFIED=1`` the full
-    layers' group runs cascade, each layer's sinks applied to its merged output; the sliding
-    layers run flat; the answers are plugin-off vLLM's (FLASH_ATTN, and TRITON_ATTN as the
-    second correct kernel, both with their sinks)."""
-    if reason := moe_kernels_missing():
-        pytest.skip(reason)
-    on, counts = _judged_run(gpt_oss_model_dir, ONLY, f"gpt-oss hybrid on {runner}, sinks",
-                             (("CASCADE_UNVERIFIED", "1"),), runner, reference=ONLY)
+def test_gpt_oss_attention_with_sinks_runs_its_full_layers_as_cascade(
+        gpt_oss_dense_model_dir, runner):
+    """gpt-oss's attention stack (``oracle_model.build_gpt_oss_dense``: 128-token sliding layers
+    between full ones, a sink per head on every layer, one dense MLP per layer) as
+    GptOssDenseForCausalLM, vLLM's gpt-oss with a dense MLP for its experts, with vLLM's
+    default hybrid KV cache: with ``CASCADE_UNVERIFIED=1`` the full layers' group runs cascade,
+    each layer's sinks applied to its merged output; the sliding layers run flat; the answers
+    are plugin-off vLLM's (FLASH_ATTN, and TRITON_ATTN as the second correct kernel, both with
+    their sinks). Every engine, plugin on and off, has the model's registration on its path."""
+    on, counts = _judged_run(gpt_oss_dense_model_dir, ONLY,
+                             f"gpt-oss (dense stand-in) hybrid on {runner}, sinks",
+                             (("CASCADE_UNVERIFIED", "1"),), runner, reference=ONLY,
+                             pythonpath=(str(oracle_model.GPT_OSS_DENSE_SITE),))
     assert counts["steps_cascade"] > 0, counts
     assert counts["fallbacks"] == {}, counts
     [line] = _flat_lines(on)  # the sliding (even) layers' builder, once
