@@ -38,6 +38,10 @@
 #                      runs cascade: a Mistral-style oracle, Gemma 3's stack, gpt-oss's
 #                      attention with sinks (a dense stand-in: vLLM's gpt-oss layers with a
 #                      dense MLP, no fused-MoE kernels needed)
+#   hybrid             tests/gpu/test_hybrid_engine.py: a Mamba2 / attention hybrid (Granite
+#                      4.0-H's dense stack, 256-token pages): under CASCADE_UNVERIFIED=1 the
+#                      attention layers' group runs cascade beside the Mamba state (V1 and V2),
+#                      flat without it; one wrong page must fail
 #   soak               tests/gpu/test_soak.py: benchmarks/soak/bench.py shortened to SOAK_SECONDS
 # then alone (they take most of the GPU, or time what they run):
 #   serving_memory     tests/gpu/test_serving.py at gpu_memory_utilization=0.92
@@ -68,9 +72,9 @@ for w in .devb/wheels/*.whl; do [ -f "$w" ] && export PYTHONPATH="$PWD/$w${PYTHO
 for d in /usr/local/cuda*/targets/x86_64-linux/lib; do
   [ -e "$d/libcupti.so.13" ] && export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" && break
 done
-SIDE_BY_SIDE=${GV_SIDE_BY_SIDE-"engine_flash_attn engine_flashinfer engine_graphs kernels serving fp8 speculative sliding soak"}
+SIDE_BY_SIDE=${GV_SIDE_BY_SIDE-"engine_flash_attn engine_flashinfer engine_graphs kernels serving fp8 speculative sliding hybrid soak"}
 ALONE=${GV_ALONE-"serving_memory demo examples"}
-ORDER="engine_flash_attn engine_flashinfer engine_graphs kernels serving serving_memory fp8 speculative sliding soak demo examples"
+ORDER="engine_flash_attn engine_flashinfer engine_graphs kernels serving serving_memory fp8 speculative sliding hybrid soak demo examples"
 SOAK_SECONDS=${SOAK_SECONDS:-90}
 E2E_WORKLOADS=b128_16k_prefix_64_own,8_prefixes_8k_x16_interleaved,n16_sampling_32_prompts_4k,no_sharing_256_random_2k
 stamp() { echo "[gpu_validate $(date +%T)] $*"; }
@@ -116,6 +120,7 @@ part_speculative() {
   pytest_part speculative 900 tests/gpu/test_flash_attn_engine.py -k ngram
 }
 part_sliding() { pytest_part sliding 900 -n 2 tests/gpu/test_sliding_window_engine.py; }
+part_hybrid() { pytest_part hybrid 900 -n 2 tests/gpu/test_hybrid_engine.py; }
 part_soak() {
   CASCADE_SOAK_SECONDS=$SOAK_SECONDS CASCADE_SOAK_REQUESTS=$(( SOAK_SECONDS * 4 )) \
     pytest_part soak $(( 2 * SOAK_SECONDS + 600 )) tests/gpu/test_soak.py
@@ -256,7 +261,7 @@ wait_parts() {  # until the detached run is done or $1 seconds have passed; pack
   grep -h "gpu_validate\|\"part\"" "$res/parts.log" 2>/dev/null | tail -40
 }
 
-PARTS="all engine engine_flash_attn engine_flashinfer engine_graphs kernels serving serving_memory fp8 speculative sliding soak demo examples tp e2e e2e_fa split_bench serve serve_grid"
+PARTS="all engine engine_flash_attn engine_flashinfer engine_graphs kernels serving serving_memory fp8 speculative sliding hybrid soak demo examples tp e2e e2e_fa split_bench serve serve_grid"
 case ${1:?"a part ($PARTS), start PARTS..., or wait [SECONDS]"} in
 start)
   shift

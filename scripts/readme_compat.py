@@ -74,7 +74,10 @@ ROWS: list[tuple[str, str, str, tuple[str, ...]]] = [
      ("demo", "examples")),
     ("recurrent hybrids (Mamba or linear-attention layers beside full-attention ones)",
      "the recurrent layers run as without the plugin; the full-attention layers' group runs "
-     "cascade with `CASCADE_UNVERIFIED=1` only", "CPU suite (the group chosen, its plans)", ()),
+     "cascade with `CASCADE_UNVERIFIED=1` only",
+     "CPU suite (the group chosen, its plans; vLLM's layout of a Mamba2 hybrid); GPU: a Mamba2 "
+     "hybrid (Granite 4.0-H's dense stack, 256-token pages) engine vs two flat kernels, V1 and "
+     "V2", ("hybrid",)),
     ("prefix caching off; other attention backends; ALiBi, context or pipeline parallelism, "
      "microbatching, encoder-decoder models, mixed scales or soft-caps",
      "run as without the plugin", "one INFO line, `check` says so", ()),

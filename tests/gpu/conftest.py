@@ -102,3 +102,13 @@ def gpt_oss_dense_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     import oracle_model
 
     return _saved("gpt-oss-dense-oracle", tmp_path_factory, oracle_model.save_gpt_oss_dense)
+
+
+@pytest.fixture(scope="session")
+def hybrid_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The recurrent-hybrid oracle (``oracle_hybrid.save``: Granite 4.0-H's dense Mamba2 and
+    attention stack at a small size; its teeth and vLLM's layout of it are checked on the CPU by
+    tests/test_hybrid_model.py), saved once."""
+    import oracle_hybrid
+
+    return _saved("hybrid-oracle", tmp_path_factory, oracle_hybrid.save)

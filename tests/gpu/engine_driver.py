@@ -98,7 +98,8 @@ def workloads(seed: int = 0) -> dict[str, tuple[list[list[int]], dict]]:
     phrase = _tokens(rng, 64)
     w["x_ngram_repetitive_2k_prefix_x32"] = (
         [phrase * 32 + _tokens(rng, 16) for _ in range(32)], {**greedy, "max_tokens": 64})
-    # For the sliding-window oracle (window 512): a cached 2K prefix, four windows long.
+    # For the sliding-window oracle (window 512): a cached 2K prefix, four windows long; for the
+    # hybrid oracle (tests/oracle_hybrid.py), eight of its 256-token pages.
     shared = _tokens(rng, 2048)
     w["x_sliding_2k_prefix_x32"] = ([shared + _tokens(rng, 16) for _ in range(32)], greedy)
     return w
