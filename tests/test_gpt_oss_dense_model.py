@@ -31,7 +31,6 @@ What that test expects rests on facts checked here on the CPU:
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import subprocess
@@ -43,6 +42,7 @@ import pytest
 import torch
 
 import oracle_model
+import vllm_cpu
 from test_oracle_model import records, teacher_forced_delta
 from vllm_cascade_plugin.face import agreement
 
@@ -53,20 +53,11 @@ SLIDING, FULL = [0, 2], [1, 3]
 ATTN = "model.layers.{}.attn.attn"  # vLLM's names of gpt-oss's attention layers
 
 
-def _child_env(**more: str) -> dict[str, str]:
-    env = {**os.environ, **more, "PYTHONPATH": os.pathsep.join(filter(None, [
-        str(SITE), str(HERE), str(HERE.parent / "src"), os.environ.get("PYTHONPATH")]))}
-    env.pop("CASCADE_ATTENTION", None)
-    return env
-
-
 def vllm_view(model_dir: str, at_start: dict) -> dict:
     """Run in a child process started with ``SITE`` first on its path (it starts
     torch.distributed): what vLLM makes of the saved folder, see the module's docstring."""
     import glob
     import tempfile
-
-    import vllm_cpu
 
     vllm_cpu.use_cpu_platform()
     import torch.nn.functional as F
@@ -76,17 +67,6 @@ def vllm_view(model_dir: str, at_start: dict) -> dict:
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
-
-    try:
-        from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
-        get_groups = None
-    except ImportError:  # vLLM 0.33: moved, and the engine core forms the groups first
-        from vllm.v1.core.kv_cache_planning import (
-            get_global_kv_cache_groups as get_groups,  # type: ignore[no-redef]
-        )
-        from vllm.v1.core.kv_cache_planning import (
-            get_kv_cache_configs,  # type: ignore[no-redef]
-        )
 
     out: dict = {"at_start": at_start,
                  "registered": oracle_model.GPT_OSS_DENSE_ARCHITECTURE
@@ -113,9 +93,7 @@ def vllm_view(model_dir: str, at_start: dict) -> dict:
     layers = config.compilation_config.static_forward_context
     out["windows"] = {name: layer.sliding_window for name, layer in layers.items()}
     specs = {name: layer.get_kv_cache_spec(config) for name, layer in layers.items()}
-    found = [dict(specs)]
-    groups_first = () if get_groups is None else (get_groups(config, found),)
-    [kv] = get_kv_cache_configs(config, found, [1 << 30], *groups_first)
+    kv = vllm_cpu.kv_cache_config(config, specs)
     out["hybrid"] = [{"layers": g.layer_names, "spec": type(g.kv_cache_spec).__name__,
                       "window": getattr(g.kv_cache_spec, "sliding_window", None)}
                      for g in kv.kv_cache_groups]
@@ -183,12 +161,8 @@ def view(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
             "print('@@' + json.dumps(t.vllm_view(sys.argv[1], at_start)))")
     # An empty model-info cache: vLLM inspects the class in a process of its own, as on a fresh
     # GPU machine (that process finds the class's module through the inherited path).
-    env = _child_env(VLLM_CACHE_ROOT=str(tmp_path_factory.mktemp("vllm-cache")))
-    proc = subprocess.run([sys.executable, "-c", code, model_dir], env=env, text=True,
-                          capture_output=True, timeout=900)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    [line] = [x for x in proc.stdout.splitlines() if x.startswith("@@")]
-    return json.loads(line[2:])
+    return vllm_cpu.in_child(code, model_dir, first=(str(SITE),), timeout=900,
+                             VLLM_CACHE_ROOT=str(tmp_path_factory.mktemp("vllm-cache")))
 
 
 def test_the_folder_registers_the_class_once_vllm_is_imported_and_nothing_before(view):

@@ -34,9 +34,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +41,7 @@ import pytest
 import torch
 
 import oracle_hybrid
+import vllm_cpu
 from test_oracle_model import (
     GENERATED,
     KERNELS,
@@ -69,8 +67,6 @@ def vllm_layout(model_dir: str) -> dict:
     page size the GPU worker gives them for the FLASH_ATTN backend, and the KV-cache groups."""
     import tempfile
 
-    import vllm_cpu
-
     vllm_cpu.use_cpu_platform()
     import vllm.v1.utils
     from vllm.config import set_current_vllm_config
@@ -81,17 +77,6 @@ def vllm_layout(model_dir: str) -> dict:
     from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 
     from vllm_cascade_plugin.integration import compat
-
-    try:
-        from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
-        get_groups = None
-    except ImportError:  # vLLM 0.33: moved, and the engine core forms the groups first
-        from vllm.v1.core.kv_cache_planning import (
-            get_global_kv_cache_groups as get_groups,  # type: ignore[no-redef]
-        )
-        from vllm.v1.core.kv_cache_planning import (
-            get_kv_cache_configs,  # type: ignore[no-redef]
-        )
 
     vllm.v1.utils.PIN_MEMORY = False
 
@@ -137,9 +122,7 @@ def vllm_layout(model_dir: str) -> dict:
     specs = {name: layer.get_kv_cache_spec(config) for name, layer in layers.items()}
     out["specs"] = {name: type(spec).__name__ for name, spec in specs.items()}
     out["page_bytes"] = sorted({spec.page_size_bytes for spec in specs.values()})
-    found = [dict(specs)]  # as the engine core calls it (a copy: vLLM may unify the specs)
-    groups_first = () if get_groups is None else (get_groups(config, found),)
-    [kv] = get_kv_cache_configs(config, found, [1 << 30], *groups_first)
+    kv = vllm_cpu.kv_cache_config(config, specs)
     out["groups"] = [{"layers": g.layer_names, "spec": type(g.kv_cache_spec).__name__,
                       "kind": compat.kv_cache_kind(g.kv_cache_spec),
                       "block_size": g.kv_cache_spec.block_size} for g in kv.kv_cache_groups]
@@ -153,16 +136,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def layout(model_dir: str) -> dict:
-    code = ("import json, sys, test_hybrid_model as t; "
-            "print('@@' + json.dumps(t.vllm_layout(sys.argv[1])))")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(HERE), str(HERE.parent / "src"), os.environ.get("PYTHONPATH", "")])}
-    env.pop("CASCADE_ATTENTION", None)
-    proc = subprocess.run([sys.executable, "-c", code, model_dir], env=env, text=True,
-                          capture_output=True, timeout=600)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    [line] = [x for x in proc.stdout.splitlines() if x.startswith("@@")]
-    return json.loads(line[2:])
+    return vllm_cpu.in_child("import json, sys, test_hybrid_model as t; "
+                             "print('@@' + json.dumps(t.vllm_layout(sys.argv[1])))", model_dir)
 
 
 def test_vllm_builds_mamba_mixers_and_attention_where_transformers_has_them(model_dir, layout):

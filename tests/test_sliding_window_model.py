@@ -20,10 +20,6 @@ test expects rests on two facts checked here on the CPU:
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +27,7 @@ import pytest
 import torch
 
 import oracle_model
+import vllm_cpu
 from test_oracle_model import KERNELS, records, teacher_forced_delta
 from vllm_cascade_plugin.face import agreement
 
@@ -46,8 +43,6 @@ def vllm_layout(model_dir: str) -> dict:
     their specs with the hybrid KV cache manager on and off."""
     import tempfile
 
-    import vllm_cpu
-
     vllm_cpu.use_cpu_platform()
     import vllm.v1.utils
     from vllm.config import set_current_vllm_config
@@ -55,16 +50,6 @@ def vllm_layout(model_dir: str) -> dict:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.models.mistral import MistralAttention
 
-    try:
-        from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
-        get_groups = None
-    except ImportError:  # vLLM 0.33: moved, and the engine core forms the groups first
-        from vllm.v1.core.kv_cache_planning import (
-            get_global_kv_cache_groups as get_groups,  # type: ignore[no-redef]
-        )
-        from vllm.v1.core.kv_cache_planning import (
-            get_kv_cache_configs,  # type: ignore[no-redef]
-        )
     try:
         from vllm.v1.worker.gpu.attn_utils import init_attn_backend
     except ImportError:
@@ -97,10 +82,7 @@ def vllm_layout(model_dir: str) -> dict:
     specs = {name: layer.get_kv_cache_spec(config) for name, layer in layers.items()}
     for hybrid in (True, False):
         config.scheduler_config.disable_hybrid_kv_cache_manager = not hybrid
-        # As the engine core calls them (a copy: vLLM may unify the specs in place).
-        found = [dict(specs)]
-        groups_first = () if get_groups is None else (get_groups(config, found),)
-        [kv] = get_kv_cache_configs(config, found, [1 << 30], *groups_first)
+        kv = vllm_cpu.kv_cache_config(config, specs)
         key = "hybrid" if hybrid else "unified"
         out[key] = [{"layers": g.layer_names, "spec": type(g.kv_cache_spec).__name__,
                      "window": getattr(g.kv_cache_spec, "sliding_window", None)}
@@ -129,16 +111,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def layout(model_dir: str) -> dict:
-    code = ("import json, sys, test_sliding_window_model as t; "
-            "print('@@' + json.dumps(t.vllm_layout(sys.argv[1])))")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(HERE), str(HERE.parent / "src"), os.environ.get("PYTHONPATH", "")])}
-    env.pop("CASCADE_ATTENTION", None)
-    proc = subprocess.run([sys.executable, "-c", code, model_dir], env=env, text=True,
-                          capture_output=True, timeout=600)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    [line] = [x for x in proc.stdout.splitlines() if x.startswith("@@")]
-    return json.loads(line[2:])
+    return vllm_cpu.in_child("import json, sys, test_sliding_window_model as t; "
+                             "print('@@' + json.dumps(t.vllm_layout(sys.argv[1])))", model_dir)
 
 
 def test_vllm_gives_the_window_to_the_layers_transformers_does(model_dir, layout):

@@ -158,3 +158,46 @@ def make_builder(config: Any, layer_names: list[str], sliding_window: int | None
     with set_current_vllm_config(config):
         return backend.get_builder_cls()(
             spec, layer_names, config, torch.device("cpu"))
+
+
+def kv_cache_config(config: Any, specs: dict[str, Any]) -> Any:
+    """The KV-cache config (its ``kv_cache_groups``) vLLM forms from the layers' ``specs`` (one
+    worker, 1 GiB), as the
+    engine core asks for them: ``get_kv_cache_configs`` (in 0.33+ after
+    ``get_global_kv_cache_groups``, in ``kv_cache_planning``), on a copy of ``specs`` (vLLM may
+    unify them in place)."""
+    try:
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+        get_groups = None
+    except ImportError:  # vLLM 0.33: moved, and the engine core forms the groups first
+        from vllm.v1.core.kv_cache_planning import (
+            get_global_kv_cache_groups as get_groups,  # type: ignore[no-redef]
+        )
+        from vllm.v1.core.kv_cache_planning import (
+            get_kv_cache_configs,  # type: ignore[no-redef]
+        )
+    found = [dict(specs)]
+    groups_first = () if get_groups is None else (get_groups(config, found),)
+    [kv] = get_kv_cache_configs(config, found, [1 << 30], *groups_first)
+    return kv
+
+
+def in_child(code: str, *args: str, first: tuple[str, ...] = (), timeout: float = 600,
+             **more_env: str) -> Any:
+    """Run ``code`` in a fresh Python with ``first``, the tests' folder and the plugin's
+    ``src`` first on its path, ``more_env`` set and ``CASCADE_ATTENTION`` unset (vLLM's own
+    reading, no plugin); it prints one line ``@@<json>``: that JSON, decoded. ``args`` become
+    ``sys.argv[1:]``."""
+    import os
+    import subprocess
+    import sys
+
+    here = Path(__file__).parent
+    env = {**os.environ, **more_env, "PYTHONPATH": os.pathsep.join(filter(None, [
+        *first, str(here), str(here.parent / "src"), os.environ.get("PYTHONPATH")]))}
+    env.pop("CASCADE_ATTENTION", None)
+    proc = subprocess.run([sys.executable, "-c", code, *args], env=env, text=True,
+                          capture_output=True, timeout=timeout)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    [line] = [x for x in proc.stdout.splitlines() if x.startswith("@@")]
+    return json.loads(line[2:])
