@@ -1,0 +1,116 @@
+"""Never slower, judged per served point: the plugin against flat, beside two flat servers
+against each other in the same run.
+
+A run of ``scripts/serve_grid.sh``'s ``never_slower_paired`` slice serves the same requests, at
+the same Poisson arrival times, three times: flat (``flash_attn``), the plugin
+(``cascade_flash_attn``), and flat again (``flash_attn_again``). Two identical flat servers are
+several percent apart in one short run (``benchmarks/results/gpu/serve_noise_floor.json``), so
+each point gets two verdicts:
+
+* ``target``: the fixed bounds, TPOT p50 at least 0.99x flat's and TTFT p99 at most 1.05x;
+* ``spread``: the same bounds widened to how far flat again is from flat at that point in that
+  run (TPOT p50: ``min(0.99, 1 - |1 - again|)``; TTFT p99: ``max(1.05, 1 + |1 - again|)``): the
+  plugin fails only where it is further from flat than flat is from itself.
+
+    python3 -m benchmarks.serve.verdict [--file benchmarks/results/gpu/serve.json] [--run RUN]
+        [--plugin cascade_flash_attn] [--json]
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from benchmarks.serve.pairs import model_of, rate_spec
+
+FLAT, AGAIN, PLUGIN = "flash_attn", "flash_attn_again", "cascade_flash_attn"
+TPOT_FLOOR = 0.99  # the plugin's TPOT p50 gain (flat / plugin) at least this
+TTFT_CEILING = 1.05  # the plugin's TTFT p99 over flat's at most this
+SERVE_JSON = Path(__file__).resolve().parents[1] / "results" / "gpu" / "serve.json"
+
+
+def _point(row: dict[str, Any]) -> tuple[str, str, str, str]:
+    """Where a row was measured: its run, model, workload and rate point (a repeat, ``90%#2``,
+    is a point of its own: its requests are not the first's)."""
+    return (str(row.get("run_id")), model_of(row), str(row["workload"]),
+            str(row.get("rate_spec") or rate_spec(row)))
+
+
+def judge(rows: list[dict[str, Any]], plugin: str = PLUGIN,
+          run: str | None = None) -> list[dict[str, Any]]:
+    """Per point that has flat and ``plugin`` rows in one run (``run``: that run only): the
+    plugin's TPOT p50 gain (flat / plugin), TTFT p99 ratio (plugin / flat) and output
+    throughput ratio; flat again's, where the run has it; and both verdicts (``spread``: None
+    without flat again)."""
+    by_point: dict[tuple[str, str, str, str], dict[str, dict[str, Any]]] = {}
+    for row in rows:
+        if row.get("config") in (FLAT, AGAIN, plugin) and row.get("completed", 1):
+            if run is None or row.get("run_id") == run or row.get("run") == run:
+                by_point.setdefault(_point(row), {})[row["config"]] = row
+    out = []
+    for (run_id, model, workload, spec), got in by_point.items():
+        flat, on = got.get(FLAT), got.get(plugin)
+        if flat is None or on is None:
+            continue
+        point: dict[str, Any] = {"run_id": run_id, "model": model, "workload": workload,
+                                 "rate": spec, "gpu": on.get("gpu"), **_ratios(flat, on, "")}
+        point["target"] = _passes(point, "", TPOT_FLOOR, TTFT_CEILING)
+        again = got.get(AGAIN)
+        if again is None:
+            point["spread"] = None
+        else:
+            point.update(_ratios(flat, again, "again_"))
+            tpot_floor = min(TPOT_FLOOR, 1 - abs(1 - point["again_tpot_gain"]))
+            ttft_ceiling = max(TTFT_CEILING, 1 + abs(1 - point["again_ttft_p99_ratio"]))
+            point.update(tpot_floor=tpot_floor, ttft_ceiling=ttft_ceiling)
+            point["spread"] = _passes(point, "", tpot_floor, ttft_ceiling)
+        out.append(point)
+    return out
+
+
+def _ratios(flat: dict[str, Any], other: dict[str, Any], prefix: str) -> dict[str, float]:
+    return {f"{prefix}tpot_gain": flat["tpot_ms_p50"] / other["tpot_ms_p50"],
+            f"{prefix}ttft_p99_ratio": other["ttft_ms_p99"] / flat["ttft_ms_p99"],
+            f"{prefix}output_ratio": other["output_tok_per_s"] / flat["output_tok_per_s"]}
+
+
+def _passes(point: dict[str, Any], prefix: str, tpot_floor: float, ttft_ceiling: float) -> bool:
+    return bool(point[f"{prefix}tpot_gain"] >= tpot_floor
+                and point[f"{prefix}ttft_p99_ratio"] <= ttft_ceiling)
+
+
+def table(points: list[dict[str, Any]]) -> str:
+    """The verdicts, a line per point."""
+    def verdict(ok: bool | None) -> str:
+        return "-" if ok is None else ("pass" if ok else "FAIL")
+    lines = [f"{'run':<16} {'workload':<22} {'rate':<7} {'TPOT gain':>9} {'TTFT p99':>8} "
+             f"{'output':>6} | {'again TPOT':>10} {'TTFT':>5} | target spread"]
+    for p in points:
+        again = (f"{p['again_tpot_gain']:>10.3f} {p['again_ttft_p99_ratio']:>5.2f}"
+                 if p["spread"] is not None else f"{'':>10} {'':>5}")
+        lines.append(f"{p['run_id']:<16} {p['workload']:<22} {p['rate']:<7} "
+                     f"{p['tpot_gain']:>9.3f} {p['ttft_p99_ratio']:>8.2f} "
+                     f"{p['output_ratio']:>6.2f} | {again} | {verdict(p['target']):<6} "
+                     f"{verdict(p['spread'])}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--file", type=Path, default=SERVE_JSON)
+    p.add_argument("--run", help="one run (its run_id or run)")
+    p.add_argument("--plugin", default=PLUGIN, help="the plugin's config (default %(default)s)")
+    p.add_argument("--json", action="store_true", help="the points as JSON")
+    args = p.parse_args()
+    rows = json.loads(args.file.read_text())
+    rows = rows["rows"] if isinstance(rows, dict) else rows
+    points = judge(rows, args.plugin, args.run)
+    print(json.dumps(points, indent=1) if args.json else table(points))
+
+
+if __name__ == "__main__":
+    main()

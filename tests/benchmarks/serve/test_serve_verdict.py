@@ -1,0 +1,82 @@
+"""benchmarks/serve/verdict.py: the plugin judged against fixed bounds and against two flat
+servers' spread in the same run, on rows written by hand (the figures below worked out here)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.serve import verdict
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def row(config: str, rate: str, tpot: float, ttft_p99: float, out: float = 1000.0,
+        run: str = "R1", **more: object) -> dict:
+    return {"config": config, "workload": "chat_1k_prefill_heavy", "rate_spec": rate,
+            "request_rate": "burst" if rate == "burst" else 10.0, "run_id": run,
+            "tpot_ms_p50": tpot, "ttft_ms_p99": ttft_p99, "output_tok_per_s": out,
+            "completed": 100, "gpu": "NVIDIA H100 80GB HBM3", **more}
+
+
+ROWS = [
+    # 50%: the plugin 3% slower (TPOT 41.2 vs 40), flat again 4% slower (41.6): inside the spread
+    row("flash_attn", "50%", 40.0, 200.0), row("cascade_flash_attn", "50%", 41.2, 204.0),
+    row("flash_attn_again", "50%", 41.6, 190.0),
+    # 90%: the plugin's TTFT p99 1.12x, flat again's 1.06x: outside even the widened bound
+    row("flash_attn", "90%", 50.0, 500.0), row("cascade_flash_attn", "90%", 49.0, 560.0),
+    row("flash_attn_again", "90%", 50.0, 530.0),
+    # a burst with no flat again in its run: the fixed bounds only
+    row("flash_attn", "burst", 30.0, 900.0, run="R2"),
+    row("cascade_flash_attn", "burst", 20.0, 920.0, out=1800.0, run="R2"),
+    # a plugin row whose requests all failed measured nothing
+    row("flash_attn", "110%", 60.0, 800.0), row("cascade_flash_attn", "110%", 1.0, 1.0,
+                                                completed=0),
+]
+
+
+def by_rate(points: list[dict]) -> dict[str, dict]:
+    return {p["rate"]: p for p in points}
+
+
+def test_a_plugin_inside_the_flat_servers_spread_passes_where_the_fixed_bound_fails():
+    p = by_rate(verdict.judge(ROWS))["50%"]
+    assert p["tpot_gain"] == pytest.approx(40.0 / 41.2)  # 0.971 < 0.99
+    assert p["again_tpot_gain"] == pytest.approx(40.0 / 41.6)  # 0.962: the bound 0.962
+    assert p["tpot_floor"] == pytest.approx(1 - (1 - 40.0 / 41.6))
+    assert p["ttft_p99_ratio"] == pytest.approx(1.02)
+    assert p["ttft_ceiling"] == pytest.approx(1.05)  # flat again 0.95x: |1 - 0.95| = the 5%
+    assert p["target"] is False and p["spread"] is True
+
+
+def test_a_plugin_further_from_flat_than_flat_is_from_itself_fails_both():
+    p = by_rate(verdict.judge(ROWS))["90%"]
+    assert p["tpot_gain"] == pytest.approx(50.0 / 49.0)
+    assert p["ttft_p99_ratio"] == pytest.approx(1.12)
+    assert p["ttft_ceiling"] == pytest.approx(1.06)
+    assert p["target"] is False and p["spread"] is False
+
+
+def test_without_flat_again_only_the_fixed_bounds_judge_and_failed_runs_are_left_out():
+    points = by_rate(verdict.judge(ROWS))
+    burst = points["burst"]
+    assert burst["tpot_gain"] == pytest.approx(1.5) and burst["output_ratio"] == pytest.approx(1.8)
+    assert burst["target"] is True and burst["spread"] is None
+    assert "110%" not in points
+    assert [p["rate"] for p in verdict.judge(ROWS, run="R2")] == ["burst"]
+
+
+def test_the_command_prints_each_points_verdicts(tmp_path):
+    (tmp_path / "serve.json").write_text(json.dumps(ROWS))
+    out = subprocess.run([sys.executable, "-m", "benchmarks.serve.verdict", "--file",
+                          str(tmp_path / "serve.json")], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout.splitlines()
+    assert len(out) == 4  # the header and three points
+    lines = {line.split()[2]: line.split() for line in out[1:]}
+    assert lines["50%"][-2:] == ["FAIL", "pass"]
+    assert lines["90%"][-2:] == ["FAIL", "FAIL"]
+    assert lines["burst"][-2:] == ["pass", "-"]
