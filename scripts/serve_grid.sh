@@ -103,7 +103,11 @@ serve_slice() {  # name, timeout (s), serve/bench.py arguments...
   timeout "$limit" python3 -m benchmarks.serve.bench --model examples/models/llama3-8b \
     --duration "${SERVE_DURATION:-20}" --out "$res/serve_grid/serve.json" "$@" \
     > "$res/serve_grid/$name.log" 2>&1
-  stamp "serve_grid $name rc=$? in $((SECONDS - start)) s"
+  local rc=$?
+  # Each point's plugin against flat, and flat again's spread where the slice has it.
+  python3 -m benchmarks.serve.verdict --file "$res/serve_grid/serve.json" --latest \
+    >> "$res/serve_grid/$name.log" 2>&1
+  stamp "serve_grid $name rc=$rc in $((SECONDS - start)) s"
 }
 
 part_serve_grid() {  # run it detached, alone; the slices in SERVE_GRID's order

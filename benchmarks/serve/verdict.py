@@ -12,8 +12,10 @@ each point gets two verdicts:
   run (TPOT p50: ``min(0.99, 1 - |1 - again|)``; TTFT p99: ``max(1.05, 1 + |1 - again|)``): the
   plugin fails only where it is further from flat than flat is from itself.
 
-    python3 -m benchmarks.serve.verdict [--file benchmarks/results/gpu/serve.json] [--run RUN]
-        [--plugin cascade_flash_attn] [--json]
+    python3 -m benchmarks.serve.verdict [--file benchmarks/results/gpu/serve.json]
+        [--run RUN | --latest] [--plugin cascade_flash_attn] [--json]
+
+``scripts/serve_grid.sh`` appends the latest run's verdicts to each slice's log.
 
 Standard library only.
 """
@@ -102,14 +104,22 @@ def table(points: list[dict[str, Any]]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--file", type=Path, default=SERVE_JSON)
-    p.add_argument("--run", help="one run (its run_id or run)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--run", help="one run (its run_id or run)")
+    which.add_argument("--latest", action="store_true",
+                       help="the run of the file's last row (what a slice just wrote)")
     p.add_argument("--plugin", default=PLUGIN, help="the plugin's config (default %(default)s)")
     p.add_argument("--json", action="store_true", help="the points as JSON")
     args = p.parse_args()
     rows = json.loads(args.file.read_text())
     rows = rows["rows"] if isinstance(rows, dict) else rows
-    points = judge(rows, args.plugin, args.run)
-    print(json.dumps(points, indent=1) if args.json else table(points))
+    run = rows[-1].get("run_id") if args.latest and rows else args.run
+    points = judge(rows, args.plugin, run)
+    if args.json:
+        print(json.dumps(points, indent=1))
+    else:
+        print(f"# {args.plugin} against {FLAT}, run {run or 'every run'} of {args.file}")
+        print(table(points))
 
 
 if __name__ == "__main__":

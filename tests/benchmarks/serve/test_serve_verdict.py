@@ -75,8 +75,15 @@ def test_the_command_prints_each_points_verdicts(tmp_path):
     out = subprocess.run([sys.executable, "-m", "benchmarks.serve.verdict", "--file",
                           str(tmp_path / "serve.json")], cwd=ROOT, capture_output=True,
                          text=True, check=True).stdout.splitlines()
-    assert len(out) == 4  # the header and three points
-    lines = {line.split()[2]: line.split() for line in out[1:]}
+    assert len(out) == 5  # what is judged, the column heads and three points
+    assert out[0].startswith("# cascade_flash_attn against flash_attn, run every run of ")
+    lines = {line.split()[2]: line.split() for line in out[2:]}
     assert lines["50%"][-2:] == ["FAIL", "pass"]
     assert lines["90%"][-2:] == ["FAIL", "FAIL"]
     assert lines["burst"][-2:] == ["pass", "-"]
+    latest = subprocess.run([sys.executable, "-m", "benchmarks.serve.verdict", "--latest",
+                             "--file", str(tmp_path / "serve.json")], cwd=ROOT,
+                            capture_output=True, text=True, check=True).stdout.splitlines()
+    assert latest[0].startswith("# cascade_flash_attn against flash_attn, run R1 of ")
+    assert [line.split()[:3] for line in latest[2:]] == [["R1", "chat_1k_prefill_heavy", "50%"],
+                                                        ["R1", "chat_1k_prefill_heavy", "90%"]]
