@@ -43,7 +43,7 @@ import torch
 
 import oracle_model
 import vllm_cpu
-from test_oracle_model import records, teacher_forced_delta
+from test_oracle_model import _bf16, records, scored_last, teacher_forced_delta
 from vllm_cascade_plugin.face import agreement
 
 HERE = Path(__file__).parent
@@ -221,10 +221,6 @@ def test_vllms_dense_mlp_is_transformers_one_expert_mlp(view):
 
 # --- teeth -----------------------------------------------------------------------------------
 
-def _bf16(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.bfloat16).float()
-
-
 def flash_attention_with_sinks(tile: int, rounded: bool = True, sink_count: int = 1):
     """A transformers attention function for gpt-oss: FlashAttention's online softmax over key
     tiles (bf16 Q/K/V, P rounded before P @ V, output rounded, where ``rounded``), started from
@@ -272,12 +268,6 @@ KERNELS = {"sinks_tile128": flash_attention_with_sinks(128),
            "sinks_twice": flash_attention_with_sinks(128, sink_count=2)}
 
 
-def _scored(model, ids: torch.Tensor) -> dict:
-    logits = model(ids).logits[:, PREFIX + SUFFIX - 1:PREFIX + SUFFIX - 1 + GENERATED].float()
-    logits = _bf16(logits)  # vLLM's logprobs: from bf16 logits
-    return {"logits": logits, "logprobs": torch.log_softmax(logits, -1)}
-
-
 @pytest.fixture(scope="module")
 def runs(model_dir: str) -> dict:
     from transformers import AttentionInterface
@@ -298,10 +288,10 @@ def runs(model_dir: str) -> dict:
                              max_new_tokens=GENERATED, min_new_tokens=GENERATED,
                              pad_token_id=0)
         assert ids.shape[1] == PREFIX + SUFFIX + GENERATED
-        out["eager"] = _scored(model, ids)
+        out["eager"] = scored_last(model, ids, GENERATED)
         for name in KERNELS:
             model.set_attn_implementation(name)
-            out[name] = _scored(model, ids)
+            out[name] = scored_last(model, ids, GENERATED)
     return out
 
 

@@ -49,6 +49,7 @@ from test_oracle_model import (
     _forward,
     flash_attention,
     records,
+    scores,
     teacher_forced_delta,
 )
 from vllm_cascade_plugin.face import agreement, families
@@ -227,8 +228,7 @@ def _scored(model, cache, suffixes: list[list[int]], generated: list[list[int]])
     log-softmax."""
     ids = torch.tensor([s + g for s, g in zip(suffixes, generated, strict=True)])
     logits, _ = _forward(model, ids, _batched(cache, len(suffixes)))
-    logits = logits[:, SUFFIX - 1:SUFFIX - 1 + GENERATED].to(torch.bfloat16).float()
-    return {"logits": logits, "logprobs": torch.log_softmax(logits, -1)}
+    return scores(logits[:, SUFFIX - 1:SUFFIX - 1 + GENERATED])
 
 
 def _shift_page(cache, page: int):

@@ -122,12 +122,24 @@ def _greedy(model, cache, suffixes: list[list[int]], n: int) -> list[list[int]]:
     return torch.stack(out, 1).tolist()
 
 
+def scores(logits: torch.Tensor) -> dict:
+    """Logits rounded to bf16 (vLLM's logprobs come from bf16 logits) and their log-softmax."""
+    logits = _bf16(logits)
+    return {"logits": logits, "logprobs": torch.log_softmax(logits, -1)}
+
+
+def scored_last(model, ids: torch.Tensor, generated: int) -> dict:
+    """Teacher-forced over whole sequences ``ids``: :func:`scores` of the positions that chose
+    their last ``generated`` tokens."""
+    n = ids.shape[1]
+    return scores(model(ids).logits[:, n - generated - 1:n - 1].float())
+
+
 def _scored(model, cache, suffixes: list[list[int]], generated: list[list[int]]) -> dict:
     """Teacher-forced: each generated position's bf16 logits and log-softmax."""
     ids = torch.tensor([s + g for s, g in zip(suffixes, generated, strict=True)])
     logits, _ = _forward(model, ids, _batched(cache, len(suffixes)))
-    logits = _bf16(logits[:, SUFFIX - 1:SUFFIX - 1 + GENERATED])
-    return {"logits": logits, "logprobs": torch.log_softmax(logits, -1)}
+    return scores(logits[:, SUFFIX - 1:SUFFIX - 1 + GENERATED])
 
 
 def records(run: dict) -> list[dict]:

@@ -28,7 +28,7 @@ import torch
 
 import oracle_model
 import vllm_cpu
-from test_oracle_model import KERNELS, records, teacher_forced_delta
+from test_oracle_model import KERNELS, records, scored_last, teacher_forced_delta
 from vllm_cascade_plugin.face import agreement
 
 HERE = Path(__file__).parent
@@ -147,12 +147,6 @@ def test_without_it_one_kv_cache_group_and_one_builder_hold_every_layer(layout):
         [{"layers": [ATTN.format(i) for i in FULL], "window": None}]]
 
 
-def _scored(model, ids: torch.Tensor) -> dict:
-    logits = model(ids).logits[:, PREFIX + SUFFIX - 1:PREFIX + SUFFIX - 1 + GENERATED].float()
-    logits = logits.to(torch.bfloat16).float()  # vLLM's logprobs: from bf16 logits
-    return {"logits": logits, "logprobs": torch.log_softmax(logits, -1)}
-
-
 @pytest.fixture(scope="module")
 def runs(model_dir: str) -> dict:
     from transformers import AttentionInterface, MinistralForCausalLM
@@ -173,15 +167,15 @@ def runs(model_dir: str) -> dict:
                              max_new_tokens=GENERATED, min_new_tokens=GENERATED,
                              pad_token_id=0)
         assert ids.shape[1] == PREFIX + SUFFIX + GENERATED
-        out["sdpa"] = _scored(model, ids)
+        out["sdpa"] = scored_last(model, ids, GENERATED)
         for name in ("oracle_tile128", "oracle_tile48"):
             model.set_attn_implementation(name)
-            out[name] = _scored(model, ids)
+            out[name] = scored_last(model, ids, GENERATED)
         # The same weights, every layer attending to all tokens: the window ignored.
         windowless = oracle_model.build_mixed(window=False).float().eval()
         windowless.load_state_dict(model.state_dict())
         windowless.set_attn_implementation("oracle_tile128")
-        out["windowless"] = _scored(windowless, ids)
+        out["windowless"] = scored_last(windowless, ids, GENERATED)
     return out
 
 
