@@ -283,11 +283,7 @@ def _v2_slots(runner: Any, so: Any, req_ids: list[str]) -> np.ndarray:
     resumed (a new one in 0.34) or finished whose ids are the last step's, in its order (steady
     decode), has its slots: a list comparison instead of a dict lookup per row."""
     last = runner.__dict__.get(LAST_SLOTS)
-    cached = getattr(so, "scheduled_cached_reqs", None)
-    steady = (getattr(so, "finished_req_ids", None) == set()
-              and getattr(so, "scheduled_new_reqs", None) == []
-              and not getattr(cached, "resumed_req_ids", None))
-    if steady and last is not None and last[0] == req_ids:
+    if last is not None and last[0] == req_ids and _steady(so):
         return last[1]
     index = np.fromiter(map(runner.req_states.req_id_to_index.__getitem__, req_ids),
                         dtype=np.int64, count=len(req_ids))
@@ -308,6 +304,10 @@ def v2_plan(step: PendingStep) -> bool:
         stats.record_fallback("no CPU block ids")
         return False
     mirror = mirrors[g]
+    last_unshared = runner.__dict__.pop(UNSHARED_ROWS, None)
+    if last_unshared is not None and _unshared_again(so, last_unshared):
+        runner.__dict__[UNSHARED_ROWS] = last_unshared
+        return False
     req_ids, query_lens, order = v2_rows(runner, so)
     index = _v2_slots(runner, so, req_ids)
     if order is not None:
@@ -323,8 +323,40 @@ def v2_plan(step: PendingStep) -> bool:
             return False
     # The planner reads the rows of the mirror it needs (a copy of 256 rows x 2K pages would
     # take ~70 us).
-    return plan_rows(mirror[index, 0], mirror, tables.num_blocks.np[g, index], seq_lens,
-                     query_lens, lambda: row_keys.v2_rows(tables, index), index, group_layers)
+    session.unshared = False
+    cascade = plan_rows(mirror[index, 0], mirror, tables.num_blocks.np[g, index], seq_lens,
+                        query_lens, lambda: row_keys.v2_rows(tables, index), index, group_layers)
+    if session.unshared:
+        runner.__dict__[UNSHARED_ROWS] = req_ids
+    return cascade
+
+
+UNSHARED_ROWS = "_cascade_unshared_rows"  # runner attribute: the last step's request ids, when
+# the pre-check proved that step shares no page
+
+
+def _unshared_again(so: Any, last: list[str]) -> bool:
+    """A steady step (:func:`_steady`) of the requests of the last step, in its order, where
+    that one provably shared no page (:meth:`~.step.prechecks.PreChecks.skip_unshared`):
+    counted as planned and flat for the same reason without reading its rows; True if so.
+
+    It shares no page either: a request's block ids stay where they are until it finishes or
+    is preempted (then resumed: not steady), a page two requests share is the first page of
+    both (prefix caching shares whole prefixes, from a whole first page), and a request whose
+    first page the pre-check passed over (not yet a whole page before its query tokens) holds
+    a page of its own there, which no request that was already running can hold."""
+    tokens = so.num_scheduled_tokens
+    if len(tokens) != len(last) or not _steady(so) or list(tokens) != last:
+        return False
+    return session.unshared_again(sum(tokens.values()) == len(last), len(last))
+
+
+def _steady(so: Any) -> bool:
+    """No request new, resumed (a new one in 0.34) or finished in the step."""
+    cached = getattr(so, "scheduled_cached_reqs", None)
+    return (getattr(so, "finished_req_ids", None) == set()
+            and getattr(so, "scheduled_new_reqs", None) == []
+            and not getattr(cached, "resumed_req_ids", None))
 
 
 def v2_dispatch(original: Callable[..., Any]) -> Callable[..., Any]:

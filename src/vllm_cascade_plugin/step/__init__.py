@@ -247,7 +247,7 @@ class StepSession(PreChecks):
         and pays the eager cost if the layout is new (:meth:`_graph_state`)."""
         assert self.config is not None and self.shape is not None
         if plan.num_levels < 2:
-            stats.flat_decision(unshared_reason(query_lens))
+            stats.flat_decision(unshared_reason(len(query_lens)))
             return Decision(False, 0.0, 0.0, "no shared pages")
         if self.config.policy == "always":
             return Decision(True, 0.0, 0.0, "CASCADE_POLICY=always")

@@ -87,9 +87,10 @@ def flat_attention(backend: str) -> str:
     return f"vLLM's flat {backend} attention"
 
 
-def unshared_reason(query_lens: np.ndarray) -> str:
-    """Why a step without a shared level is flat: one row has nothing to share with."""
-    return SINGLE if len(query_lens) == 1 else NO_SHARED
+def unshared_reason(requests: int) -> str:
+    """Why a step of ``requests`` rows without a shared level is flat: one row has nothing to
+    share with."""
+    return SINGLE if requests == 1 else NO_SHARED
 
 
 def flat_reason(decode: bool, query_lens: np.ndarray) -> str:

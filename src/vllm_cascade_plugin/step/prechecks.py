@@ -38,6 +38,7 @@ class PreChecks:
     current: Any
     _planner: CascadePlanner | None
     _flat_held: tuple[CostModel, float, int, str] | None
+    unshared = False  # whether skip_unshared's last True: its step provably shares no page
 
     @property
     def active(self) -> bool:  # the session's
@@ -76,9 +77,20 @@ class PreChecks:
             except Exception as exc:  # the full planner decides instead
                 stats.record_fallback("planner error", f"{type(exc).__name__}: {exc}")
                 return False
-            stats.record_planned(_all_decode(query_lens, facts))
-            stats.plan_path(PATH_UNSHARED)
-            stats.flat_decision(unshared_reason(query_lens))
+            stats.record_flat_step(_all_decode(query_lens, facts), PATH_UNSHARED,
+                                   unshared_reason(len(query_lens)))
+        self.unshared = True
+        return True
+
+    def unshared_again(self, decode: bool, requests: int) -> bool:
+        """Count a step the runner hooks know shares no page, as the last one :meth:`skip_unshared`
+        proved (the same requests, none new, resumed or finished), as it counted that one:
+        planned and flat, without the rows read; True if so. ``decode``: every row has one
+        query token. Not while inactive or with ``CASCADE_DEBUG`` (every step is planned)."""
+        self.current = None
+        if not self.active or (self.config is not None and self.config.debug):
+            return False
+        stats.record_flat_step(decode, PATH_UNSHARED, unshared_reason(requests))
         return True
 
     def cannot_win(self, seq_lens: np.ndarray, query_lens: np.ndarray,
@@ -118,10 +130,8 @@ class PreChecks:
                 return False
             if floor is None:
                 return False
-        stats.record_planned(decode)
-        stats.plan_path(PATH_COST_FLOOR)
-        reason = flat_reason(decode, query)
-        stats.flat_decision(reason, floor.cascade_us / floor.flat_us)
+        stats.record_flat_step(decode, PATH_COST_FLOOR, flat_reason(decode, query),
+                               floor.cascade_us / floor.flat_us)
         return True
 
     def continued_flat(self, block_table: np.ndarray, seq_lens: np.ndarray,
@@ -160,9 +170,7 @@ class PreChecks:
             except Exception as exc:  # the planner plans it instead
                 stats.record_fallback("planner error", f"{type(exc).__name__}: {exc}")
                 return False
-            stats.record_planned(True)
-            stats.plan_path(PATH_KEPT_FLAT)
-            stats.flat_decision(reason, cascade_us / flat_us)
+            stats.record_flat_step(True, PATH_KEPT_FLAT, reason, cascade_us / flat_us)
         return True
 
     def _split_lens(self, query_lens: np.ndarray) -> np.ndarray | None:
