@@ -133,6 +133,7 @@ class V2Rows:
         vars(self.tables)[hooks_dispatch.MIRROR] = [self.mirror]
         vars(self.tables)[row_keys.V2_KEYS] = self.keys
         self.computed = np.zeros(SLOTS, np.int32)
+        self.first: np.ndarray | None = None  # each row's first block id, last step
         self.runner = SimpleNamespace(
             block_tables=self.tables, decode_query_len=1,
             req_states=SimpleNamespace(req_id_to_index={r: i for i, r in enumerate(self.req_ids)},
@@ -147,12 +148,19 @@ class V2Rows:
         self.keys[:n] = b.keys
         self.computed[:n] = b.seq_lens - b.query_lens
         scheduled = dict(zip(self.req_ids, b.query_lens.tolist(), strict=True))
-        # What vLLM's scheduler says changed: a churn step's prefilling row is a new request
-        # (the bench keeps its id; the plugin does not reuse a new step's slots).
-        new = [None] if bool(np.any(b.query_lens > 1)) else []
+        # What vLLM's scheduler says changed: a churn step's prefilling row is a new request,
+        # and so is a row another request moved into (the bench keeps the rows' ids: each
+        # such id finished and arrived again).
+        first = b.block_table[:, 0].copy()
+        changed = b.query_lens > 1
+        if self.first is not None:
+            changed |= first != self.first
+        self.first = first
+        new = [self.req_ids[r] for r in np.flatnonzero(changed)]
         return PendingStep(self.runner, SimpleNamespace(
             num_scheduled_tokens=scheduled, scheduled_spec_decode_tokens={},
-            scheduled_new_reqs=new, finished_req_ids=set(new and {"done"}),
+            scheduled_new_reqs=[SimpleNamespace(req_id=r) for r in new],
+            finished_req_ids=set(new),
             scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=set())))
 
     def order(self, step: PendingStep) -> np.ndarray:

@@ -21,7 +21,7 @@ import numpy as np
 
 from .. import stats
 from ..step import session
-from . import compat, hooks_step, kv_groups, row_keys
+from . import compat, hooks_step, kv_groups, row_keys, unshared_rows
 from .hooks_step import PendingStep, failed, run_flat
 
 
@@ -304,12 +304,10 @@ def v2_plan(step: PendingStep) -> bool:
         stats.record_fallback("no CPU block ids")
         return False
     mirror = mirrors[g]
-    last_unshared = runner.__dict__.pop(UNSHARED_ROWS, None)
-    if last_unshared is not None and _unshared_again(so, last_unshared):
-        runner.__dict__[UNSHARED_ROWS] = last_unshared
+    if unshared_rows.unshared_again(runner, so, mirror):
         return False
     req_ids, query_lens, order = v2_rows(runner, so)
-    index = _v2_slots(runner, so, req_ids)
+    index = slots = _v2_slots(runner, so, req_ids)
     if order is not None:
         index, query_lens = index[order], query_lens[order]
     step.rows = index  # who the rows are: checked against idx_mapping when a builder takes it
@@ -326,29 +324,9 @@ def v2_plan(step: PendingStep) -> bool:
     session.unshared = False
     cascade = plan_rows(mirror[index, 0], mirror, tables.num_blocks.np[g, index], seq_lens,
                         query_lens, lambda: row_keys.v2_rows(tables, index), index, group_layers)
-    if session.unshared:
-        runner.__dict__[UNSHARED_ROWS] = req_ids
+    if session.unshared:  # the next steps may be known unshared without their rows
+        unshared_rows.remember(runner, req_ids, mirror[slots, 0])
     return cascade
-
-
-UNSHARED_ROWS = "_cascade_unshared_rows"  # runner attribute: the last step's request ids, when
-# the pre-check proved that step shares no page
-
-
-def _unshared_again(so: Any, last: list[str]) -> bool:
-    """A steady step (:func:`_steady`) of the requests of the last step, in its order, where
-    that one provably shared no page (:meth:`~.step.prechecks.PreChecks.skip_unshared`):
-    counted as planned and flat for the same reason without reading its rows; True if so.
-
-    It shares no page either: a request's block ids stay where they are until it finishes or
-    is preempted (then resumed: not steady), a page two requests share is the first page of
-    both (prefix caching shares whole prefixes, from a whole first page), and a request whose
-    first page the pre-check passed over (not yet a whole page before its query tokens) holds
-    a page of its own there, which no request that was already running can hold."""
-    tokens = so.num_scheduled_tokens
-    if len(tokens) != len(last) or not _steady(so) or list(tokens) != last:
-        return False
-    return session.unshared_again(sum(tokens.values()) == len(last), len(last))
 
 
 def _steady(so: Any) -> bool:

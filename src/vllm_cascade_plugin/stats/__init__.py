@@ -41,7 +41,7 @@ __all__ = ["Counters", "end_step", "flat_decision", "format_line", "log_once", "
 logger = logging.getLogger("vllm.cascade_plugin")
 
 
-@dataclass
+@dataclass(slots=True)
 class _OpenStep:
     decode: bool
     reason: str | None = None  # why it runs flat, the first one said
