@@ -69,12 +69,15 @@ ROWS: list[tuple[str, str, str, tuple[str, ...]]] = [
      "GPU: every executor against fp32 softmax with sinks and FA3 with `s_aux` (`kernels`); "
      "the gpt-oss engine test runs a dense stand-in with gpt-oss's attention (vLLM's gpt-oss "
      "layers, a dense MLP for its experts: the validation machine's vLLM build has no "
-     "fused-MoE kernels): not yet run on a GPU", ("kernels",)),
+     "fused-MoE kernels): cascade on every decode step, within the tolerance of flat "
+     "FLASH_ATTN, but the two flat kernels (FLASH_ATTN, TRITON_ATTN) differ beyond it on this "
+     "model, so the test does not pass yet", ("kernels", "sliding")),
     ("`vllm-cascade demo`, `examples/`", "run", "GPU, as a user runs them",
      ("demo", "examples")),
     ("recurrent hybrids (Mamba or linear-attention layers beside full-attention ones)",
      "the recurrent layers run as without the plugin; the full-attention layers' group runs "
-     "cascade with `CASCADE_UNVERIFIED=1` only",
+     "cascade with `CASCADE_UNVERIFIED=1` only (correct on a GPU; served, slower than flat: "
+     "[performance.md](performance.md))",
      "CPU suite (the group chosen, its plans; vLLM's layout of a Mamba2 hybrid); GPU: a Mamba2 "
      "hybrid (Granite 4.0-H's dense stack, 256-token pages) engine vs two flat kernels, V1 and "
      "V2", ("hybrid",)),

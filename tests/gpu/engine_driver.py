@@ -296,6 +296,9 @@ def main() -> int:
     parser.add_argument("--no-hybrid-kv-cache", action="store_true",
                         help="disable_hybrid_kv_cache_manager=True")
     parser.add_argument("--eager", action="store_true", help="enforce_eager=True")
+    parser.add_argument("--num-blocks", type=int, default=NUM_BLOCKS,
+                        help="num_gpu_blocks_override: KV-cache blocks (a model of many "
+                             "sliding-window layers needs more for one max_model_len request)")
     args = parser.parse_args()
     if args.corrupt or args.corrupt_one_page:
         _corrupt_planner(one_page=args.corrupt_one_page)
@@ -322,7 +325,7 @@ def main() -> int:
                                          "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     llm = LLM(model=args.model, skip_tokenizer_init=True, attention_backend=args.backend,
               enable_prefix_caching=True, max_model_len=9216, max_num_batched_tokens=2048,
-              max_num_seqs=128, num_gpu_blocks_override=NUM_BLOCKS,
+              max_num_seqs=128, num_gpu_blocks_override=args.num_blocks,
               kv_cache_memory_bytes=KV_CACHE_BYTES, gpu_memory_utilization=GPU_SHARE,
               seed=0, enable_flashinfer_autotune=False, kv_cache_dtype=args.kv_cache_dtype,
               enforce_eager=args.eager, tensor_parallel_size=args.tp, **tp_args)
