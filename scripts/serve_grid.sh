@@ -94,6 +94,12 @@
 #                      Bamba-9B's shapes as vLLM's GraniteMoeHybridForCausalLM, 29 Mamba2
 #                      layers and 3 full-attention ones, 768-token pages). About 12 min on a
 #                      fresh machine (Mamba's Triton kernels compile in the first server).
+#   hybrid_bamba_paired  why the plugin was slower on that model even where no step ran cascade:
+#                      chat_6k_system at 50% on four servers, in this order: flat, flat again
+#                      (flash_attn_again: two identical servers' spread), the plugin as shipped
+#                      (cascade_flash_attn: every step of this model flat, the several-groups
+#                      fallback), the plugin with CASCADE_UNVERIFIED=1. About 10 min on a fresh
+#                      machine.
 serve_slice() {  # name, timeout (s), serve/bench.py arguments...
   local name=$1 limit=$2 start=$SECONDS
   shift 2
@@ -182,6 +188,9 @@ part_serve_grid() {  # run it detached, alone; the slices in SERVE_GRID's order
     hybrid_bamba) serve_slice hybrid_bamba 1500 --model examples/models/bamba-9b \
       --configs flash_attn,cascade_flash_attn_hybrid --workloads chat_6k_system \
       --rates burst,50%,90% ;;
+    hybrid_bamba_paired) serve_slice hybrid_bamba_paired 1500 --model examples/models/bamba-9b \
+      --configs flash_attn,cascade_flash_attn,cascade_flash_attn_hybrid,flash_attn_again \
+      --workloads chat_6k_system --rates 50% ;;
     *) stamp "serve_grid: no slice named $slice (see the list above part_serve_grid)"; return 1 ;;
     esac
   done
