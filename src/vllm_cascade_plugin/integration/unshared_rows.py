@@ -47,10 +47,6 @@ def remember(runner: Any, req_ids: list[str], first_pages: np.ndarray) -> None:
         runner.__dict__[KEPT] = kept
 
 
-def forget(runner: Any) -> None:
-    runner.__dict__.pop(KEPT, None)
-
-
 def unshared_again(runner: Any, so: Any, mirror: np.ndarray) -> bool:
     """Whether the step is known to share no page (then counted as planned and flat, for the
     reason the pre-check gives, by the step session); False: read its rows. ``mirror``: the
