@@ -95,11 +95,11 @@
 #                      layers and 3 full-attention ones, 768-token pages). About 12 min on a
 #                      fresh machine (Mamba's Triton kernels compile in the first server).
 #   hybrid_bamba_paired  why the plugin was slower on that model even where no step ran cascade:
-#                      chat_6k_system at 50% on four servers, in this order: flat, flat again
-#                      (flash_attn_again: two identical servers' spread), the plugin as shipped
-#                      (cascade_flash_attn: every step of this model flat, the several-groups
-#                      fallback), the plugin with CASCADE_UNVERIFIED=1. About 10 min on a fresh
-#                      machine.
+#                      chat_6k_system at 50% on four servers, in this order: flat, the plugin
+#                      as shipped (cascade_flash_attn: every step of this model flat, the
+#                      several-groups fallback), the plugin with CASCADE_UNVERIFIED=1, flat
+#                      again (flash_attn_again: two identical servers around the plugin's, the
+#                      run's drift). About 10 min on a fresh machine.
 serve_slice() {  # name, timeout (s), serve/bench.py arguments...
   local name=$1 limit=$2 start=$SECONDS
   shift 2

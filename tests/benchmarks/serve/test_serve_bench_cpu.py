@@ -1084,6 +1084,17 @@ def test_the_chat_workload_shares_a_system_prompt_and_draws_each_users_length():
     assert chat.input_len == 1536 + 1024  # the longest prompt sizes --max-model-len
 
 
+def test_a_second_flat_server_runs_after_the_plugins_so_the_two_flat_ones_bracket_them(
+        tmp_path, capsys):
+    out, work = tmp_path / "serve.json", tmp_path / "work"
+    assert sb.main(["--dry-run", "--model", str(TINY), "--out", str(out), "--work-dir", str(work),
+                    "--configs", "flash_attn_again,cascade_flash_attn,flash_attn",
+                    "--workloads", "chat_1k5_system", "--rates", "burst,50%"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    servers = [x.split()[2] for x in lines if x.startswith("# server")]
+    assert servers == ["flash_attn:", "cascade_flash_attn:", "flash_attn_again:"]
+
+
 def test_dry_run_of_both_backends_derives_each_configs_rates_from_its_own_flat_burst(
         tmp_path, capsys):
     out, work = tmp_path / "serve.json", tmp_path / "work"
@@ -1134,7 +1145,7 @@ def test_the_serving_grid_of_gpu_validate_is_a_valid_bench(tmp_path, capsys):
                                                "flashinfer_chat", "chat_capacity",
                                                "never_slower", "never_slower_chat",
                                                "never_slower_paired", "hybrid_gemma3",
-                                               "hybrid_bamba"}
+                                               "hybrid_bamba", "hybrid_bamba_paired"}
     assert all(name == log for name, log, _ in slices)
     models = {}
     for name, _, args in slices:
@@ -1153,6 +1164,7 @@ def test_the_serving_grid_of_gpu_validate_is_a_valid_bench(tmp_path, capsys):
         assert sb.main(["--dry-run", "--model", str(ROOT / model), "--out",
                         str(tmp_path / "s.json"), "--work-dir", str(tmp_path / "w"), *keep]) == 0
     assert models["hybrid_gemma3"] == "gemma3-12b" and models["hybrid_bamba"] == "bamba-9b"
+    assert models["hybrid_bamba_paired"] == "bamba-9b"
     printed = capsys.readouterr().out
     assert "# model gemma3-12b: " in printed and "# model bamba-9b: " in printed
     assert re.search(r"prefix_8k_x4 90%#2: ", printed) and "chat_1k5_system 90%: " in printed
