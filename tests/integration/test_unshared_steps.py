@@ -14,7 +14,14 @@ import numpy as np
 import pytest
 import torch
 
-from test_hooks import Counts, StagedRows, active_session, block_tables, captured_graphs  # noqa: F401
+from test_hooks import (  # noqa: F401  (active_session: a fixture)
+    Counts,
+    StagedRows,
+    active_session,
+    block_tables,
+    captured_graphs,
+    id_mappings,
+)
 from test_step_ends import counters  # noqa: F401  (a fixture)
 from vllm_cascade_plugin import stats
 from vllm_cascade_plugin.config import CascadeConfig
@@ -32,7 +39,8 @@ class Engine:
     scheduler's output, step by step, as vLLM makes them."""
 
     def __init__(self) -> None:
-        self.tables = block_tables(block_tables=[StagedRows((SLOTS, WIDTH))],
+        self.tables = block_tables(**id_mappings()[0],  # kernel blocks = KV blocks
+                                   block_tables=[StagedRows((SLOTS, WIDTH))],
                                    num_blocks=Counts((1, SLOTS)))
         self.table = np.zeros((SLOTS, WIDTH), np.int32)
         self.computed = np.zeros(SLOTS, np.int32)
