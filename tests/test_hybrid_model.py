@@ -47,6 +47,7 @@ from test_oracle_model import (
     KERNELS,
     SUFFIX,
     _forward,
+    _greedy,
     flash_attention,
     records,
     scores,
@@ -212,17 +213,6 @@ def _prefix_cache(model, prefix: list[int]):
     return _forward(model, torch.tensor([prefix]), logits_to_keep=1)[1]
 
 
-def _greedy(model, cache, suffixes: list[list[int]]) -> list[list[int]]:
-    logits, cache = _forward(model, torch.tensor(suffixes), _batched(cache, len(suffixes)),
-                             logits_to_keep=1)
-    out = []
-    for _ in range(GENERATED):
-        token = logits[:, -1].argmax(-1)
-        out.append(token)
-        logits, cache = _forward(model, token[:, None], cache)
-    return torch.stack(out, 1).tolist()
-
-
 def _scored(model, cache, suffixes: list[list[int]], generated: list[list[int]]) -> dict:
     """Teacher-forced: each generated position's logits (rounded to bf16, as vLLM's) and
     log-softmax."""
@@ -265,7 +255,7 @@ def runs(model_dir: str) -> dict:
             model.set_attn_implementation(name)
             cache = _prefix_cache(model, prefix)
             if name == TILE128:
-                generated = _greedy(model, cache, suffixes)
+                generated = _greedy(model, cache, suffixes, GENERATED, _batched)
                 for page in PAGES:
                     out[page] = _scored(model, _shift_page(cache, page), suffixes, generated)
             out[name] = _scored(model, cache, suffixes, generated)

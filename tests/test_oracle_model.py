@@ -111,8 +111,11 @@ def _batched(cache, n: int):
     return cache
 
 
-def _greedy(model, cache, suffixes: list[list[int]], n: int) -> list[list[int]]:
-    cache = _batched(cache, len(suffixes))
+def _greedy(model, cache, suffixes: list[list[int]], n: int,
+            batched=_batched) -> list[list[int]]:
+    """``n`` greedy tokens after each suffix, from ``cache`` (one request's prefix) copied per
+    suffix by ``batched``."""
+    cache = batched(cache, len(suffixes))
     logits, cache = _forward(model, torch.tensor(suffixes), cache, logits_to_keep=1)
     out = []
     for _ in range(n):
