@@ -128,11 +128,13 @@ def save_mixed(out: str | Path) -> str:
 
 # The gpt-oss oracle: gpt-oss's attention stack at a small size (layers alternating 128-token
 # sliding windows and full attention, attention sinks on every layer, biases, YaRN RoPE, a
-# mixture of experts whose router picks the same experts for every token) with the same
-# sharpening; the engine test runs its one-expert variant, the dense oracle below. Its sinks sit
-# around the rows' log-sum-exps (attention logits spread by QK_SCALE over hundreds to thousands
-# of keys), where they take a tenth to a half of each head's softmax: a sink dropped or counted
-# twice moves every output.
+# mixture of experts whose router picks the same experts for every token) with the Llama
+# oracle's logit offset and spread, and a gentler sharpening of the attention logits
+# (GPT_OSS_QK_SCALE): at the Llama oracle's QK_SCALE, two correct GPU kernels (FLASH_ATTN and
+# TRITON_ATTN, with their sinks) differed by about twice the engine rule's mean tolerance on it.
+# The engine test runs its one-expert variant, the dense oracle below. Its sinks take a
+# median of about a tenth of a full-attention head's softmax and half of a sliding one's
+# (from a few hundredths to most of it): a sink dropped or counted twice moves every output.
 GPT_OSS_CONFIG: dict[str, Any] = {
     "hidden_size": 512, "intermediate_size": 512, "num_hidden_layers": 4,
     "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
@@ -141,7 +143,8 @@ GPT_OSS_CONFIG: dict[str, Any] = {
     "layer_types": ["sliding_attention", "full_attention"] * 2, "tie_word_embeddings": False,
     "bos_token_id": 1, "eos_token_id": 2,
 }
-GPT_OSS_SINKS = (4.0, 9.0)  # each head's sink drawn uniformly from this range
+GPT_OSS_SINKS = (2.0, 7.0)  # each head's sink drawn uniformly from this range
+GPT_OSS_QK_SCALE = 1.75
 
 
 def build_gpt_oss(**changes: Any) -> Any:
@@ -156,8 +159,8 @@ def build_gpt_oss(**changes: Any) -> Any:
     with torch.no_grad():
         for layer in model.model.layers:
             attn, experts = layer.self_attn, layer.mlp.experts
-            attn.q_proj.weight.mul_(QK_SCALE)
-            attn.k_proj.weight.mul_(QK_SCALE)
+            attn.q_proj.weight.mul_(GPT_OSS_QK_SCALE)
+            attn.k_proj.weight.mul_(GPT_OSS_QK_SCALE)
             attn.sinks.copy_(low + (high - low) * torch.rand(attn.sinks.shape))
             # Nothing writes hidden dimension 0: it stays OFFSET_INPUT at every position.
             attn.o_proj.weight[0] = 0

@@ -23,10 +23,10 @@ What that test expects rests on facts checked here on the CPU:
 * Teeth, in transformers (float32 compute, bf16 weights as saved): attention with sinks emulated
   as a bf16 FlashAttention kernel computes it (each head's sink in the softmax's denominator),
   teacher-forced on the greedy tokens of transformers' own attention. Without rounding the
-  emulation is transformers' own attention; two tilings agree well within the engine rule's
-  tolerance; a sink dropped, or counted twice, moves the chosen-token logprobs by more than ten
-  tolerances, twenty times the two tilings' difference and ten times bf16's against float32.
-  The shared prefix is four windows long.
+  emulation is transformers' own attention; two tilings, and bf16 against float32, agree well
+  within the engine rule's tolerance; a sink dropped, or counted twice, moves the chosen-token
+  logprobs by more than ten tolerances, twenty times the two tilings' difference and ten times
+  bf16's against float32. The shared prefix is four windows long.
 """
 
 from __future__ import annotations
@@ -312,12 +312,16 @@ def test_the_emulated_sinks_are_transformers_own(runs):
 
 
 def test_two_bf16_kernels_with_the_sinks_agree_well_within_the_tolerance(runs):
-    """The bf16 emulations with 128- and 48-key tiles, as two correct GPU kernels differ. (The
-    float32 one sits further off, ~1.5 tolerances on average: this oracle's bf16 rounding
-    moves it more than the Llama oracle's; the teeth below are ten times that too.)"""
-    dev = agreement.measure(records(runs["sinks_tile48"]), records(runs["sinks_tile128"]))
-    assert dev.fraction >= 0.6, dev
-    assert dev.mean <= agreement.MEAN_TOL / 2 and dev.worst <= agreement.MAX_TOL / 2, dev
+    """The bf16 emulations with 128- and 48-key tiles, as two correct GPU kernels differ; and
+    the float32 one, off by bf16's rounding, about how far FLASH_ATTN and TRITON_ATTN were apart
+    on the GPU at a sharper oracle (QK_SCALE 3: 0.028 here against 0.037 there; the engine
+    test's reference check needs two correct kernels within the tolerance)."""
+    reference = records(runs["sinks_tile128"])
+    for other in ("sinks_tile48", "sinks_fp32"):
+        dev = agreement.measure(records(runs[other]), reference)
+        assert dev.fraction >= 0.6, (other, dev)
+        assert dev.mean <= agreement.MEAN_TOL / 2 and dev.worst <= agreement.MAX_TOL / 2, \
+            (other, dev)
 
 
 @pytest.mark.parametrize("broken", ["sinks_dropped", "sinks_twice"])
