@@ -14,9 +14,10 @@ the flat servers run first. ``--rates`` may differ per workload and repeat a rat
 prefix cache is reset before every run (``POST /reset_prefix_cache``, ``VLLM_SERVER_DEV_MODE=1``)
 and every run draws prompts of its own (its own ``--seed``), the same ones in every config. The
 plugin's counters come from ``/metrics`` before and after each run (``PROMETHEUS_MULTIPROC_DIR``
-joins the engine processes' counters there), and for the plugin's Poisson runs every second
-while the client runs, for the middle half of the arrivals (``mid_run_*``: the decode batches of
-steady serving, without the run's own ramp up and drain; ``metrics.mid_run``). Rows go to
+joins the engine processes' counters there), and during every Poisson run (every server's, flat
+ones too: the same load on each API server) every second while the client runs, for the middle
+half of the arrivals (``mid_run_*``, a plugin row's: the decode batches of steady serving,
+without the run's own ramp up and drain; ``metrics.mid_run``). Rows go to
 ``--out`` after every run, merged with the file's rows of other workloads/configs;
 ``serve.meta.json`` beside it records the commands. Every row of one invocation has the same
 ``run`` (its start time and the checkout's commit) and names the model it served (``model``: the
@@ -139,7 +140,10 @@ def measure(bench: Bench, server: Server, w: sw.Workload, config: str) -> Iterat
               flush=True)
         client_log = logs / result_path.with_suffix(".log").name
         snapshots: list[tuple[float, dict[str, Any]]] = []
-        poisson = CONFIGS[config].plugin_on and rate != sw.BURST
+        # Every server's Poisson runs read /metrics each second, flat ones too (their mid_run_*
+        # stay None): the API server that streams the tokens serves the reads, so flat and the
+        # plugin must carry the same.
+        poisson = rate != sw.BURST
         code = run_client(cmd, client_log, timeout,
                           functools.partial(snapshot, server, snapshots) if poisson else None)
         after = sm.parse_counters(server.get("/metrics"))

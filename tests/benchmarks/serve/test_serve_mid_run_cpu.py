@@ -91,3 +91,40 @@ def test_the_client_runner_polls_while_the_client_runs_and_still_stops_it_in_tim
     slow = [sys.executable, "-c", "import time; time.sleep(30)"]
     assert sp.run_client(slow, tmp_path / "s.log", 1.0, lambda: calls.append(1), 0.25) == -1
     assert sp.run_client(slow, tmp_path / "t.log", 0.5) == -1  # without polling as before
+
+
+@pytest.mark.parametrize("config", ["flash_attn", "cascade_flash_attn"])
+def test_every_servers_poisson_runs_read_the_metrics_each_second_and_bursts_do_not(
+        config, tmp_path, monkeypatch):
+    """Flat and the plugin alike: the API server that streams the tokens also answers the
+    mid-run reads of ``/metrics``, so a comparison needs the same reads on both servers."""
+    import types
+
+    from benchmarks.serve import bench as sb
+    from benchmarks.serve import workloads as sw
+
+    polled: dict[str, bool] = {}
+
+    def fake_client(cmd, log, timeout_s, poll=None, every_s=1.0):
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text("")
+        if "--seed" in cmd:
+            polled[cmd[cmd.index("--request-rate") + 1]] = poll is not None
+        return 1  # the run "failed": measure() goes on to the next rate without a row
+
+    monkeypatch.setattr(sb, "run_client", fake_client)
+    monkeypatch.setattr(sb.sm, "read_timeline", lambda path: None)
+    runs = [("burst", sw.BURST, ["--request-rate", "inf", "--num-prompts", "8", "--seed", "1"],
+             tmp_path / "burst.json"),
+            ("50%", 4.0, ["--request-rate", "4.0", "--num-prompts", "8", "--seed", "2"],
+             tmp_path / "half.json")]
+    bench = types.SimpleNamespace(
+        work=tmp_path, args=types.SimpleNamespace(run_timeout=60.0),
+        warmup=lambda w, port, write: ["warm-up"],
+        runs=lambda w, config, port, write: iter(runs), timeline=lambda config: None)
+    (tmp_path / "server.log").write_text("")
+    server = types.SimpleNamespace(port=1, reset_prefix_cache=lambda: True,
+                                   get=lambda path: "", log=tmp_path / "server.log")
+    rows = list(sb.measure(bench, server, types.SimpleNamespace(name="chat"), config))
+    assert rows == []
+    assert polled == {"inf": False, "4.0": True}
