@@ -11,10 +11,10 @@ run the plan (``StepPlan.group_layers``); the sliding-window layers' builders ru
 do in an engine of one group. Beside the planned group only sliding-window and recurrent groups
 are accepted (any other kind keeps the step flat). With sliding-window groups the path agrees
 with flat attention in engines on a GPU (tests/gpu/test_sliding_window_engine.py, V1 and V2),
-its speed not measured; with recurrent ones it has not run on a GPU (vLLM's prefix caching of
-Mamba state is experimental, and such a model's attention pages are as large as a state's). So
-it is off unless ``CASCADE_UNVERIFIED=1``; without it such a step runs flat, counted as
-:data:`SEVERAL_GROUPS`.
+its speed not measured; so does it with recurrent ones (tests/gpu/test_hybrid_engine.py), but
+served it was slower than flat (vLLM's prefix caching of Mamba state is experimental, and such a
+model's attention pages are as large as a state's: docs/performance.md). So it is off unless
+``CASCADE_UNVERIFIED=1``; without it such a step runs flat, counted as :data:`SEVERAL_GROUPS`.
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ def _choose(groups: list[Any], layers: frozenset[str],
         return SEVERAL_GROUPS, ("the hybrid KV-cache manager's layout (layers of several kinds); "
                                 "CASCADE_UNVERIFIED=1 runs the full-attention layers' group as "
                                 "cascade (beside sliding-window layers correct on a GPU, its "
-                                "speed not yet measured; beside recurrent ones not yet run on "
-                                "a GPU)")
+                                "speed not yet measured; beside recurrent ones correct on a "
+                                "GPU, served slower than flat)")
     held = [g for g, group in enumerate(groups) if layers and layers <= set(group.layer_names)]
     if len(held) != 1:
         return SEVERAL_GROUPS, "the planned layers are in no one KV-cache group"
