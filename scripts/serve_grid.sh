@@ -100,6 +100,11 @@
 #                      several-groups fallback), the plugin with CASCADE_UNVERIFIED=1, flat
 #                      again (flash_attn_again: two identical servers around the plugin's, the
 #                      run's drift). About 10 min on a fresh machine.
+#   hybrid_bamba_graphs  what a step without vLLM's FULL graphs costs that model, as every
+#                      cascade step runs (its 29 Mamba mixers are splitting ops, so eager
+#                      then): flat against flat with piecewise graphs only
+#                      (flash_attn_piecewise), chat_6k_system in a burst and at 50%. About 6
+#                      min on a fresh machine.
 serve_slice() {  # name, timeout (s), serve/bench.py arguments...
   local name=$1 limit=$2 start=$SECONDS
   shift 2
@@ -191,6 +196,8 @@ part_serve_grid() {  # run it detached, alone; the slices in SERVE_GRID's order
     hybrid_bamba_paired) serve_slice hybrid_bamba_paired 1500 --model examples/models/bamba-9b \
       --configs flash_attn,cascade_flash_attn,cascade_flash_attn_hybrid,flash_attn_again \
       --workloads chat_6k_system --rates 50% ;;
+    hybrid_bamba_graphs) serve_slice hybrid_bamba_graphs 900 --model examples/models/bamba-9b \
+      --configs flash_attn,flash_attn_piecewise --workloads chat_6k_system --rates burst,50% ;;
     *) stamp "serve_grid: no slice named $slice (see the list above part_serve_grid)"; return 1 ;;
     esac
   done

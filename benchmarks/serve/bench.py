@@ -231,9 +231,9 @@ def print_dry_run(bench: Bench, configs: list[str], workloads: list[sw.Workload]
 
 def server_order(config: str) -> int:
     """Where ``config``'s server runs in a run: the flat baselines first (the plugin's rates
-    come from their bursts), then the plugin's, then a flat baseline's repeat
-    (``flash_attn_again``), so two identical servers bracket the plugin's and their distance
-    includes the run's drift over time."""
+    come from their bursts), then the plugin's, then the flat configs compared with a baseline
+    (its repeat ``flash_attn_again``, so two identical servers bracket the plugin's and their
+    distance includes the run's drift over time; a variant such as ``flash_attn_piecewise``)."""
     if CONFIGS[config].plugin_on:
         return 1
     return 0 if baseline(config) == config else 2

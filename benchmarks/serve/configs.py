@@ -45,6 +45,14 @@ CONFIGS = {
     # A second flat server in the same run, compared with the first: how far two identical
     # servers' figures are apart (the spread a plugin row is judged against).
     "flash_attn_again": Config("FLASH_ATTN", {"CASCADE_ATTENTION": "0"}, flat="flash_attn"),
+    # Flat with vLLM's piecewise CUDA graphs only (no FULL graph of a whole decode step): what
+    # a cascade step runs apart from the plugin's attention, since the plugin keeps cascade
+    # steps off FULL graphs. On a model whose other layers are splitting ops too (a Mamba
+    # hybrid's mixers), those then run eagerly; against flash_attn, what that costs a step.
+    "flash_attn_piecewise": Config("FLASH_ATTN", {"CASCADE_ATTENTION": "0"},
+                                   args=("--compilation-config",
+                                         '{"cudagraph_mode": "PIECEWISE"}'),
+                                   flat="flash_attn"),
     # The plugin in vLLM's default backend (FA3 kernels), against plain flash_attn.
     "cascade_flash_attn": Config("FLASH_ATTN", {"CASCADE_ATTENTION": "1"}),
     # Cascade on every step with a shared level, the cost model not asked: whether the steps it

@@ -249,6 +249,8 @@ def test_vllms_own_parsers_accept_the_commands(tmp_path):
     stands in for the GPU; in a subprocess, so no other test sees it)."""
     pytest.importorskip("vllm")
     server = sc.server_command(sc.CONFIGS["cascade"], tmp_path, 8100, 8704, _args())
+    piecewise = sc.server_command(sc.CONFIGS["flash_attn_piecewise"], tmp_path, 8101, 8704,
+                                  _args())
     clients = [_client("prefix_8k_x4", "burst"), _client("random_2k", 3.0),
                _client("tree_2k_4x8k", 1.5, data=tmp_path / "t.jsonl")]
     script = textwrap.dedent("""
@@ -262,24 +264,30 @@ def test_vllms_own_parsers_accept_the_commands(tmp_path):
         except ImportError:
             from vllm.entrypoints.common.cli_args import make_arg_parser
         from vllm.benchmarks.serve import add_cli_args
-        server, clients = json.loads(sys.argv[1])
+        server, piecewise, clients = json.loads(sys.argv[1])
         a = make_arg_parser(FlexibleArgumentParser()).parse_args(server[4:])
         out = {"server": [a.model_tag, str(a.attention_backend), a.enable_prefix_caching,
                           a.enable_flashinfer_autotune, a.load_format, a.max_model_len,
                           a.host, a.port, a.seed, a.tensor_parallel_size]}
+        p = make_arg_parser(FlexibleArgumentParser()).parse_args(piecewise[4:])
+        out["piecewise"] = [str(p.attention_backend), p.compilation_config.cudagraph_mode.name,
+                            a.compilation_config.cudagraph_mode]
         parser = FlexibleArgumentParser(); add_cli_args(parser)
         plain = (str, int, float, bool, type(None))
         out["clients"] = [{k: v for k, v in vars(parser.parse_args(c[5:])).items()
                            if isinstance(v, plain)} for c in clients]
         print("PARSED" + json.dumps(out, default=str))
     """)
-    proc = subprocess.run([sys.executable, "-c", script, json.dumps([server, clients])],
+    proc = subprocess.run([sys.executable, "-c", script,
+                           json.dumps([server, piecewise, clients])],
                           capture_output=True, text=True, timeout=300)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("PARSED")), None)
     assert line is not None, proc.stderr[-3000:]
     parsed = json.loads(line[6:])
     assert parsed["server"] == [str(tmp_path), "FLASHINFER", True, False, "dummy", 8704,
                                 "127.0.0.1", 8100, 0, 1]
+    # flash_attn_piecewise: vLLM's piecewise graphs only; the others leave vLLM's default.
+    assert parsed["piecewise"] == ["FLASH_ATTN", "PIECEWISE", None]
     prefix, random, tree = parsed["clients"]
     assert prefix["dataset_name"] == "prefix_repetition" and prefix["request_rate"] == float("inf")
     assert prefix["prefix_repetition_prefix_len"] == 8192 and prefix["ignore_eos"]
@@ -1145,7 +1153,8 @@ def test_the_serving_grid_of_gpu_validate_is_a_valid_bench(tmp_path, capsys):
                                                "flashinfer_chat", "chat_capacity",
                                                "never_slower", "never_slower_chat",
                                                "never_slower_paired", "hybrid_gemma3",
-                                               "hybrid_bamba", "hybrid_bamba_paired"}
+                                               "hybrid_bamba", "hybrid_bamba_paired",
+                                               "hybrid_bamba_graphs"}
     assert all(name == log for name, log, _ in slices)
     models = {}
     for name, _, args in slices:
@@ -1164,7 +1173,7 @@ def test_the_serving_grid_of_gpu_validate_is_a_valid_bench(tmp_path, capsys):
         assert sb.main(["--dry-run", "--model", str(ROOT / model), "--out",
                         str(tmp_path / "s.json"), "--work-dir", str(tmp_path / "w"), *keep]) == 0
     assert models["hybrid_gemma3"] == "gemma3-12b" and models["hybrid_bamba"] == "bamba-9b"
-    assert models["hybrid_bamba_paired"] == "bamba-9b"
+    assert models["hybrid_bamba_paired"] == models["hybrid_bamba_graphs"] == "bamba-9b"
     printed = capsys.readouterr().out
     assert "# model gemma3-12b: " in printed and "# model bamba-9b: " in printed
     assert re.search(r"prefix_8k_x4 90%#2: ", printed) and "chat_1k5_system 90%: " in printed
