@@ -83,6 +83,10 @@
 #                      (flash_attn_again: how far two identical servers are apart in this run);
 #                      the plugin is judged against that spread. About 13 min on a fresh
 #                      machine; a run cut short keeps the plugin's pair.
+#   fp8_kv             the plugin on an FP8 KV cache (--kv-cache-dtype fp8, CASCADE_FP8_KV=1)
+#                      against flat on the same cache (flash_attn_fp8), 8K x 4 in a burst, at
+#                      50% and 90% of that flat server's burst rate. About 9 min on a fresh
+#                      machine.
 #   hybrid_gemma3      Gemma 3 12B's text stack (examples/models/gemma3-12b: 40 sliding-window
 #                      layers of 1,024 tokens, 8 full-attention ones, head_dim 256) flat and
 #                      the plugin (cascade_flash_attn_hybrid: CASCADE_UNVERIFIED=1, the full
@@ -196,6 +200,8 @@ part_serve_grid() {  # run it detached, alone; the slices in SERVE_GRID's order
     hybrid_bamba_paired) serve_slice hybrid_bamba_paired 1500 --model examples/models/bamba-9b \
       --configs flash_attn,cascade_flash_attn,cascade_flash_attn_hybrid,flash_attn_again \
       --workloads chat_6k_system --rates 50% ;;
+    fp8_kv) serve_slice fp8_kv 1200 --configs flash_attn_fp8,cascade_flash_attn_fp8 \
+      --workloads prefix_8k_x4 --rates burst,50%,90% ;;
     hybrid_bamba_graphs) serve_slice hybrid_bamba_graphs 900 --model examples/models/bamba-9b \
       --configs flash_attn,flash_attn_piecewise --workloads chat_6k_system --rates burst,50% ;;
     *) stamp "serve_grid: no slice named $slice (see the list above part_serve_grid)"; return 1 ;;

@@ -38,6 +38,7 @@ API_SERVERS_4 = ("--api-server-count", "4")
 # 8 up to 512): a batch growing through a burst meets 10 sizes instead of 67, and the plugin
 # keys its whole-step graphs by them (fewer captures), at more padding for flat and plugin.
 POW2_GRAPHS = ("--cudagraph-capture-sizes", *(str(1 << i) for i in range(10)))
+FP8_KV = ("--kv-cache-dtype", "fp8")
 CONFIGS = {
     "flashinfer": Config("FLASHINFER", {"CASCADE_ATTENTION": "0"}),
     "cascade": Config("FLASHINFER", {"CASCADE_ATTENTION": "1"}),
@@ -96,6 +97,13 @@ CONFIGS = {
     "cascade_flash_attn_capture_second": Config(
         "FLASH_ATTN", {"CASCADE_ATTENTION": "1", "CASCADE_BENCH_CAPTURE_AFTER": "2"},
         pythonpath=(str(PROBES / "capture_after"),)),
+    # Flat and the plugin on an FP8 KV cache (--kv-cache-dtype fp8; the plugin's FP8 path is
+    # opt-in, CASCADE_FP8_KV=1), compared with each other: whether cascade wins there too.
+    "flash_attn_fp8": Config("FLASH_ATTN", {"CASCADE_ATTENTION": "0"}, args=FP8_KV,
+                             flat="flash_attn_fp8"),
+    "cascade_flash_attn_fp8": Config("FLASH_ATTN", {"CASCADE_ATTENTION": "1",
+                                                    "CASCADE_FP8_KV": "1"},
+                                     args=FP8_KV, flat="flash_attn_fp8"),
     # Flat and the plugin with 4 API server processes (``--api-server-count 4``): requests are
     # tokenized and handed to the engine in parallel, so a burst's time to first token is less
     # the frontend's and more the engine's. Compared with each other, not with one API server.

@@ -251,6 +251,7 @@ def test_vllms_own_parsers_accept_the_commands(tmp_path):
     server = sc.server_command(sc.CONFIGS["cascade"], tmp_path, 8100, 8704, _args())
     piecewise = sc.server_command(sc.CONFIGS["flash_attn_piecewise"], tmp_path, 8101, 8704,
                                   _args())
+    fp8 = sc.server_command(sc.CONFIGS["cascade_flash_attn_fp8"], tmp_path, 8102, 8704, _args())
     clients = [_client("prefix_8k_x4", "burst"), _client("random_2k", 3.0),
                _client("tree_2k_4x8k", 1.5, data=tmp_path / "t.jsonl")]
     script = textwrap.dedent("""
@@ -264,7 +265,7 @@ def test_vllms_own_parsers_accept_the_commands(tmp_path):
         except ImportError:
             from vllm.entrypoints.common.cli_args import make_arg_parser
         from vllm.benchmarks.serve import add_cli_args
-        server, piecewise, clients = json.loads(sys.argv[1])
+        server, piecewise, fp8, clients = json.loads(sys.argv[1])
         a = make_arg_parser(FlexibleArgumentParser()).parse_args(server[4:])
         out = {"server": [a.model_tag, str(a.attention_backend), a.enable_prefix_caching,
                           a.enable_flashinfer_autotune, a.load_format, a.max_model_len,
@@ -272,6 +273,8 @@ def test_vllms_own_parsers_accept_the_commands(tmp_path):
         p = make_arg_parser(FlexibleArgumentParser()).parse_args(piecewise[4:])
         out["piecewise"] = [str(p.attention_backend), p.compilation_config.cudagraph_mode.name,
                             a.compilation_config.cudagraph_mode]
+        f = make_arg_parser(FlexibleArgumentParser()).parse_args(fp8[4:])
+        out["fp8"] = [f.kv_cache_dtype, a.kv_cache_dtype]
         parser = FlexibleArgumentParser(); add_cli_args(parser)
         plain = (str, int, float, bool, type(None))
         out["clients"] = [{k: v for k, v in vars(parser.parse_args(c[5:])).items()
@@ -279,7 +282,7 @@ def test_vllms_own_parsers_accept_the_commands(tmp_path):
         print("PARSED" + json.dumps(out, default=str))
     """)
     proc = subprocess.run([sys.executable, "-c", script,
-                           json.dumps([server, piecewise, clients])],
+                           json.dumps([server, piecewise, fp8, clients])],
                           capture_output=True, text=True, timeout=300)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("PARSED")), None)
     assert line is not None, proc.stderr[-3000:]
@@ -288,6 +291,8 @@ def test_vllms_own_parsers_accept_the_commands(tmp_path):
                                 "127.0.0.1", 8100, 0, 1]
     # flash_attn_piecewise: vLLM's piecewise graphs only; the others leave vLLM's default.
     assert parsed["piecewise"] == ["FLASH_ATTN", "PIECEWISE", None]
+    assert parsed["fp8"] == ["fp8", "auto"]  # the FP8 pair's cache; vLLM's default otherwise
+    assert sc.server_env(sc.CONFIGS["cascade_flash_attn_fp8"], tmp_path)["CASCADE_FP8_KV"] == "1"
     prefix, random, tree = parsed["clients"]
     assert prefix["dataset_name"] == "prefix_repetition" and prefix["request_rate"] == float("inf")
     assert prefix["prefix_repetition_prefix_len"] == 8192 and prefix["ignore_eos"]
@@ -1154,7 +1159,7 @@ def test_the_serving_grid_of_gpu_validate_is_a_valid_bench(tmp_path, capsys):
                                                "never_slower", "never_slower_chat",
                                                "never_slower_paired", "hybrid_gemma3",
                                                "hybrid_bamba", "hybrid_bamba_paired",
-                                               "hybrid_bamba_graphs"}
+                                               "hybrid_bamba_graphs", "fp8_kv"}
     assert all(name == log for name, log, _ in slices)
     models = {}
     for name, _, args in slices:
