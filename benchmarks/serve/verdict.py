@@ -27,6 +27,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from benchmarks.serve.configs import CONFIGS, baseline
 from benchmarks.serve.pairs import model_of, rate_spec
 
 FLAT, AGAIN, PLUGIN = "flash_attn", "flash_attn_again", "cascade_flash_attn"
@@ -47,21 +48,25 @@ def judge(rows: list[dict[str, Any]], plugin: str = PLUGIN,
     """Per point that has flat and ``plugin`` rows in one run (``run``: that run only): the
     plugin's TPOT p50 gain (flat / plugin), TTFT p99 ratio (plugin / flat) and output
     throughput ratio; flat again's, where the run has it; and both verdicts (``spread``: None
-    without flat again)."""
+    without flat again). Flat is the plugin config's own (``configs.baseline``: ``flash_attn``,
+    or e.g. ``flash_attn_fp8`` for the FP8 pair); flat again is ``flash_attn``'s repeat."""
+    flat_config = baseline(plugin) if plugin in CONFIGS else FLAT
+    again_config = AGAIN if flat_config == FLAT else None
     by_point: dict[tuple[str, str, str, str], dict[str, dict[str, Any]]] = {}
     for row in rows:
-        if row.get("config") in (FLAT, AGAIN, plugin) and row.get("completed", 1):
+        if row.get("config") in (flat_config, again_config, plugin) and row.get("completed", 1):
             if run is None or row.get("run_id") == run or row.get("run") == run:
                 by_point.setdefault(_point(row), {})[row["config"]] = row
     out = []
     for (run_id, model, workload, spec), got in by_point.items():
-        flat, on = got.get(FLAT), got.get(plugin)
+        flat, on = got.get(flat_config), got.get(plugin)
         if flat is None or on is None:
             continue
-        point: dict[str, Any] = {"run_id": run_id, "model": model, "workload": workload,
+        point: dict[str, Any] = {"plugin": plugin, "flat": flat_config,
+                                 "run_id": run_id, "model": model, "workload": workload,
                                  "rate": spec, "gpu": on.get("gpu"), **_ratios(flat, on, "")}
         point["target"] = _passes(point, "", TPOT_FLOOR, TTFT_CEILING)
-        again = got.get(AGAIN)
+        again = got.get(AGAIN) if again_config else None
         if again is None:
             point["spread"] = None
         else:
@@ -108,18 +113,25 @@ def main() -> None:
     which.add_argument("--run", help="one run (its run_id or run)")
     which.add_argument("--latest", action="store_true",
                        help="the run of the file's last row (what a slice just wrote)")
-    p.add_argument("--plugin", default=PLUGIN, help="the plugin's config (default %(default)s)")
+    p.add_argument("--plugin", default=None,
+                   help="the plugin's config (default: every plugin config with rows in the "
+                        "run, each against its own flat config; cascade_flash_attn where none)")
     p.add_argument("--json", action="store_true", help="the points as JSON")
     args = p.parse_args()
     rows = json.loads(args.file.read_text())
     rows = rows["rows"] if isinstance(rows, dict) else rows
     run = rows[-1].get("run_id") if args.latest and rows else args.run
-    points = judge(rows, args.plugin, run)
+    plugins = [args.plugin] if args.plugin else sorted(
+        {r["config"] for r in rows if (run is None or run in (r.get("run_id"), r.get("run")))
+         and r.get("config") in CONFIGS and CONFIGS[r["config"]].plugin_on}) or [PLUGIN]
+    judged = {plugin: judge(rows, plugin, run) for plugin in plugins}
     if args.json:
-        print(json.dumps(points, indent=1))
-    else:
-        print(f"# {args.plugin} against {FLAT}, run {run or 'every run'} of {args.file}")
-        print(table(points))
+        print(json.dumps([p for plugin in plugins for p in judged[plugin]], indent=1))
+        return
+    for plugin in plugins:
+        flat = baseline(plugin) if plugin in CONFIGS else FLAT
+        print(f"# {plugin} against {flat}, run {run or 'every run'} of {args.file}")
+        print(table(judged[plugin]))
 
 
 if __name__ == "__main__":

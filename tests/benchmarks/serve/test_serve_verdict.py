@@ -87,3 +87,22 @@ def test_the_command_prints_each_points_verdicts(tmp_path):
     assert latest[0].startswith("# cascade_flash_attn against flash_attn, run R1 of ")
     assert [line.split()[:3] for line in latest[2:]] == [["R1", "chat_1k_prefill_heavy", "50%"],
                                                         ["R1", "chat_1k_prefill_heavy", "90%"]]
+
+
+def test_each_plugin_config_is_judged_against_its_own_flat_config(tmp_path):
+    """The FP8 pair's plugin against flat on the same FP8 cache, not against flash_attn; and
+    the command, not told which plugin, judges every plugin config of the run."""
+    rows = [*ROWS, row("flash_attn_fp8", "50%", 30.0, 100.0, run="R3"),
+            row("cascade_flash_attn_fp8", "50%", 20.0, 100.0, run="R3"),
+            row("flash_attn", "50%", 60.0, 100.0, run="R3")]
+    [p] = verdict.judge(rows, "cascade_flash_attn_fp8")
+    assert (p["plugin"], p["flat"]) == ("cascade_flash_attn_fp8", "flash_attn_fp8")
+    assert p["tpot_gain"] == pytest.approx(1.5) and p["spread"] is None  # not 60 / 20
+    (tmp_path / "serve.json").write_text(json.dumps(rows))
+    out = subprocess.run([sys.executable, "-m", "benchmarks.serve.verdict", "--file",
+                          str(tmp_path / "serve.json")], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout
+    heads = [line for line in out.splitlines() if line.startswith("# ")]
+    assert [h.split(", run")[0] for h in heads] == [
+        "# cascade_flash_attn against flash_attn",
+        "# cascade_flash_attn_fp8 against flash_attn_fp8"]
