@@ -70,9 +70,9 @@ ROWS: list[tuple[str, str, str, tuple[str, ...]]] = [
      "the gpt-oss engine test runs a dense stand-in with gpt-oss's attention (vLLM's gpt-oss "
      "layers, a dense MLP for its experts: the validation machine's vLLM build has no "
      "fused-MoE kernels): cascade on every decode step, within the tolerance of flat "
-     "FLASH_ATTN, but the two flat kernels (FLASH_ATTN, TRITON_ATTN) differed beyond it on that "
-     "model; its attention is now sharpened less (bf16 against float32 within half the "
-     "tolerance on the CPU), not yet rerun on a GPU", ("kernels", "sliding")),
+     "FLASH_ATTN, but the two flat kernels (FLASH_ATTN, TRITON_ATTN) differed beyond it on a "
+     "sharper stand-in; the test's stand-in has its attention sharpened less (bf16 against "
+     "float32 within half the tolerance on the CPU) and has not run on a GPU", ("kernels", "sliding")),
     ("`vllm-cascade demo`, `examples/`", "run", "GPU, as a user runs them",
      ("demo", "examples")),
     ("recurrent hybrids (Mamba or linear-attention layers beside full-attention ones)",
