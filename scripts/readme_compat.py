@@ -72,7 +72,8 @@ ROWS: list[tuple[str, str, str, tuple[str, ...]]] = [
      "fused-MoE kernels): cascade on every decode step, within the tolerance of flat "
      "FLASH_ATTN, but the two flat kernels (FLASH_ATTN, TRITON_ATTN) differed beyond it on a "
      "sharper stand-in; the test's stand-in has its attention sharpened less (bf16 against "
-     "float32 within half the tolerance on the CPU) and has not run on a GPU", ("kernels", "sliding")),
+     "float32 within half the tolerance on the CPU) and has not run on a GPU",
+     ("kernels", "sliding")),
     ("`vllm-cascade demo`, `examples/`", "run", "GPU, as a user runs them",
      ("demo", "examples")),
     ("recurrent hybrids (Mamba or linear-attention layers beside full-attention ones)",
