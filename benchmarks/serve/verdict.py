@@ -43,6 +43,12 @@ def _point(row: dict[str, Any]) -> tuple[str, str, str, str]:
             str(row.get("rate_spec") or rate_spec(row)))
 
 
+def flat_of(plugin: str) -> str:
+    """The flat config ``plugin`` is judged against (``configs.baseline``; ``flash_attn`` for a
+    name the configs do not know)."""
+    return baseline(plugin) if plugin in CONFIGS else FLAT
+
+
 def judge(rows: list[dict[str, Any]], plugin: str = PLUGIN,
           run: str | None = None) -> list[dict[str, Any]]:
     """Per point that has flat and ``plugin`` rows in one run (``run``: that run only): the
@@ -50,7 +56,7 @@ def judge(rows: list[dict[str, Any]], plugin: str = PLUGIN,
     throughput ratio; flat again's, where the run has it; and both verdicts (``spread``: None
     without flat again). Flat is the plugin config's own (``configs.baseline``: ``flash_attn``,
     or e.g. ``flash_attn_fp8`` for the FP8 pair); flat again is ``flash_attn``'s repeat."""
-    flat_config = baseline(plugin) if plugin in CONFIGS else FLAT
+    flat_config = flat_of(plugin)
     again_config = AGAIN if flat_config == FLAT else None
     by_point: dict[tuple[str, str, str, str], dict[str, dict[str, Any]]] = {}
     for row in rows:
@@ -129,8 +135,7 @@ def main() -> None:
         print(json.dumps([p for plugin in plugins for p in judged[plugin]], indent=1))
         return
     for plugin in plugins:
-        flat = baseline(plugin) if plugin in CONFIGS else FLAT
-        print(f"# {plugin} against {flat}, run {run or 'every run'} of {args.file}")
+        print(f"# {plugin} against {flat_of(plugin)}, run {run or 'every run'} of {args.file}")
         print(table(judged[plugin]))
 
 
