@@ -15,7 +15,7 @@ import pytest
 from test_hooks import Counts, StagedRows, block_tables, id_mappings
 from vllm_cascade_plugin import stats
 from vllm_cascade_plugin.config import CascadeConfig
-from vllm_cascade_plugin.integration import hooks_dispatch, kv_groups
+from vllm_cascade_plugin.integration import hooks_dispatch, hooks_step, kv_groups
 from vllm_cascade_plugin.integration.hooks_step import PendingStep
 from vllm_cascade_plugin.planning.cost import AttentionShape, cost_model_for
 from vllm_cascade_plugin.planning.planner import plan_cascade
@@ -76,6 +76,35 @@ def test_by_default_a_step_of_several_groups_runs_flat_and_says_how_to_turn_it_o
     assert kv_groups.planned_group(runner, 2) is None
     assert stats.snapshot().fallbacks == {kv_groups.SEVERAL_GROUPS: 1}
     assert "CASCADE_UNVERIFIED=1" in caplog.text
+
+
+def test_by_default_an_engine_of_several_groups_stands_down_after_its_first_step(
+        hybrid_session):
+    """The reason holds for every step of the engine: after the first, no step is made pending
+    (nothing planned or counted: vLLM's path as without the plugin), until a builder registers
+    again and a step meets the reason again."""
+    hybrid_session(unverified=False)
+    runner = SimpleNamespace(kv_cache_config=groups(*HYBRID))
+    seen = []
+
+    def execute_model(self, scheduler_output, intermediate_tensors=None):
+        seen.append(hooks_step.pending)
+        if hooks_step.pending is not None:
+            hooks_dispatch.plan_once(hooks_step.pending,
+                                     lambda step: kv_groups.planned_group(step.runner, 2))
+        return "output"
+
+    wrapped = hooks_step.execute_model(execute_model)
+    so = SimpleNamespace(num_scheduled_tokens={"a": 1})
+    for _ in range(3):
+        assert wrapped(runner, so) == "output"
+    assert seen[0] is not None and seen[1:] == [None, None]
+    assert not session.active
+    assert stats.snapshot().fallbacks == {kv_groups.SEVERAL_GROUPS: 1}
+    session.register(FULL_LAYERS, settings(FULL_LAYERS, unverified=False))  # vLLM's new builder
+    assert session.active
+    assert wrapped(runner, so) == "output" and seen[-1] is not None
+    assert not session.active and stats.snapshot().fallbacks == {kv_groups.SEVERAL_GROUPS: 2}
 
 
 def test_the_full_attention_layers_group_is_planned_with_per_layer_graphs_cost(hybrid_session):

@@ -14,7 +14,9 @@ with flat attention in engines on a GPU (tests/gpu/test_sliding_window_engine.py
 its speed not measured; so does it with recurrent ones (tests/gpu/test_hybrid_engine.py), but
 served it was slower than flat (vLLM's prefix caching of Mamba state is experimental, and such a
 model's attention pages are as large as a state's: docs/performance.md). So it is off unless
-``CASCADE_UNVERIFIED=1``; without it such a step runs flat, counted as :data:`SEVERAL_GROUPS`.
+``CASCADE_UNVERIFIED=1``; without it the first such step runs flat, counted as
+:data:`SEVERAL_GROUPS`, and the session stands down (:meth:`~..step.StepSession.stand_down`):
+every later step runs vLLM's path with no planning at all, as in an engine without the plugin.
 """
 
 from __future__ import annotations
@@ -43,8 +45,9 @@ def planned_group(runner: Any, count: int) -> tuple[int, frozenset[str] | None] 
     if known is None or known[0] is not layers:
         known = runner.__dict__[_KNOWN] = (layers, _choose(groups, layers))
     found = known[1]
-    if isinstance(found[0], str):  # (reason, detail)
+    if isinstance(found[0], str):  # (reason, detail): the same for every step of this engine
         stats.record_fallback(*found)
+        session.stand_down(found[0])
         return None
     session.whole_step_graphs_off()
     return found

@@ -327,6 +327,13 @@ class StepSession(PreChecks):
         self._layouts_seen.add(key)
         return FIRST
 
+    def stand_down(self, reason: str) -> None:
+        """Every later step runs flat for ``reason``, which holds for the engine's life (its
+        KV-cache layout, its configuration): the session goes inactive, so the runner hooks
+        neither plan nor count those steps. A builder registered later (vLLM makes them again)
+        makes it active until a step meets the reason again."""
+        self.disabled_reason = reason
+
     def whole_step_graphs_off(self) -> None:
         """The executor's whole-step graphs are not used in this engine (several KV-cache
         groups): charge a graphed decode step what per-layer graphs cost."""
