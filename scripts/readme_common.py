@@ -25,6 +25,15 @@ def _meta(path: Path) -> dict[str, Any]:
     return _load(meta) if meta.is_file() else {}
 
 
+def served_rows(path: Path) -> list[dict[str, Any]]:
+    """serve.json's rows but those of a run its meta marks ``left_out`` (a run that cannot
+    resolve what it measured, e.g. its two flat servers far apart: the reason is that field's
+    text); the rows stay in the file, the tables leave them out."""
+    left_out = {run.get("run_id") for run in _meta(path).get("runs", [])
+                if isinstance(run, dict) and run.get("left_out")}
+    return [row for row in _load(path) if str(row.get("run_id", "")).split("-")[0] not in left_out]
+
+
 def _int(x: float) -> str:
     return f"{x:,.0f}"
 

@@ -11,7 +11,7 @@ import sys
 from decimal import ROUND_CEILING, ROUND_FLOOR, ROUND_HALF_UP, Decimal
 from typing import Any
 
-from readme_common import DASH, GPU, ROOT, TIMES, _load, _source, _table
+from readme_common import DASH, GPU, ROOT, TIMES, _load, _source, _table, served_rows
 
 sys.path.insert(0, str(ROOT))  # the serve bench's pairing of its rows (benchmarks.serve)
 from benchmarks.serve.pairs import ratios, serve_runs
@@ -39,7 +39,7 @@ ENGINE_ROWS = GPU / "gpu_validate" / ENGINE_CHECK / "correctness_flash_attn.json
 
 def _serve_rows() -> list[dict[str, Any]]:
     path = GPU / "serve.json"
-    return _load(path) if path.is_file() else []
+    return served_rows(path) if path.is_file() else []
 
 
 def gpu_name(row: dict[str, Any]) -> str:

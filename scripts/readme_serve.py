@@ -9,7 +9,18 @@ import sys
 from collections import Counter
 from typing import Any
 
-from readme_common import DASH, GPU, ROOT, TIMES, _load, _meta, _ratio, _source, _table, _versions
+from readme_common import (
+    DASH,
+    GPU,
+    ROOT,
+    TIMES,
+    _meta,
+    _ratio,
+    _source,
+    _table,
+    _versions,
+    served_rows,
+)
 
 sys.path.insert(0, str(ROOT))  # the serve bench's reading of its rows (benchmarks.serve)
 from benchmarks.serve.metrics import shared_cascade_fraction
@@ -26,7 +37,7 @@ def serve_headline() -> str:
     more than once, the range over its runs (each against its own run's flat server); "" when
     serve.json has none of it."""
     path = GPU / "serve.json"
-    rows = _load(path) if path.is_file() else []
+    rows = served_rows(path) if path.is_file() else []
     parts, days, gpus = [], set(), set()
 
     def plugin_over_flat(workload: str, spec: str, key: str, servers: str = "",
@@ -120,7 +131,8 @@ def block_serve() -> list[str]:
     if not path.is_file():
         return ["Not measured yet: `benchmarks/serve/bench.py` writes "
                 "`benchmarks/results/gpu/serve.json`, and this table is rendered from it."]
-    rows, meta = _load(path), _meta(path)
+    rows, meta = served_rows(path), _meta(path)
+    left_out = [run["run_id"] for run in meta.get("runs", []) if run.get("left_out")]
 
     def pair(flat: dict[str, Any], on: dict[str, Any], key: str, digits: int = 0) -> str:
         a, b = flat.get(key), on.get(key)
@@ -220,7 +232,9 @@ def block_serve() -> list[str]:
               "run as cascade where the eager cost model says so (the defaults, "
               "`CASCADE_SPLIT_MIXED=0`); "
               "`CASCADE_POLICY=always`: the plugin with cascade on every step that "
-              "shares, the cost model bypassed:", ""]
+              "shares, the cost model bypassed" + (
+                  f"; left out, each for the reason its `left_out` in serve.meta.json gives: "
+                  f"run {', '.join(left_out)}" if left_out else "") + ":", ""]
     lines += _table(["backend", "workload", "request rate", "output tokens/s", "TTFT p99",
                      "TPOT p50", "TPOT p99",
                      "decode steps as cascade (of those that share)",

@@ -99,11 +99,13 @@
 #                      layers and 3 full-attention ones, 768-token pages). About 12 min on a
 #                      fresh machine (Mamba's Triton kernels compile in the first server).
 #   hybrid_bamba_paired  why the plugin was slower on that model even where no step ran cascade:
-#                      chat_6k_system at 50% on four servers, in this order: flat, the plugin
-#                      as shipped (cascade_flash_attn: every step of this model flat, the
-#                      several-groups fallback), the plugin with CASCADE_UNVERIFIED=1, flat
-#                      again (flash_attn_again: two identical servers around the plugin's, the
-#                      run's drift). About 10 min on a fresh machine.
+#                      chat_6k_system in a burst and at 50% of flat's burst rate in this run
+#                      (a rate from another machine's run can be near this one's capacity) on
+#                      four servers, in this order: flat, the plugin as shipped
+#                      (cascade_flash_attn: the several-groups fallback, then no step planned),
+#                      the plugin with CASCADE_UNVERIFIED=1, flat again (flash_attn_again: two
+#                      identical servers around the plugin's, the run's drift). About 13 min
+#                      on a fresh machine.
 #   hybrid_bamba_graphs  what a step without vLLM's FULL graphs costs that model, as every
 #                      cascade step runs (its 29 Mamba mixers are splitting ops, so eager
 #                      then): flat against flat with piecewise graphs only
@@ -199,7 +201,7 @@ part_serve_grid() {  # run it detached, alone; the slices in SERVE_GRID's order
       --rates burst,50%,90% ;;
     hybrid_bamba_paired) serve_slice hybrid_bamba_paired 1500 --model examples/models/bamba-9b \
       --configs flash_attn,cascade_flash_attn,cascade_flash_attn_hybrid,flash_attn_again \
-      --workloads chat_6k_system --rates 50% ;;
+      --workloads chat_6k_system --rates burst,50% ;;
     fp8_kv) serve_slice fp8_kv 1200 --configs flash_attn_fp8,cascade_flash_attn_fp8 \
       --workloads prefix_8k_x4 --rates burst,50%,90% ;;
     hybrid_bamba_graphs) serve_slice hybrid_bamba_graphs 900 --model examples/models/bamba-9b \

@@ -255,6 +255,28 @@ def test_a_point_measured_in_several_runs_shows_its_latest_run_and_every_runs_ra
     assert serve.APART not in row
 
 
+def test_a_run_its_meta_leaves_out_is_in_no_table_and_the_caption_names_it(
+        tmp_path, monkeypatch):
+    """A run marked ``left_out`` in serve.meta.json (one that cannot resolve what it measured)
+    keeps its rows in serve.json; the table shows the other run alone and names the left-out
+    run; the headline reads no row of it either."""
+    rows = [_serve_row("flash_attn", 2.0, "90%", 1.0, run="a"),
+            _serve_row("cascade_flash_attn", 2.0, "90%", 2.0, run="a"),
+            _serve_row("flash_attn", 2.1, "90%", 0.5, run="b"),
+            _serve_row("cascade_flash_attn", 2.1, "90%", 1.5, run="b")]
+    (tmp_path / "serve.json").write_text(json.dumps(rows))
+    (tmp_path / "serve.meta.json").write_text(json.dumps({"runs": [
+        {"run_id": "a"}, {"run_id": "b", "left_out": "its two flat servers far apart"}]}))
+    monkeypatch.setattr(serve, "GPU", tmp_path)
+    monkeypatch.setattr(common, "ROOT", tmp_path.parent)
+    assert [r["run_id"] for r in common.served_rows(tmp_path / "serve.json")] == ["a", "a"]
+    lines = serve.block_serve()
+    [row] = [line for line in lines if "| prefix_8k_x4 |" in line]
+    x = tables.TIMES
+    assert "| 90% (2.0 req/s) |" in row and f"| 1,000 → 2,000 (2.00{x}) |" in row
+    assert "left_out" in "\n".join(lines) and "run b" in "\n".join(lines)
+
+
 def test_a_pair_measured_at_two_rates_names_both(tmp_path, monkeypatch):
     """A plugin row paired with a flat row of another run at another request rate (the flat
     burst its rate came from changed in between) shows both rates, and is marked apart."""
