@@ -62,6 +62,9 @@ class Bench:
     max_len: int
     special: list[int]
     vocab_size: int
+    # flat config -> workload -> the run whose burst measured ``known``'s rate (this one, or an
+    # earlier run of --out, perhaps on another machine, where this run has no such burst)
+    rate_runs: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
 
     @property
     def model_dir(self) -> Path:
@@ -159,6 +162,7 @@ def measure(bench: Bench, server: Server, w: sw.Workload, config: str) -> Iterat
         result = json.loads(result_path.read_text())
         if config == baseline(config) and rate == sw.BURST and result.get("completed"):
             bench.known.setdefault(config, {})[w.name] = sw.sustainable_rate(result)
+            bench.rate_runs.setdefault(config, {})[w.name] = bench.run_id
         requests = int(cmd[cmd.index("--num-prompts") + 1])
         middle = sm.mid_run(snapshots, before, requests / float(rate) if poisson else 0.0)
         yield sr.make_row(
@@ -170,6 +174,7 @@ def measure(bench: Bench, server: Server, w: sw.Workload, config: str) -> Iterat
                    "sustainable_rate": bench.known.get(baseline(config), {}).get(w.name),
                    "offered_load": sm.offered_load(rate, bench.known.get(baseline(config), {})
                                                    .get(w.name)),
+                   "sustainable_rate_run": bench.rate_runs.get(baseline(config), {}).get(w.name),
                    "seed": int(cmd[cmd.index("--seed") + 1]), "run_id": bench.run_id,
                    "run": bench.run, "model": bench.model,
                    "max_model_len": bench.max_len, "prompt_len": w.input_len,
@@ -252,8 +257,11 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(f"--rates names {', '.join(unknown)}, not in --workloads")
     old = [] if args.fresh else sr.load_rows(args.out)
     model = model_name(args.model)
+    flats = sorted({baseline(c) for c in CONFIGS})
     known = {flat: sr.baseline_rates(old, flat, args.tensor_parallel_size, model)
-             for flat in sorted({baseline(c) for c in CONFIGS})}
+             for flat in flats}
+    rate_runs = {flat: sr.baseline_rates(old, flat, args.tensor_parallel_size, model, "run_id")
+                 for flat in flats}
     for flat in sorted({baseline(c) for c in configs} - set(configs)):
         missing = [w.name for w in workloads if w.name not in known[flat] and any(
             sw.base_rate(r).endswith("%") for r in rates.get(w.name, rates.get("*", [])))]
@@ -268,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = Bench(args, rates, known, Path(args.work_dir) / run_id, run_id,
                   f"{run_id}-{commit()}", sw.max_model_len(workloads, config_json["vocab_size"]),
                   [config_json["bos_token_id"], config_json["eos_token_id"]],
-                  config_json["vocab_size"])
+                  config_json["vocab_size"], rate_runs)
     if args.dry_run:
         print_dry_run(bench, configs, workloads)
         return 0

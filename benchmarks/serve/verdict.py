@@ -70,7 +70,9 @@ def judge(rows: list[dict[str, Any]], plugin: str = PLUGIN,
             continue
         point: dict[str, Any] = {"plugin": plugin, "flat": flat_config,
                                  "run_id": run_id, "model": model, "workload": workload,
-                                 "rate": spec, "gpu": on.get("gpu"), **_ratios(flat, on, "")}
+                                 "rate": spec, "gpu": on.get("gpu"),
+                                 "rate_from_run": _rate_from_elsewhere(flat),
+                                 **_ratios(flat, on, "")}
         point["target"] = _passes(point, "", TPOT_FLOOR, TTFT_CEILING)
         again = got.get(AGAIN) if again_config else None
         if again is None:
@@ -83,6 +85,15 @@ def judge(rows: list[dict[str, Any]], plugin: str = PLUGIN,
             point["spread"] = _passes(point, "", tpot_floor, ttft_ceiling)
         out.append(point)
     return out
+
+
+def _rate_from_elsewhere(flat: dict[str, Any]) -> str | None:
+    """The run whose flat burst set a relative rate point's rate, where it is not the row's own
+    run (the rate may then sit elsewhere on this run's machine: near its capacity), else
+    None."""
+    source = flat.get("sustainable_rate_run")
+    own = str(flat.get("run_id", "")).split("-")[0]
+    return source if source is not None and str(source).split("-")[0] != own else None
 
 
 def _ratios(flat: dict[str, Any], other: dict[str, Any], prefix: str) -> dict[str, float]:
@@ -109,6 +120,8 @@ def table(points: list[dict[str, Any]]) -> str:
                      f"{p['tpot_gain']:>9.3f} {p['ttft_p99_ratio']:>8.2f} "
                      f"{p['output_ratio']:>6.2f} | {again} | {verdict(p['target']):<6} "
                      f"{verdict(p['spread'])}")
+        if p.get("rate_from_run"):
+            lines[-1] += f"  (rate from run {p['rate_from_run']}'s flat burst)"
     return "\n".join(lines)
 
 

@@ -128,3 +128,60 @@ def test_every_servers_poisson_runs_read_the_metrics_each_second_and_bursts_do_n
     rows = list(sb.measure(bench, server, types.SimpleNamespace(name="chat"), config))
     assert rows == []
     assert polled == {"inf": False, "4.0": True}
+
+
+def _measured_rows(tmp_path, monkeypatch, config: str, rate_runs: dict) -> list:
+    """``bench.measure`` over a burst and a 50% run whose fake client completes 8 requests in 2 s
+    each, for ``config`` with the bench's ``rate_runs`` as given."""
+    import json
+    import types
+
+    from benchmarks.serve import bench as sb
+    from benchmarks.serve import workloads as sw
+
+    def fake_client(cmd, log, timeout_s, poll=None, every_s=1.0):
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text("")
+        if "--result-filename" in cmd:
+            path = tmp_path / cmd[cmd.index("--result-filename") + 1]
+            path.write_text(json.dumps({"completed": 8, "duration": 2.0}))
+        return 0
+
+    monkeypatch.setattr(sb, "run_client", fake_client)
+    monkeypatch.setattr(sb.sm, "read_timeline", lambda path: None)
+    runs = [(item, rate, ["--request-rate", str(rate), "--num-prompts", "8", "--seed", "1",
+                          "--result-filename", f"{item}.json"], tmp_path / f"{item}.json")
+            for item, rate in (("burst", sw.BURST), ("50%", 2.0))]
+    bench = types.SimpleNamespace(
+        work=tmp_path, args=types.SimpleNamespace(run_timeout=60.0, tensor_parallel_size=1),
+        warmup=lambda w, port, write: ["warm-up"], known={"flash_attn": {"chat": 4.0}},
+        rate_runs=rate_runs, run_id="this", run="this-abc", model="m", max_len=1,
+        runs=lambda w, config, port, write: iter(runs), timeline=lambda config: None)
+    (tmp_path / "server.log").write_text("")
+    server = types.SimpleNamespace(port=1, reset_prefix_cache=lambda: True,
+                                   get=lambda path: "", log=tmp_path / "server.log")
+    workload = types.SimpleNamespace(name="chat", input_len=1, output_len=1)
+    return list(sb.measure(bench, server, workload, config))
+
+
+def test_a_rows_rate_names_the_run_whose_flat_burst_measured_it(tmp_path, monkeypatch):
+    """Flat's burst in this run: its rate and the plugin's relative rates are this run's. A
+    plugin run whose rate came from an earlier run's burst (another machine, perhaps) names it."""
+    flat = _measured_rows(tmp_path, monkeypatch, "flash_attn", {"flash_attn": {"chat": "old"}})
+    assert [r["sustainable_rate_run"] for r in flat] == ["this", "this"]
+    assert [r["sustainable_rate"] for r in flat] == [4.0, 4.0]  # 8 requests in 2 s
+    plugin = _measured_rows(tmp_path, monkeypatch, "cascade_flash_attn",
+                            {"flash_attn": {"chat": "old"}})
+    assert [r["sustainable_rate_run"] for r in plugin] == ["old", "old"]
+
+
+def test_the_rate_of_an_earlier_run_is_its_latest_flat_burst():
+    from benchmarks.serve import results as sr
+
+    row = {"config": "flash_attn", "request_rate": "burst", "workload": "chat",
+           "tensor_parallel_size": 1, "model": "llama3-8b"}
+    rows = [{**row, "request_throughput": 3.0, "run_id": "a"},
+            {**row, "request_throughput": 5.0, "run_id": "b"},
+            {**row, "request_throughput": 9.0, "run_id": "c", "config": "flashinfer"}]
+    assert sr.baseline_rates(rows, "flash_attn", 1) == {"chat": 5.0}
+    assert sr.baseline_rates(rows, "flash_attn", 1, key="run_id") == {"chat": "b"}

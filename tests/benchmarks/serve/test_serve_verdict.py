@@ -106,3 +106,22 @@ def test_each_plugin_config_is_judged_against_its_own_flat_config(tmp_path):
     assert [h.split(", run")[0] for h in heads] == [
         "# cascade_flash_attn against flash_attn",
         "# cascade_flash_attn_fp8 against flash_attn_fp8"]
+
+
+def test_a_point_whose_rate_came_from_another_runs_burst_says_so(tmp_path):
+    """A relative rate set by an earlier run's flat burst (perhaps another machine's) may sit
+    near this run's capacity: the point names that run, and the printed line says so; a rate
+    measured in the run itself names none."""
+    rows = [row("flash_attn", "50%", 40.0, 200.0, sustainable_rate_run="R0"),
+            row("cascade_flash_attn", "50%", 40.0, 200.0, sustainable_rate_run="R0"),
+            row("flash_attn", "90%", 50.0, 500.0, sustainable_rate_run="R1"),
+            row("cascade_flash_attn", "90%", 50.0, 500.0, sustainable_rate_run="R1")]
+    points = by_rate(verdict.judge(rows))
+    assert points["50%"]["rate_from_run"] == "R0" and points["90%"]["rate_from_run"] is None
+    (tmp_path / "serve.json").write_text(json.dumps(rows))
+    out = subprocess.run([sys.executable, "-m", "benchmarks.serve.verdict", "--file",
+                          str(tmp_path / "serve.json")], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout
+    [half] = [line for line in out.splitlines() if " 50% " in line]
+    assert half.endswith("(rate from run R0's flat burst)")
+    assert "rate from run" not in out.replace(half, "")
