@@ -96,7 +96,8 @@ def model_lines(model: str, unverified: bool) -> tuple[list[str], bool | None]:
         if n)
     if unverified_parts and not unverified:
         return [f"{head}. Every layer runs flat: {' and '.join(unverified_parts)} are off "
-                "by default in this release (their correctness or speed not yet verified on a "
-                f"GPU); CASCADE_UNVERIFIED=1 runs the {full} full-attention layer(s) as "
+                "by default in this release (they agree with flat attention on a GPU, but are "
+                "not measured faster than flat: on a Mamba hybrid, slower); "
+                f"CASCADE_UNVERIFIED=1 runs the {full} full-attention layer(s) as "
                 f"cascade{flat}."], False
     return [f"{head}. The {full} full-attention layer(s) can run cascade{flat}."], True
