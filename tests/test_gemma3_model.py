@@ -18,12 +18,11 @@ transformers' own attention:
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 import oracle_model
-from test_oracle_model import KERNELS, records, scored_last, teacher_forced_delta
+from test_oracle_model import KERNELS, assert_far_beyond_kernels, greedy_ids, records, scored_last
 from vllm_cascade_plugin.face import agreement
 
 PREFIX, SUFFIX, REQUESTS, GENERATED = 2 * oracle_model.WINDOW, 16, 4, 16
@@ -46,17 +45,10 @@ def runs() -> dict:
     torch.set_num_threads(min(2, torch.get_num_threads()))
     model = oracle_model.build_gemma3().eval()  # bf16, as saved and as vLLM runs it
     assert model.dtype == torch.bfloat16
-    rng = np.random.default_rng(0)
-    prefix = rng.integers(100, 31900, PREFIX).tolist()
-    ids = torch.tensor([prefix + rng.integers(100, 31900, SUFFIX).tolist()
-                        for _ in range(REQUESTS)])
     out: dict = {}
     with torch.no_grad():
         model.set_attn_implementation("sdpa")
-        ids = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=GENERATED, min_new_tokens=GENERATED,
-                             pad_token_id=0)
-        assert ids.shape[1] == PREFIX + SUFFIX + GENERATED
+        ids = greedy_ids(model, PREFIX, SUFFIX, REQUESTS, GENERATED)
         for name in KERNELS:
             model.set_attn_implementation(f"bf16_{name}")
             out[name] = scored_last(model, ids, GENERATED)
@@ -80,10 +72,4 @@ def test_two_correct_kernels_in_bf16_agree_within_the_tolerance_on_most_position
 
 
 def test_ignoring_the_window_moves_the_logprobs_ten_tolerances(runs):
-    reference = runs["oracle_tile128"]
-    kernels = agreement.measure(records(runs["oracle_tile48"]), records(reference))
-    moved = teacher_forced_delta(runs["windowless"], reference)
-    assert moved >= 10 * agreement.MEAN_TOL, moved
-    assert moved >= 20 * teacher_forced_delta(runs["oracle_tile48"], reference)
-    assert not agreement.agrees_with_reference(
-        agreement.measure(records(runs["windowless"]), records(reference)), kernels)
+    assert_far_beyond_kernels(runs["windowless"], runs["oracle_tile128"], runs["oracle_tile48"])

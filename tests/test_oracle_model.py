@@ -162,6 +162,30 @@ def teacher_forced_delta(run: dict, reference: dict) -> float:
     return float(delta.abs()[top2.values[..., 0] - top2.values[..., 1] > agreement.MARGIN].mean())
 
 
+def greedy_ids(model, prefix: int, suffix: int, requests: int, generated: int) -> torch.Tensor:
+    """``requests`` prompts of a shared random ``prefix`` and ``suffix`` tokens of their own
+    (seeded), each with ``generated`` greedy tokens by ``model``'s attention as set."""
+    rng = np.random.default_rng(0)
+    shared = rng.integers(100, 31900, prefix).tolist()
+    ids = torch.tensor([shared + rng.integers(100, 31900, suffix).tolist()
+                        for _ in range(requests)])
+    ids = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                         max_new_tokens=generated, min_new_tokens=generated, pad_token_id=0)
+    assert ids.shape[1] == prefix + suffix + generated
+    return ids
+
+
+def assert_far_beyond_kernels(broken: dict, reference: dict, kernel: dict) -> None:
+    """``broken`` moves ``reference``'s chosen-token logprobs by ten tolerances and by twenty
+    times what ``kernel`` (a second correct kernel) does, and the engine rule fails it."""
+    kernels = agreement.measure(records(kernel), records(reference))
+    moved = teacher_forced_delta(broken, reference)
+    assert moved >= 10 * agreement.MEAN_TOL, moved
+    assert moved >= 20 * teacher_forced_delta(kernel, reference)
+    assert not agreement.agrees_with_reference(
+        agreement.measure(records(broken), records(reference)), kernels)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     from transformers import AttentionInterface, LlamaForCausalLM

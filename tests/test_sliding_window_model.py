@@ -22,13 +22,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 import oracle_model
 import vllm_cpu
-from test_oracle_model import KERNELS, records, scored_last, teacher_forced_delta
+from test_oracle_model import KERNELS, assert_far_beyond_kernels, greedy_ids, records, scored_last
 from vllm_cascade_plugin.face import agreement
 
 HERE = Path(__file__).parent
@@ -156,17 +155,10 @@ def runs(model_dir: str) -> dict:
     torch.set_num_threads(min(2, torch.get_num_threads()))
     model = MinistralForCausalLM.from_pretrained(model_dir).float().eval()
     model.set_attn_implementation("sdpa")
-    rng = np.random.default_rng(0)
-    prefix = rng.integers(100, 31900, PREFIX).tolist()
-    ids = torch.tensor([prefix + rng.integers(100, 31900, SUFFIX).tolist()
-                        for _ in range(REQUESTS)])
     out: dict = {}
     with torch.no_grad():
         # Greedy, by transformers' own attention, masks and (sliding-window) KV cache.
-        ids = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=GENERATED, min_new_tokens=GENERATED,
-                             pad_token_id=0)
-        assert ids.shape[1] == PREFIX + SUFFIX + GENERATED
+        ids = greedy_ids(model, PREFIX, SUFFIX, REQUESTS, GENERATED)
         out["sdpa"] = scored_last(model, ids, GENERATED)
         for name in ("oracle_tile128", "oracle_tile48"):
             model.set_attn_implementation(name)
@@ -192,10 +184,4 @@ def test_two_correct_kernels_with_the_window_agree_well_within_the_tolerance(run
 
 
 def test_ignoring_the_window_moves_the_logprobs_ten_tolerances(runs):
-    reference = runs["oracle_tile128"]
-    kernels = agreement.measure(records(runs["oracle_tile48"]), records(reference))
-    moved = teacher_forced_delta(runs["windowless"], reference)
-    assert moved >= 10 * agreement.MEAN_TOL, moved
-    assert moved >= 20 * teacher_forced_delta(runs["oracle_tile48"], reference)
-    assert not agreement.agrees_with_reference(
-        agreement.measure(records(runs["windowless"]), records(reference)), kernels)
+    assert_far_beyond_kernels(runs["windowless"], runs["oracle_tile128"], runs["oracle_tile48"])
