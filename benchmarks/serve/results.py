@@ -92,7 +92,7 @@ def baseline_rates(rows: list[dict[str, Any]], baseline: str, tp: int,
     """The sustainable rate per workload: req/s of ``baseline``'s burst rows serving ``model``
     (``pairs.model_of``: a model's rates never come from another's bursts), the latest row's;
     ``key``: another field of the same rows (``run_id``: the run that measured the rate)."""
-    return {r["workload"]: r[key] for r in rows
+    return {r["workload"]: r.get(key) for r in rows
             if r["config"] == baseline and r["request_rate"] == BURST and model_of(r) == model
             and r["tensor_parallel_size"] == tp and r.get("request_throughput")}
 
