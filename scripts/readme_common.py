@@ -31,7 +31,7 @@ def served_rows(path: Path) -> list[dict[str, Any]]:
     text); the rows stay in the file, the tables leave them out."""
     left_out = {run.get("run_id") for run in _meta(path).get("runs", [])
                 if isinstance(run, dict) and run.get("left_out")}
-    return [row for row in _load(path) if str(row.get("run_id", "")).split("-")[0] not in left_out]
+    return [row for row in _load(path) if row.get("run_id") not in left_out]
 
 
 def _int(x: float) -> str:

@@ -242,11 +242,5 @@ def test_the_top_logit_stays_small_so_one_bf16_rounding_flip_is_small(runs):
 
 @pytest.mark.parametrize("page", PAGES)
 def test_a_one_page_kv_error_moves_the_logprobs_ten_tolerances(runs, page):
-    reference = runs["oracle_tile128"]
-    kernels = agreement.measure(records(runs["oracle_tile48"]), records(reference))
-    moved = teacher_forced_delta(runs[page], reference)
-    assert moved >= 10 * agreement.MEAN_TOL, moved
-    assert moved >= 20 * teacher_forced_delta(runs["oracle_tile48"], reference)
-    # And the engine rule rejects it (it diverges at once, or the compared tokens are far off).
-    assert not agreement.agrees_with_reference(
-        agreement.measure(records(runs[page]), records(reference)), kernels)
+    # The engine rule rejects it too (it diverges at once, or the compared tokens are far off).
+    assert_far_beyond_kernels(runs[page], runs["oracle_tile128"], runs["oracle_tile48"])

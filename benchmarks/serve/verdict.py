@@ -92,8 +92,7 @@ def _rate_from_elsewhere(flat: dict[str, Any]) -> str | None:
     run (the rate may then sit elsewhere on this run's machine: near its capacity), else
     None."""
     source = flat.get("sustainable_rate_run")
-    own = str(flat.get("run_id", "")).split("-")[0]
-    return source if source is not None and str(source).split("-")[0] != own else None
+    return source if source not in (None, flat.get("run_id")) else None
 
 
 def _ratios(flat: dict[str, Any], other: dict[str, Any], prefix: str) -> dict[str, float]:
