@@ -100,6 +100,7 @@ SERVE_PAIRS = (("flash_attn", "cascade_flash_attn", "FLASH_ATTN"),
                ("flash_attn_pow2_graphs", "cascade_flash_attn_pow2_graphs",
                 "FLASH_ATTN, capture sizes 1, 2, 4, …, 512"),
                ("flash_attn", "cascade_flash_attn_hybrid", "FLASH_ATTN, `CASCADE_UNVERIFIED=1`"),
+               ("flash_attn_fp8", "cascade_flash_attn_fp8", "FLASH_ATTN, FP8 KV cache"),
                ("flashinfer", "cascade", "FLASHINFER"))
 APART = "\u00b9"  # marks a pair measured by separate invocations
 
@@ -232,7 +233,8 @@ def block_serve() -> list[str]:
               "run as cascade where the eager cost model says so (the defaults, "
               "`CASCADE_SPLIT_MIXED=0`); "
               "`CASCADE_POLICY=always`: the plugin with cascade on every step that "
-              "shares, the cost model bypassed" + (
+              "shares, the cost model bypassed; FP8 KV cache: both servers on "
+              "`--kv-cache-dtype fp8`, the plugin with `CASCADE_FP8_KV=1`" + (
                   f"; left out, each for the reason its `left_out` in serve.meta.json gives: "
                   f"run {', '.join(left_out)}" if left_out else "") + ":", ""]
     lines += _table(["backend", "workload", "request rate", "output tokens/s", "TTFT p99",
