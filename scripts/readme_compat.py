@@ -40,8 +40,10 @@ ROWS: list[tuple[str, str, str, tuple[str, ...]]] = [
     ("vLLM 0.27 to 0.32", "accepted",
      "every vLLM symbol the plugin uses read in each release's source; not run", ()),
     ("FP8 KV cache (`fp8`/`fp8_e4m3`, per-layer scales)",
-     "opt-in (`CASCADE_FP8_KV=1`), flat by default: correct, its speed not measured yet",
-     "GPU: kernels vs fp32 attention on the dequantised cache; engine vs two FP8 kernels",
+     "runs cascade (`CASCADE_FP8_KV=0`: flat); served faster than flat FP8 (four 8K-token "
+     "documents, one run: [performance.md](performance.md), \"FP8 KV cache\" rows)",
+     "GPU: kernels vs fp32 attention on the dequantised cache; engine vs two FP8 kernels, "
+     "both backends",
      ("fp8",)),
     ("other quantised KV caches, `--calculate-kv-scales`", "run flat",
      "one INFO line naming the layout, `check` says so", ()),
@@ -63,10 +65,11 @@ ROWS: list[tuple[str, str, str, tuple[str, ...]]] = [
      "GPU: a model mixing sliding-window and full layers in both KV-cache layouts (V1 runner, "
      "vLLM 0.26-0.33: its full layers run cascade with `--disable-hybrid-kv-cache-manager`), and "
      "under the hybrid manager with `CASCADE_UNVERIFIED=1` on V1 and V2 (the full layers' group "
-     "runs cascade; engine vs two flat kernels); Gemma 3's stack: cascade within the tolerance "
-     "of flat FLASH_ATTN, but its two flat kernels differed beyond it; the test's stand-in now "
-     "spreads its logits less (two bf16 kernels within the tolerance on the CPU), not yet run "
-     "on a GPU",
+     "runs cascade; engine vs two flat kernels); Gemma 3's stack (five sliding-window KV-cache "
+     "groups and one full): its full group cascade on every step, within the tolerance of flat "
+     "FLASH_ATTN (V1, V2) and its two flat kernels within it of each other; its test failed "
+     "only on the plugin's log naming the first sliding group's layers alone (now one line per "
+     "group), not yet rerun",
      ("sliding",)),
     ("attention sinks (gpt-oss)", "opt-in (`CASCADE_UNVERIFIED=1`), flat by default",
      "GPU: every executor against fp32 softmax with sinks and FA3 with `s_aux` (`kernels`); "

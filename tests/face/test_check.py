@@ -64,7 +64,7 @@ def test_check_names_every_setting_that_keeps_the_cascade_flat(argv, reasons):
 def test_the_reasons_for_fp8_and_speculative_decoding_say_why():
     assert support.kv_cache_dtype_reason("auto") is None
     assert support.kv_cache_dtype_reason("bfloat16") is None
-    assert "CASCADE_FP8_KV=1" in support.kv_cache_dtype_reason("fp8")
+    assert "CASCADE_FP8_KV=0" in support.kv_cache_dtype_reason("fp8")
     assert support.kv_cache_dtype_reason("fp8", fp8_kv=True) is None
     assert "not supported" in support.kv_cache_dtype_reason("fp8_e5m2", fp8_kv=True)
     assert support.speculative_reason("ngram", False) is None
@@ -110,11 +110,27 @@ def test_vllms_own_parser_reads_these_flags_as_check_does():
 @pytest.mark.flashinfer  # check reports the installed FlashInfer
 def test_check_with_arguments_that_keep_the_cascade_flat_says_so_and_exits_1(plugin_on,
                                                                             capsys):
-    assert cli.main(["check", "--kv-cache-dtype", "fp8", "--no-enable-prefix-caching"]) == 1
+    assert cli.main(["check", "--kv-cache-dtype", "fp8_e5m2", "--no-enable-prefix-caching"]) == 1
     out = " ".join(capsys.readouterr().out.split())
     assert "every step runs vLLM's flat attention and the plugin has nothing to do" in out
     assert " ".join(support.PREFIX_CACHING_OFF.split()) in out
-    assert "FP8 KV cache (kv_cache_dtype=fp8)" in out
+    assert "quantised KV cache (kv_cache_dtype=fp8_e5m2)" in out
+
+
+@pytest.mark.flashinfer  # check reports the installed FlashInfer
+@pytest.mark.parametrize("knob", [None, "0"], ids=["default", "off"])
+def test_an_fp8_kv_cache_runs_cascade_unless_the_knob_is_off(plugin_on, capsys, monkeypatch,
+                                                            knob):
+    if knob is None:
+        monkeypatch.delenv("CASCADE_FP8_KV", raising=False)
+    else:
+        monkeypatch.setenv("CASCADE_FP8_KV", knob)
+    status = cli.main(["check", "--kv-cache-dtype", "fp8"])
+    out = " ".join(capsys.readouterr().out.split())
+    if knob is None:  # nothing in the arguments keeps it flat (the status may still say: no GPU)
+        assert status != 1 and "FP8 KV cache (kv_cache_dtype=fp8)" not in out, out
+    else:
+        assert status == 1 and "FP8 KV cache (kv_cache_dtype=fp8) with CASCADE_FP8_KV=0" in out
 
 
 @pytest.mark.flashinfer  # check reports the installed FlashInfer

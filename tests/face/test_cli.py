@@ -60,8 +60,10 @@ def test_check_with_the_plugin_on_registers_for_real_and_exits_0_here_only_with_
                      "for the FLASHINFER backend", "FLASH_ATTN, vLLM's default on Hopper",
                      "--attention-backend FLASHINFER", "prefix caching off (nothing is shared: "
                      "the plugin has nothing to do)",
-                     "Off unless asked for: an FP8 KV cache", "its speed is not measured yet",
-                     "CASCADE_FP8_KV=off", "tensor parallelism above 1, suffix speculative "
+                     "An FP8 KV cache (e4m3, per-layer scales) runs cascade while "
+                     "CASCADE_FP8_KV is on (the default): CASCADE_FP8_KV=on",
+                     "Off unless asked for, not verified on a GPU with this release: "
+                     "tensor parallelism above 1, suffix speculative "
                      "decoding, the full-attention layers beside sliding-window or recurrent "
                      "ones under the hybrid KV-cache manager, and attention sinks (gpt-oss): "
                      "CASCADE_UNVERIFIED=off"):

@@ -60,21 +60,27 @@ def set_scales(layer, q, k, v):
         setattr(layer, f"_{name}_scale_float", value)
 
 
-def test_without_the_knob_an_fp8_cache_runs_flat_and_the_reason_says_how_to_opt_in(fp8_engine):
+def test_with_the_knob_off_an_fp8_cache_runs_flat_and_the_reason_says_how_to_turn_it_on(
+        fp8_engine, monkeypatch):
+    monkeypatch.setenv("CASCADE_FP8_KV", "0")
     names, _, backend = fa_layers(fp8_engine)
     builder = vllm_cpu.make_builder(fp8_engine, names, backend=backend, dtype=torch.uint8)
     reason = builder._settings.unsupported
-    assert reason == support.kv_cache_dtype_reason("fp8") and "CASCADE_FP8_KV=1" in reason
-    assert "speed is not measured yet" in reason and not session.active
+    assert reason == support.kv_cache_dtype_reason("fp8") and "CASCADE_FP8_KV=0" in reason
+    assert "unset it (or CASCADE_FP8_KV=1)" in reason and not session.active
 
 
-def test_with_the_knob_the_cascade_reads_the_fp8_cache_with_each_layers_scales(
-        fp8_engine, monkeypatch):
+@pytest.mark.parametrize("knob", [None, "1"], ids=["default", "on"])
+def test_by_default_the_cascade_reads_the_fp8_cache_with_each_layers_scales(
+        fp8_engine, monkeypatch, knob):
     from vllm.config import set_current_vllm_config
 
     from vllm_cascade_plugin.integration.flash_attn_backend import CascadeFlashAttentionMetadata
 
-    monkeypatch.setenv("CASCADE_FP8_KV", "1")
+    if knob is None:
+        monkeypatch.delenv("CASCADE_FP8_KV", raising=False)
+    else:
+        monkeypatch.setenv("CASCADE_FP8_KV", knob)
     names, layers, backend = fa_layers(fp8_engine)
     builder = vllm_cpu.make_builder(fp8_engine, names, backend=backend, dtype=torch.uint8)
     assert builder._settings.unsupported is None and builder._cascade_kernel == "fa3"

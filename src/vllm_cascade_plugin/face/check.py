@@ -196,13 +196,14 @@ def _startup_lines(config: CascadeConfig, found_gpu: str | None) -> None:
         f"  Each worker logs its cascade statistics {interval}; Prometheus metrics reach "
         f"/metrics {metrics}.",
         "  Runs flat, with one line at startup saying why: prefix caching off (nothing is "
-        "shared: the plugin has nothing to do), a quantised KV cache, speculative decoding "
+        "shared: the plugin has nothing to do), a quantised KV cache other than FP8 e4m3 with "
+        "per-layer scales, speculative decoding "
         f"other than {' or '.join(support.SPECULATIVE_METHODS)} or with asynchronous "
         "scheduling, and the models listed in docs/compatibility.md. Check the arguments vLLM "
         "will start with: vllm-cascade check MODEL --kv-cache-dtype ... (as for vllm serve).",
-        "  Off unless asked for: an FP8 KV cache (e4m3, per-layer scales; its kernels and "
-        "engines agree with flat FP8 attention on a GPU, its speed is not measured yet): "
-        f"CASCADE_FP8_KV={'on' if config.fp8_kv else 'off'}; not verified on a GPU with this "
+        "  An FP8 KV cache (e4m3, per-layer scales) runs cascade while CASCADE_FP8_KV is on "
+        f"(the default): CASCADE_FP8_KV={'on' if config.fp8_kv else 'off'}.",
+        "  Off unless asked for, not verified on a GPU with this "
         "release: tensor parallelism above 1, suffix speculative decoding, the "
         "full-attention layers beside sliding-window or recurrent ones under the hybrid "
         "KV-cache manager, "

@@ -52,12 +52,11 @@ def kv_cache_dtype_reason(kv_cache_dtype: str | None, fp8_kv: bool = False) -> s
     if str(kv_cache_dtype) in FP8_KV:
         if fp8_kv:
             return None
-        return (f"FP8 KV cache (kv_cache_dtype={kv_cache_dtype}): runs flat by default; "
-                "CASCADE_FP8_KV=1 runs the cascade on it (e4m3 with per-layer scales; its "
-                "kernels and engines agree with flat FP8 attention on a GPU, its speed is not "
-                "measured yet)")
+        return (f"FP8 KV cache (kv_cache_dtype={kv_cache_dtype}) with CASCADE_FP8_KV=0: runs "
+                "flat; unset it (or CASCADE_FP8_KV=1) to run the cascade on it (e4m3 with "
+                "per-layer scales)")
     return (f"quantised KV cache (kv_cache_dtype={kv_cache_dtype}): the cascade reads "
-            f"{' or '.join(FP8_KV)} (e4m3) with per-layer scales only (CASCADE_FP8_KV=1); "
+            f"{' or '.join(FP8_KV)} (e4m3) with per-layer scales only (CASCADE_FP8_KV); "
             "this layout is not supported")
 
 

@@ -81,7 +81,9 @@ class StepSession(PreChecks):
         It replaces the builder of any of those layers (vLLM makes its builders again after
         profiling). Steps are then planned with the settings of the first builder, in the order
         they came, that can run cascade; with none, the session is off. Why a builder cannot is
-        logged once per reason: its layers run flat whatever the others do.
+        logged once per builder's layers (vLLM makes its builders again after profiling; a model
+        under the hybrid KV-cache manager has a builder per group, Gemma 3 several sliding-window
+        ones): its layers run flat whatever the others do.
         """
         names = tuple(layers)
         # A new dict, not one changed in place: tests restore the session from a shallow copy.
@@ -90,7 +92,7 @@ class StepSession(PreChecks):
         builders[names] = settings
         self._builders = builders
         if settings.unsupported is not None:
-            stats.log_once(f"disabled:{settings.unsupported}",
+            stats.log_once(f"disabled:{settings.unsupported}:{names}",
                            "vllm-cascade-plugin: cascade attention is off for %d attention "
                            "layer(s) (%s): %s; they run %s.",
                            len(names), ", ".join(names[:3]) + (", ..." if len(names) > 3 else ""),
