@@ -25,14 +25,18 @@ def counters():
     stats.reset()
 
 
-def fa3_session(capture_sizes=(32, 64, 128), split_cost_model=None, **config) -> StepSession:
+def fa3_session(capture_sizes=(32, 64, 128), split_cost_model=None, capture_cost_us=0.0,
+                **config) -> StepSession:
     """Planned like the FA3 executor with per-layer graphs: the eager per-step cost, and the
     graphed one for a decode step whose graph layout was planned before (``split_cost_model``:
-    mixed steps split at that cost)."""
+    mixed steps split at that cost). ``capture_cost_us``: what capturing a layout's graphs
+    costs (0 by default: free, so a winning layout's second step is steady; what a capture's
+    cost changes is tested on its own below)."""
     session = StepSession()
     session.configure(CascadeConfig(enabled=True, **config), H200_LAYER, 16, None,
                       cost_model=EAGER, steady_cost_model=GRAPHED, capture_sizes=capture_sizes,
                       split_cost_model=split_cost_model)
+    session.capture_cost_us = capture_cost_us
     return session
 
 
@@ -334,3 +338,60 @@ def test_each_planned_step_is_counted_by_how_its_planning_went(monkeypatch):
                                       c.PATH_CONTINUED: 1, c.PATH_OTHER: 1}
     assert sum(counted.planning_paths.values()) == counted.steps_planned == 7
     assert sum(counted.planning_path_s.values()) == pytest.approx(counted.planning_s)
+
+
+def graphed_gain_us(table, seq, q) -> float:
+    """One step's graphed gain over flat, every layer: the reference for what a layout's steps
+    go without until its graphs are captured (``decide`` on the plan, independent of the
+    session)."""
+    d = decide(plan_cascade(table, seq, q, 16), H200_LAYER, GRAPHED)
+    assert d.use_cascade
+    return (d.flat_us - d.cascade_us) * H200_LAYER.num_layers
+
+
+@pytest.mark.parametrize("captures_in_steps", [0.5, 3.5, 6.2])
+def test_a_layout_runs_from_graphs_once_the_gain_its_steps_went_without_pays_for_its_capture(
+        captures_in_steps):
+    """A decode step that wins only from graphs (64 rows behind 8K tokens) runs flat while its
+    layout's graphs are not worth capturing: from the layout's second step on, once the graphed
+    gain its steps went without, summed, reaches what a capture costs (here ``captures_in_steps``
+    steps' gain); then cascade on every later step of the layout."""
+    table, seq = prefix_rows(64)
+    q = np.ones(64, np.int32)
+    capture_us = captures_in_steps * graphed_gain_us(table, seq, q)
+    session = fa3_session(capture_cost_us=capture_us)
+    gains = np.cumsum([graphed_gain_us(table, seq + i, q) for i in range(10)])
+    turn = next(i for i in range(1, 10) if gains[i] >= capture_us)
+    assert turn == max(1, int(np.ceil(captures_in_steps)) - 1)  # the gains barely change
+    verdicts = []
+    for i in range(10):
+        verdicts.append(session.plan_step(table, seq + i, q).decision.use_cascade)
+        session.end_step()
+    assert verdicts == [False] * turn + [True] * (10 - turn)
+    assert stats.snapshot().decode_flat_reasons[c.NOT_CAPTURED] == turn
+
+
+def test_a_capture_is_charged_what_the_steps_that_captured_spent_capturing():
+    """Until this process captured anything, the prior (a whole Llama-3-8B-shaped step on an
+    H100); then the mean over the steps that captured of the seconds they spent capturing (the
+    graph caches count them: ``stats.record_capture``). Steps that captured nothing, and the
+    counters starting again, change nothing."""
+    from vllm_cascade_plugin.step import CAPTURE_COST_PRIOR_US
+
+    session = StepSession()
+    assert session.capture_cost_us == CAPTURE_COST_PRIOR_US
+    session.end_step()
+    assert session.capture_cost_us == CAPTURE_COST_PRIOR_US
+    stats.record_capture(0.020)  # a whole-step graph
+    session.end_step()
+    assert session.capture_cost_us == pytest.approx(20_000)
+    session.end_step()
+    for seconds in (0.001, 0.039):  # one step, two graphs: 40 ms
+        stats.record_capture(seconds)
+    session.end_step()
+    assert session.capture_cost_us == pytest.approx(30_000)
+    stats.reset()
+    session.end_step()
+    stats.record_capture(0.003)
+    session.end_step()
+    assert session.capture_cost_us == pytest.approx((20_000 + 40_000 + 3_000) / 3)

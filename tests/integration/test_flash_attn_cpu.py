@@ -452,12 +452,14 @@ def fp8_capable(monkeypatch):
     ({"enable_prefix_caching": False}, support.PREFIX_CACHING_OFF),
     ({"kv_cache_dtype": "fp8"}, support.kv_cache_dtype_reason("fp8")),
     ({"kv_cache_dtype": "fp8_e4m3"}, support.kv_cache_dtype_reason("fp8_e4m3")),
-], ids=["prefix-caching-off", "fp8", "fp8_e4m3"])
+], ids=["prefix-caching-off", "fp8-knob-off", "fp8_e4m3-knob-off"])
 def test_an_engine_the_cascade_cannot_help_runs_flat_and_says_why_once(
-        tmp_path, plugin_log, fp8_capable, engine_args, reason):  # noqa: F811
+        tmp_path, plugin_log, fp8_capable, engine_args, reason, monkeypatch):  # noqa: F811
     from vllm.config import set_current_vllm_config
 
     from vllm_cascade_plugin.integration.flash_attn_backend import CascadeFlashAttentionBackend
+
+    monkeypatch.setenv("CASCADE_FP8_KV", "0")  # an FP8 cache runs cascade by default
 
     config = vllm_cpu.engine_config(str(tmp_path), backend="FLASH_ATTN", **engine_args)
     for name, cls in (("FLASH_ATTN", CascadeFlashAttentionBackend), ("FLASHINFER", None)):

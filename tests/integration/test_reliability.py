@@ -244,9 +244,10 @@ def engine_with(config, path, value):
     ({"alibi_slopes": [0.5] * 8}, "ALiBi"),
 ])
 @pytest.mark.flashinfer
-def test_unsupported_layer_is_detected(engine, change, reason):  # noqa: F811
+def test_unsupported_layer_is_detected(engine, change, reason, monkeypatch):  # noqa: F811
     from vllm_cascade_plugin.integration.flashinfer_backend import unsupported_reason
 
+    monkeypatch.setenv("CASCADE_FP8_KV", "0")  # an FP8 layer runs cascade by default
     config = engine[0]
     assert unsupported_reason(config, spec(), [impl(config)]) is None
     assert unsupported_reason(config, spec(), [impl(config), impl(config, **change)]) == reason

@@ -340,6 +340,7 @@ def test_a_decode_step_is_charged_the_graphed_cost_once_its_graph_layout_was_pla
     session.configure(CascadeConfig(enabled=True), dataclasses.replace(H200_LAYER, num_layers=32),
                       16, None, cost_model=cost_model_for("fa3", decode_graphs=False),
                       steady_cost_model=cost_model_for("fa3"), capture_sizes=(32, 64, 128))
+    session.capture_cost_us = 0.0  # captures free: a layout's second step is steady
     # 64 requests behind an 8K prefix: cascade only at the graphed per-step cost.
     plan = shared_prefix_decode(64, 8192, own=16 + 128)
     layer = dataclasses.replace(H200_LAYER, num_layers=32)

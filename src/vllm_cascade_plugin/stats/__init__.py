@@ -185,6 +185,11 @@ def record_capture(seconds: float) -> None:
         _counters.graph_capture_s += seconds
 
 
+def capture_seconds() -> float:
+    """Seconds spent capturing CUDA graphs so far (a float read: no lock)."""
+    return _counters.graph_capture_s
+
+
 def record_capture_cause(cause: str) -> None:
     """A whole-step CUDA graph was captured because ``cause`` was new in its key."""
     with _lock:

@@ -42,6 +42,10 @@ __all__ = ["BuilderSettings", "StepPlan", "StepSession", "session"]
 MAX_LAYOUTS = 4096  # graph layouts remembered (then forgotten all at once)
 # How a step's attention would run as cascade (StepSession._graph_state).
 STEADY, FIRST = "graphed", "first of its layout"
+# What capturing a new layout's CUDA graphs is taken to cost a step (host time, during which
+# the GPU runs out of queued work) until this process has measured one: a whole Llama-3-8B-shaped
+# step (32 layers) took 35-41 ms to capture under `vllm serve` on an H100.
+CAPTURE_COST_PRIOR_US = 30_000.0
 
 
 class StepSession(PreChecks):
@@ -73,7 +77,16 @@ class StepSession(PreChecks):
         # (:meth:`~.prechecks.PreChecks.continued_flat`): (cost model, cascade estimate (µs),
         # pages flat decode reads again past the L2 window, reason); None: none to keep.
         self._flat_held: tuple[CostModel, float, int, str] | None = None
-        self._layouts_seen: set[tuple[object, ...]] = set()
+        # Graph layouts planned before: the graphed gain (µs) their steps have gone without so
+        # far, or ``inf`` once they ran from graphs (see _graph_state).
+        self._layouts_owed: dict[tuple[object, ...], float] = {}
+        # What a step that captured graphs spent capturing (``capture_cost_us``: their mean
+        # so far, the prior before any), and the capture seconds counted when the last step
+        # ended (stats).
+        self.capture_cost_us = CAPTURE_COST_PRIOR_US
+        self._capture_steps = 0
+        self._capture_total_us = 0.0
+        self._captured_s = 0.0
 
     def register(self, layers: Sequence[str], settings: BuilderSettings) -> None:
         """A new metadata builder for ``layers`` and its settings.
@@ -141,7 +154,7 @@ class StepSession(PreChecks):
         self.planning_layers = settings.layers
         self._layer_graphs_cost_model = settings.layer_graphs_cost_model
         self._capture_sizes = tuple(sorted(settings.capture_sizes))
-        self._layouts_seen = set()
+        self._layouts_owed = {}
         self.disabled_reason = settings.unsupported
         self._planner = CascadePlanner(max_levels=config.max_levels,
                                        min_shared_pages=config.min_shared_pages)
@@ -246,7 +259,8 @@ class StepSession(PreChecks):
         A decode step that could run from graphs is first charged the graphed cost, the least
         it can cost: flat even then, it is flat without its graph layout being worked out (most
         flat steps of a serving run). Only a step that wins with graphs looks its layout up,
-        and pays the eager cost if the layout is new (:meth:`_graph_state`)."""
+        and pays the eager cost until its layout's graphs are worth capturing
+        (:meth:`_graph_state`)."""
         assert self.config is not None and self.shape is not None
         if plan.num_levels < 2:
             stats.flat_decision(unshared_reason(len(query_lens)))
@@ -259,7 +273,7 @@ class StepSession(PreChecks):
         if split:
             assert self.split_cost_model is not None
             decision = decide(plan, self.shape, self.split_cost_model)
-            if decision.use_cascade and self._graph_state(plan, split=True) == STEADY:
+            if decision.use_cascade and self._graph_state(plan, decision, split=True) == STEADY:
                 return decision
             reason = MIXED
             if decision.use_cascade:  # a new layout of decode rows: its graphs not captured
@@ -269,13 +283,14 @@ class StepSession(PreChecks):
         elif graphable:
             assert steady is not None
             decision = decide(plan, self.shape, steady)
-            if decision.use_cascade and self._graph_state(plan) == STEADY:
+            if decision.use_cascade and self._graph_state(plan, decision) == STEADY:
                 return decision
-            if decision.use_cascade:  # a new layout: captured when it runs
+            if decision.use_cascade:  # a layout not worth its capture yet
                 decision = decide(plan, self.shape, self.cost_model)
-                if decision.use_cascade:
+                if decision.use_cascade:  # wins even eagerly: runs (its graphs captured then)
+                    self._layouts_owed[self._layout_key(plan)] = float("inf")
                     return decision
-                reason = NOT_CAPTURED  # the next step of this layout gets the graphed cost
+                reason = NOT_CAPTURED
             else:
                 reason = COST_MODEL
                 self._flat_held = (steady, decision.cascade_us, decision.missed_pages, reason)
@@ -312,21 +327,38 @@ class StepSession(PreChecks):
         none either; tests) every size is."""
         return not self._capture_sizes or num_tokens <= self._capture_sizes[-1]
 
-    def _graph_state(self, plan: CascadePlan, split: bool = False) -> str:
-        """How a graphable decode step with a shared level runs as cascade: :data:`STEADY`, a
-        layout an earlier step that won with graphs had, whose graphs replay (or are captured
-        now); :data:`FIRST`, a new layout (recorded now), whose graphs are captured the first
-        time it runs. ``split``: the decode rows of a mixed step run split, whose per-layer
-        graphs are their own (a split step of a new layout runs flat, the next one splits:
-        a layout seen once never costs a capture of every layer)."""
+    def _layout_key(self, plan: CascadePlan, split: bool = False) -> tuple[Any, ...]:
         key: tuple[Any, ...] = graph_shape(plan, self.padded(plan.stats.num_tokens))
-        if split:
-            key = ("split", key)
-        if key in self._layouts_seen:
+        return ("split", key) if split else key
+
+    def _graph_state(self, plan: CascadePlan, graphed: Decision, split: bool = False) -> str:
+        """How a graphable decode step with a shared level, which wins at the graphed cost
+        (``graphed``), runs as cascade: :data:`STEADY`, from its layout's graphs (captured now
+        if they are not yet), or :data:`FIRST`, a layout whose graphs are not worth capturing
+        yet: the step is charged the eager cost.
+
+        Capturing a layout's graphs costs its step ``capture_cost_us`` of host time, and a
+        layout may never come back (a batch growing past a padded size, say): so a layout is
+        steady once an earlier step had it and the graphed gain its steps went without (one
+        step's flat less cascade time, over every attention layer the plan serves, summed
+        over its steps so far, this one included) reaches what the capture costs. A
+        layout seen once never costs a capture, and one that comes back often is captured
+        at most one capture's cost late (rent or buy). ``split``: the decode rows of a mixed
+        step run split, whose per-layer graphs are their own."""
+        key = self._layout_key(plan, split)
+        layers = self.shape.num_layers if self.shape is not None else 1
+        gain = max(graphed.flat_us - graphed.cascade_us, 0.0) * max(layers, 1)
+        owed = self._layouts_owed.get(key)
+        if owed is None:
+            if len(self._layouts_owed) >= MAX_LAYOUTS:
+                self._layouts_owed.clear()
+            self._layouts_owed[key] = gain
+            return FIRST
+        owed += gain
+        if owed >= self.capture_cost_us:
+            self._layouts_owed[key] = float("inf")
             return STEADY
-        if len(self._layouts_seen) >= MAX_LAYOUTS:
-            self._layouts_seen.clear()
-        self._layouts_seen.add(key)
+        self._layouts_owed[key] = owed
         return FIRST
 
     def stand_down(self, reason: str) -> None:
@@ -376,6 +408,13 @@ class StepSession(PreChecks):
         forgotten and its outcome counted (``stats.end_step``)."""
         self.current = None
         self.padded_tokens = 0
+        captured = stats.capture_seconds()
+        if captured != self._captured_s:  # this step captured graphs (or the counters reset)
+            if captured > self._captured_s:
+                self._capture_steps += 1
+                self._capture_total_us += 1e6 * (captured - self._captured_s)
+                self.capture_cost_us = self._capture_total_us / self._capture_steps
+            self._captured_s = captured
         stats.end_step()
 
 
