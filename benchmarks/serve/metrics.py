@@ -138,18 +138,32 @@ def read_timeline(path: Path | None) -> dict[str, Any] | None:
 def timeline_deltas(before: dict[str, Any] | None,
                     after: dict[str, Any] | None) -> dict[str, Any]:
     """A run's row keys from the probe's totals before and after it: steps, the GPU's time per
-    step running them and waiting for the host between them, the share of waiting."""
+    step running them and waiting for the host between them, the share of waiting; and
+    ``timeline_by_kind``: the steps, GPU ms and wait ms per step of each kind of step the
+    probe told apart (flat, cascade, capture; a probe without kinds: none)."""
     if before is None or after is None:
         return {}
     steps = after["steps"] - before["steps"]
     run = after["gpu_step_ms"] - before["gpu_step_ms"]
     wait = after["gpu_wait_ms"] - before["gpu_wait_ms"]
+    by_kind = {}
+    for kind, totals in (after.get("kinds") or {}).items():
+        earlier = (before.get("kinds") or {}).get(kind, {})
+        n = totals["steps"] - earlier.get("steps", 0)
+        if n:
+            by_kind[kind] = {
+                "steps": n,
+                "gpu_step_ms_per_step": round(
+                    (totals["gpu_step_ms"] - earlier.get("gpu_step_ms", 0.0)) / n, 4),
+                "gpu_wait_ms_per_step": round(
+                    (totals["gpu_wait_ms"] - earlier.get("gpu_wait_ms", 0.0)) / n, 4)}
     return {"timeline_steps": steps,
             "gpu_step_ms_per_step": round(run / steps, 4) if steps else None,
             "gpu_wait_ms_per_step": round(wait / steps, 4) if steps else None,
             "gpu_wait_fraction": round(wait / (run + wait), 4) if run + wait > 0 else None,
             "gpu_waits_over_1ms": after["waits_over_1ms"] - before["waits_over_1ms"],
-            "gpu_wait_p99_ms_recent": after.get("wait_p99_ms")}
+            "gpu_wait_p99_ms_recent": after.get("wait_p99_ms"),
+            **({"timeline_by_kind": by_kind} if by_kind else {})}
 
 
 def offered_load(rate: float | str, sustainable: float | None) -> float | None:

@@ -63,6 +63,24 @@ def test_timeline_deltas_are_per_run_and_per_step(tmp_path):
     assert sm.timeline_deltas(None, None) == {} and sm.read_timeline(None) is None
 
 
+def test_timeline_deltas_split_the_steps_by_kind_where_the_probe_told_them_apart():
+    before = {"steps": 10, "gpu_step_ms": 200.0, "gpu_wait_ms": 5.0, "waits_over_1ms": 0,
+              "kinds": {"flat": {"steps": 10, "gpu_step_ms": 200.0, "gpu_wait_ms": 5.0},
+                        "cascade": {"steps": 0, "gpu_step_ms": 0.0, "gpu_wait_ms": 0.0}}}
+    after = {"steps": 40, "gpu_step_ms": 900.0, "gpu_wait_ms": 14.0, "waits_over_1ms": 1,
+             "kinds": {"flat": {"steps": 30, "gpu_step_ms": 600.0, "gpu_wait_ms": 9.0},
+                       "cascade": {"steps": 8, "gpu_step_ms": 200.0, "gpu_wait_ms": 4.0},
+                       "capture": {"steps": 2, "gpu_step_ms": 100.0, "gpu_wait_ms": 1.0}}}
+    got = sm.timeline_deltas(before, after)
+    assert got["timeline_steps"] == 30 and got["gpu_step_ms_per_step"] == round(700 / 30, 4)
+    assert got["timeline_by_kind"] == {
+        "flat": {"steps": 20, "gpu_step_ms_per_step": 20.0, "gpu_wait_ms_per_step": 0.2},
+        "cascade": {"steps": 8, "gpu_step_ms_per_step": 25.0, "gpu_wait_ms_per_step": 0.5},
+        "capture": {"steps": 2, "gpu_step_ms_per_step": 50.0, "gpu_wait_ms_per_step": 0.5}}
+    zeros = {"steps": 0, "gpu_step_ms": 0.0, "gpu_wait_ms": 0.0, "waits_over_1ms": 0}
+    assert "timeline_by_kind" not in sm.timeline_deltas(zeros, {**zeros, "steps": 3})
+
+
 def test_offered_load_is_the_rate_over_flats_sustainable_rate():
     assert sm.offered_load(27.5, 50.0) == 0.55
     assert sm.offered_load("burst", 50.0) is None and sm.offered_load(10.0, None) is None
@@ -151,3 +169,51 @@ def test_step_timeline_counts_the_wait_inside_steps_not_the_idle_time_between_th
     got = json.loads((tmp_path / "timeline.json").read_text())
     assert got["steps"] == 2 and got["gpu_step_ms"] == pytest.approx(20.0)
     assert got["gpu_wait_ms"] == pytest.approx(2.5) and got["waits_over_1ms"] == 1
+
+
+def test_the_step_timeline_tells_steps_apart_by_the_plugins_counters(tmp_path, monkeypatch):
+    """A step in which the plugin counted a graph capture is a capture step, one it counted
+    as cascade a cascade step, any other flat (and every step where the plugin is not loaded):
+    the counters it reads are the plugin's real ones (``stats.record_cascade``,
+    ``stats.record_capture``)."""
+    import sys
+
+    from vllm_cascade_plugin import stats
+
+    probe = load_timeline_probe(monkeypatch)
+
+    class Event:
+        def __init__(self, t: float) -> None:
+            self.t = t
+
+        def query(self) -> bool:
+            return True
+
+        def elapsed_time(self, other: Event) -> float:
+            return other.t - self.t
+
+    clock = iter(float(t) for t in range(0, 1000, 5))
+    monkeypatch.setattr(probe._Timeline, "_event", staticmethod(lambda: Event(next(clock))))
+    timeline = probe._Timeline(str(tmp_path / "timeline.json"))
+
+    def step(*counted):
+        timeline.mark_begin(), timeline.mark_forward()
+        for record in counted:
+            record()
+        timeline.mark_sampled()
+
+    stats.reset()
+    try:
+        step()
+        step(lambda: stats.record_cascade(10, 2, True))
+        step(lambda: stats.record_capture(0.04), lambda: stats.record_cascade(10, 2, True))
+        step(lambda: stats.record_cascade(10, 2, True))
+        monkeypatch.delitem(sys.modules, "vllm_cascade_plugin.stats")  # a flat server
+        step()
+    finally:
+        stats.reset()
+    timeline.written = 0.0
+    timeline.read()
+    kinds = json.loads((tmp_path / "timeline.json").read_text())["kinds"]
+    assert {k: v["steps"] for k, v in kinds.items()} == {"flat": 2, "cascade": 2, "capture": 1}
+    assert kinds["cascade"]["gpu_step_ms"] == pytest.approx(10.0)  # 5 ms each (fake clock)

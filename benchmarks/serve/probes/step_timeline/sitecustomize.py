@@ -13,9 +13,12 @@ the host prepares a step while the GPU still runs the last one), and ``forward -
 the forward and sampling's GPU time. Idle time between steps with no request to run is in
 neither. Completed steps are read without waiting (``Event.query``); the running totals go to
 the file every second as JSON: ``steps``, ``gpu_step_ms``, ``gpu_wait_ms`` (waiting for the
-host), ``waits_over_1ms`` and ``wait_p99_ms`` over the last 4,096 steps. ``serve/bench.py``
-reads it before and after each run. It shadows any other ``sitecustomize`` module on that
-server's path.
+host), ``waits_over_1ms`` and ``wait_p99_ms`` over the last 4,096 steps, and ``kinds``: the
+same steps, GPU time and wait by kind of step, read from the plugin's counters between the step's
+begin and its sampling (none in a server without the plugin: every step ``flat``): ``capture``
+(the plugin captured a CUDA graph in it), ``cascade`` (it ran as cascade), ``flat``.
+``serve/bench.py`` reads it before and after each run. It shadows any other ``sitecustomize``
+module on that server's path.
 """
 
 from __future__ import annotations
@@ -33,14 +36,29 @@ from typing import Any
 
 _FILE = os.environ.get("CASCADE_BENCH_TIMELINE_FILE", "")
 _TARGET = "vllm.v1.worker.gpu.model_runner"
+KINDS = ("flat", "cascade", "capture")
+
+
+def _plugin_marks() -> tuple[int, int]:
+    """The plugin's (cascade steps, graph captures) so far in this process; (0, 0) where it is
+    not loaded. Its counters read as they are (no lock, no copy: two integer reads)."""
+    stats = sys.modules.get("vllm_cascade_plugin.stats")
+    counters = getattr(stats, "_counters", None)
+    if counters is None:
+        return 0, 0
+    return int(counters.steps_cascade), int(counters.graph_captures)
 
 
 class _Timeline:
     def __init__(self, path: str) -> None:
         self.path = path
-        self.pending: deque[tuple[Any, Any, Any]] = deque()  # (begin, forward, sampled)
+        # (begin, forward, sampled, kind of step)
+        self.pending: deque[tuple[Any, Any, Any, str]] = deque()
         self.begin: Any = None
         self.forward: Any = None
+        self.marks = (0, 0)  # the plugin's counters when the step began
+        self.kinds = {kind: {"steps": 0, "gpu_step_ms": 0.0, "gpu_wait_ms": 0.0}
+                      for kind in KINDS}
         self.steps = 0
         self.step_ms = 0.0
         self.wait_ms = 0.0
@@ -60,6 +78,7 @@ class _Timeline:
 
     def mark_begin(self) -> None:
         self.begin, self.forward = self._event(), None  # a step that ran nothing is dropped
+        self.marks = _plugin_marks()
 
     def mark_forward(self) -> None:
         if self.begin is not None and self.forward is None:  # a step's first forward
@@ -70,17 +89,24 @@ class _Timeline:
             return
         sampled = self._event()
         if sampled is not None:
-            self.pending.append((self.begin, self.forward, sampled))
+            cascade, captures = _plugin_marks()
+            kind = ("capture" if captures > self.marks[1]
+                    else "cascade" if cascade > self.marks[0] else "flat")
+            self.pending.append((self.begin, self.forward, sampled, kind))
         self.begin = self.forward = None
         self.read()
 
     def read(self) -> None:
         while self.pending and self.pending[0][2].query():
-            begin, forward, sampled = self.pending.popleft()
-            wait = begin.elapsed_time(forward)
+            begin, forward, sampled, kind = self.pending.popleft()
+            wait, run = begin.elapsed_time(forward), forward.elapsed_time(sampled)
             self.steps += 1
-            self.step_ms += forward.elapsed_time(sampled)
+            self.step_ms += run
             self.wait_ms += wait
+            by_kind = self.kinds[kind]
+            by_kind["steps"] += 1
+            by_kind["gpu_step_ms"] += run
+            by_kind["gpu_wait_ms"] += wait
             self.long_waits += wait > 1.0
             self.recent.append(wait)
         now = time.monotonic()
@@ -92,7 +118,7 @@ class _Timeline:
             with open(tmp, "w") as f:
                 json.dump({"steps": self.steps, "gpu_step_ms": self.step_ms,
                            "gpu_wait_ms": self.wait_ms, "waits_over_1ms": self.long_waits,
-                           "wait_p99_ms": p99}, f)
+                           "wait_p99_ms": p99, "kinds": self.kinds}, f)
             os.replace(tmp, self.path)
 
 
