@@ -140,7 +140,7 @@ def test_a_decode_step_flat_even_at_the_graphed_cost_never_works_out_its_graph_l
         monkeypatch):
     """Most flat steps of a serving run lose at any cost: their graph layout (host time of
     every such step) is not needed. A step that wins with graphs looks its layout up."""
-    import vllm_cascade_plugin.step as step_module
+    import vllm_cascade_plugin.step.layouts as step_module
 
     looked_up = []
     real = step_module.graph_shape
@@ -376,7 +376,7 @@ def test_a_capture_is_charged_what_the_steps_that_captured_spent_capturing():
     H100); then the mean over the steps that captured of the seconds they spent capturing (the
     graph caches count them: ``stats.record_capture``). Steps that captured nothing, and the
     counters starting again, change nothing."""
-    from vllm_cascade_plugin.step import CAPTURE_COST_PRIOR_US
+    from vllm_cascade_plugin.step.layouts import CAPTURE_COST_PRIOR_US
 
     session = StepSession()
     assert session.capture_cost_us == CAPTURE_COST_PRIOR_US
@@ -395,3 +395,68 @@ def test_a_capture_is_charged_what_the_steps_that_captured_spent_capturing():
     stats.record_capture(0.003)
     session.end_step()
     assert session.capture_cost_us == pytest.approx((20_000 + 40_000 + 3_000) / 3)
+
+
+def test_a_clear_flat_verdict_holds_for_later_decode_steps_without_reading_their_rows(
+        monkeypatch):
+    """A decode step the cost model's floor keeps flat by a quarter or more (4 rows behind 2
+    shared pages: the reference is ``decide`` on its plan, which loses by more) holds the verdict:
+    up to HOLD_STEPS decode steps of at most an eighth more rows are counted flat ('held flat')
+    without the planner; a step with more rows, a mixed step's own verdict, or the steps after
+    the hold's end are planned again."""
+    from vllm_cascade_plugin.step.prechecks import HOLD_RATIO, HOLD_STEPS
+
+    session = fa3_session()
+    small, _ = prefix_rows(16, prefix_pages=2, own_pages=2)
+    seq = np.full(16, 2 * 16 + 20, np.int32)
+    q = np.ones(16, np.int32)
+    d = decide(plan_cascade(small, seq, q, 16), H200_LAYER, GRAPHED)
+    assert d.cascade_us / d.flat_us >= HOLD_RATIO
+    assert session.cannot_win(seq, q)  # the floor's verdict: planned, flat, held
+    session.end_step()
+    planned = []
+    monkeypatch.setattr(session._planner, "plan", lambda *a: planned.append(1) / 0)
+    rows = {f"r{i}": 1 for i in range(16)}
+    assert session.held_flat(rows) and session.current is None
+    assert session.held_flat({**rows, "r16": 1, "r17": 1})  # 18 rows: an eighth more
+    assert not session.held_flat({**rows, "r16": 170})  # mixed: planned, still held
+    assert session.held_flat(rows)
+    assert not session.held_flat({**rows, **{f"n{i}": 1 for i in range(3)}})  # 19 rows
+    assert not session.held_flat(rows)  # let go: planned again
+    session.end_step()
+    counted = stats.snapshot()
+    assert counted.planning_paths[c.PATH_HELD] == 3 and counted.flat_reasons[c.COST_MODEL] == 4
+    assert planned == []
+    assert session.cannot_win(seq, q)
+    session.end_step()
+    held = 0
+    while session.held_flat(rows):
+        held += 1
+    assert held == HOLD_STEPS
+
+
+def test_no_verdict_is_held_where_it_is_not_clear_or_every_step_must_be_planned():
+    """A step that runs cascade, one the cost model keeps flat by less than HOLD_RATIO, and any
+    step under CASCADE_DEBUG or CASCADE_POLICY=always hold nothing."""
+    from vllm_cascade_plugin.step.prechecks import HOLD_RATIO
+
+    big, seq_big = prefix_rows(64)
+    q = np.ones(64, np.int32)
+    rows = {i: 1 for i in range(64)}
+    session = fa3_session()
+    assert session.plan_step(big, seq_big, q).decision.use_cascade is False  # first sighting
+    session.end_step()
+    assert not session.held_flat(rows)  # kept flat for its graphs, not by the cost model
+    assert session.plan_step(big, seq_big + 1, q).decision.use_cascade
+    assert not session.held_flat(rows)
+    small, _ = prefix_rows(16, prefix_pages=2, own_pages=2)
+    seq = np.full(16, 2 * 16 + 20, np.int32)
+    for config in ({"debug": True}, {"policy": "always"}):
+        other = fa3_session(**config)
+        other.plan_step(small, seq, np.ones(16, np.int32))
+        other.end_step()
+        assert not other.held_flat({i: 1 for i in range(16)}), config
+    near = fa3_session()
+    near._hold_ratio = None
+    near.hold_verdict(True, 16, HOLD_RATIO * 0.99)
+    assert not near.held_flat({i: 1 for i in range(16)})

@@ -306,6 +306,8 @@ def v2_plan(step: PendingStep) -> bool:
     mirror = mirrors[g]
     if unshared_rows.unshared_again(runner, so, mirror):
         return False
+    if session.held_flat(so.num_scheduled_tokens):
+        return False
     req_ids, query_lens, order = v2_rows(runner, so)
     index = slots = _v2_slots(runner, so, req_ids)
     if order is not None:

@@ -20,7 +20,6 @@ import bisect
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any
 
 import numpy as np
 
@@ -28,27 +27,18 @@ from .. import stats
 from ..config import CascadeConfig
 from ..planning.compiled import compile_once
 from ..planning.cost import AttentionShape, CostModel, Decision, decide
-from ..planning.graph_layout import graph_shape
 from ..planning.invariants import plan_violations
 from ..planning.plan import CascadePlan
 from ..planning.planner import CascadePlanner, nothing_shared
 from ..stats.counters import COST_MODEL, MIXED, NOT_CAPTURED
+from .layouts import STEADY, GraphLayouts
 from .plan import BuilderSettings, StepPlan, flat_attention, flat_reason, unshared_reason
 from .prechecks import PreChecks
 
 __all__ = ["BuilderSettings", "StepPlan", "StepSession", "session"]
 
 
-MAX_LAYOUTS = 4096  # graph layouts remembered (then forgotten all at once)
-# How a step's attention would run as cascade (StepSession._graph_state).
-STEADY, FIRST = "graphed", "first of its layout"
-# What capturing a new layout's CUDA graphs is taken to cost a step (host time, during which
-# the GPU runs out of queued work) until this process has measured one: a whole Llama-3-8B-shaped
-# step (32 layers) took 35-41 ms to capture under `vllm serve` on an H100.
-CAPTURE_COST_PRIOR_US = 30_000.0
-
-
-class StepSession(PreChecks):
+class StepSession(PreChecks, GraphLayouts):
     """Per-process planning state: every builder's settings, the settings steps are planned
     with, and the current step's plan."""
 
@@ -77,16 +67,9 @@ class StepSession(PreChecks):
         # (:meth:`~.prechecks.PreChecks.continued_flat`): (cost model, cascade estimate (µs),
         # pages flat decode reads again past the L2 window, reason); None: none to keep.
         self._flat_held: tuple[CostModel, float, int, str] | None = None
-        # Graph layouts planned before: the graphed gain (µs) their steps have gone without so
-        # far, or ``inf`` once they ran from graphs (see _graph_state).
-        self._layouts_owed: dict[tuple[object, ...], float] = {}
-        # What a step that captured graphs spent capturing (``capture_cost_us``: their mean
-        # so far, the prior before any), and the capture seconds counted when the last step
-        # ended (stats).
-        self.capture_cost_us = CAPTURE_COST_PRIOR_US
-        self._capture_steps = 0
-        self._capture_total_us = 0.0
-        self._captured_s = 0.0
+        self._hold_ratio: float | None = None  # _decide's COST_MODEL verdict's, for hold_verdict
+        self._hold: tuple[int, int, float] | None = None
+        self.init_layouts()
 
     def register(self, layers: Sequence[str], settings: BuilderSettings) -> None:
         """A new metadata builder for ``layers`` and its settings.
@@ -155,6 +138,7 @@ class StepSession(PreChecks):
         self._layer_graphs_cost_model = settings.layer_graphs_cost_model
         self._capture_sizes = tuple(sorted(settings.capture_sizes))
         self._layouts_owed = {}
+        self._hold = None
         self.disabled_reason = settings.unsupported
         self._planner = CascadePlanner(max_levels=config.max_levels,
                                        min_shared_pages=config.min_shared_pages)
@@ -233,6 +217,9 @@ class StepSession(PreChecks):
                         stats.record_fallback("plan invariant violated", "; ".join(broken[:3]))
                         return None
                 decision = self._decide(plan, query_lens, decode, split is not None)
+                if decision.use_cascade:  # a mixed step too: sharing pays, hold nothing
+                    self._hold = None
+                self.hold_verdict(decode, len(query_lens), self._hold_ratio)
             except Exception as exc:  # the engine must never fail because of the planner
                 stats.record_fallback("planner error", f"{type(exc).__name__}: {exc}")
                 return None
@@ -260,8 +247,9 @@ class StepSession(PreChecks):
         it can cost: flat even then, it is flat without its graph layout being worked out (most
         flat steps of a serving run). Only a step that wins with graphs looks its layout up,
         and pays the eager cost until its layout's graphs are worth capturing
-        (:meth:`_graph_state`)."""
+        (:meth:`~.layouts.GraphLayouts.graph_state`)."""
         assert self.config is not None and self.shape is not None
+        self._hold_ratio = None
         if plan.num_levels < 2:
             stats.flat_decision(unshared_reason(len(query_lens)))
             return Decision(False, 0.0, 0.0, "no shared pages")
@@ -273,7 +261,7 @@ class StepSession(PreChecks):
         if split:
             assert self.split_cost_model is not None
             decision = decide(plan, self.shape, self.split_cost_model)
-            if decision.use_cascade and self._graph_state(plan, decision, split=True) == STEADY:
+            if decision.use_cascade and self.graph_state(plan, decision, split=True) == STEADY:
                 return decision
             reason = MIXED
             if decision.use_cascade:  # a new layout of decode rows: its graphs not captured
@@ -283,12 +271,12 @@ class StepSession(PreChecks):
         elif graphable:
             assert steady is not None
             decision = decide(plan, self.shape, steady)
-            if decision.use_cascade and self._graph_state(plan, decision) == STEADY:
+            if decision.use_cascade and self.graph_state(plan, decision) == STEADY:
                 return decision
             if decision.use_cascade:  # a layout not worth its capture yet
                 decision = decide(plan, self.shape, self.cost_model)
                 if decision.use_cascade:  # wins even eagerly: runs (its graphs captured then)
-                    self._layouts_owed[self._layout_key(plan)] = float("inf")
+                    self.steady_layout(plan)
                     return decision
                 reason = NOT_CAPTURED
             else:
@@ -305,6 +293,8 @@ class StepSession(PreChecks):
                                    reason)
         ratio = decision.cascade_us / decision.flat_us if decision.flat_us > 0 else None
         stats.flat_decision(reason, ratio)
+        if reason == COST_MODEL:
+            self._hold_ratio = ratio
         return decision
 
     def padded(self, num_tokens: int) -> int:
@@ -326,40 +316,6 @@ class StepSession(PreChecks):
         a time. Without known capture sizes (vLLM without CUDA graphs, where the executors have
         none either; tests) every size is."""
         return not self._capture_sizes or num_tokens <= self._capture_sizes[-1]
-
-    def _layout_key(self, plan: CascadePlan, split: bool = False) -> tuple[Any, ...]:
-        key: tuple[Any, ...] = graph_shape(plan, self.padded(plan.stats.num_tokens))
-        return ("split", key) if split else key
-
-    def _graph_state(self, plan: CascadePlan, graphed: Decision, split: bool = False) -> str:
-        """How a graphable decode step with a shared level, which wins at the graphed cost
-        (``graphed``), runs as cascade: :data:`STEADY`, from its layout's graphs (captured now
-        if they are not yet), or :data:`FIRST`, a layout whose graphs are not worth capturing
-        yet: the step is charged the eager cost.
-
-        Capturing a layout's graphs costs its step ``capture_cost_us`` of host time, and a
-        layout may never come back (a batch growing past a padded size, say): so a layout is
-        steady once an earlier step had it and the graphed gain its steps went without (one
-        step's flat less cascade time, over every attention layer the plan serves, summed
-        over its steps so far, this one included) reaches what the capture costs. A
-        layout seen once never costs a capture, and one that comes back often is captured
-        at most one capture's cost late (rent or buy). ``split``: the decode rows of a mixed
-        step run split, whose per-layer graphs are their own."""
-        key = self._layout_key(plan, split)
-        layers = self.shape.num_layers if self.shape is not None else 1
-        gain = max(graphed.flat_us - graphed.cascade_us, 0.0) * max(layers, 1)
-        owed = self._layouts_owed.get(key)
-        if owed is None:
-            if len(self._layouts_owed) >= MAX_LAYOUTS:
-                self._layouts_owed.clear()
-            self._layouts_owed[key] = gain
-            return FIRST
-        owed += gain
-        if owed >= self.capture_cost_us:
-            self._layouts_owed[key] = float("inf")
-            return STEADY
-        self._layouts_owed[key] = owed
-        return FIRST
 
     def stand_down(self, reason: str) -> None:
         """Every later step runs flat for ``reason``, which holds for the engine's life (its
@@ -408,13 +364,7 @@ class StepSession(PreChecks):
         forgotten and its outcome counted (``stats.end_step``)."""
         self.current = None
         self.padded_tokens = 0
-        captured = stats.capture_seconds()
-        if captured != self._captured_s:  # this step captured graphs (or the counters reset)
-            if captured > self._captured_s:
-                self._capture_steps += 1
-                self._capture_total_us += 1e6 * (captured - self._captured_s)
-                self.capture_cost_us = self._capture_total_us / self._capture_steps
-            self._captured_s = captured
+        self.note_captures()
         stats.end_step()
 
 

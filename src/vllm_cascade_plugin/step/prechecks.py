@@ -5,6 +5,7 @@ compiled pass over the rows (:mod:`~vllm_cascade_plugin.planning.compiled`) answ
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -19,11 +20,16 @@ from ..planning.cost import (
     flat_floor_from_facts,
 )
 from ..planning.planner import CascadePlanner, nothing_shared
-from ..stats.counters import PATH_COST_FLOOR, PATH_KEPT_FLAT, PATH_UNSHARED
+from ..stats.counters import COST_MODEL, PATH_COST_FLOOR, PATH_HELD, PATH_KEPT_FLAT, PATH_UNSHARED
 from .plan import flat_reason, unshared_reason
 
 if TYPE_CHECKING:
     from ..config import CascadeConfig
+
+# A decode step the cost model keeps flat by this much (its cascade estimate over flat's) holds
+# the verdict for up to HOLD_STEPS decode steps of at most an eighth more rows (held_flat).
+HOLD_RATIO = 1.25
+HOLD_STEPS = 16
 
 
 class PreChecks:
@@ -39,6 +45,44 @@ class PreChecks:
     _planner: CascadePlanner | None
     _flat_held: tuple[CostModel, float, int, str] | None
     unshared = False  # whether skip_unshared's last True: its step provably shares no page
+    # A clear flat verdict on a decode step, held (held_flat): (its rows, steps it may still
+    # hold, its cascade estimate over flat's); None: nothing held.
+    _hold: tuple[int, int, float] | None = None
+
+    def hold_verdict(self, decode: bool, rows: int, ratio: float | None) -> None:
+        """A planned step ended flat: a decode step the cost model kept flat by
+        :data:`HOLD_RATIO` or more holds its verdict (:meth:`held_flat`); any other decode step
+        lets go of what was held. A mixed step that runs flat keeps it (its new rows are counted
+        against the held step's); one that runs cascade lets go (``plan_step``)."""
+        if not decode:
+            return
+        clear = (ratio is not None and ratio >= HOLD_RATIO and self.config is not None
+                 and not self.config.debug and self.config.policy == "auto")
+        self._hold = (rows, HOLD_STEPS, ratio) if clear and ratio is not None else None
+
+    def held_flat(self, tokens: Mapping[Any, int]) -> bool:
+        """Count a decode step (``tokens``: each row's query tokens, vLLM's
+        ``num_scheduled_tokens``) flat, without reading its rows, while the last
+        planned decode step's clear flat verdict holds (:meth:`hold_verdict`): at most
+        :data:`HOLD_STEPS` steps, of at most an eighth more rows than it had; True if so.
+
+        The cascade's gain grows with the rows behind each shared page: a verdict that its
+        estimate loses by a quarter does not turn with a few more rows. At worst a held step
+        misses a cascade a plan would have run, never a correct result: it runs vLLM's flat
+        attention. Off with ``CASCADE_DEBUG`` (every step is planned and checked)."""
+        held, self._hold = self._hold, None
+        if held is None:
+            return False
+        rows = len(tokens)
+        if sum(tokens.values()) != rows:  # a mixed step: planned, the verdict still held
+            self._hold = held
+            return False
+        if held[1] <= 0 or rows > held[0] + max(1, held[0] // 8) or not self.active:
+            return False
+        self.current = None
+        stats.record_flat_step(True, PATH_HELD, COST_MODEL, held[2])
+        self._hold = (held[0], held[1] - 1, held[2])
+        return True
 
     @property
     def active(self) -> bool:  # the session's
@@ -77,8 +121,9 @@ class PreChecks:
             except Exception as exc:  # the full planner decides instead
                 stats.record_fallback("planner error", f"{type(exc).__name__}: {exc}")
                 return False
-            stats.record_flat_step(_all_decode(query_lens, facts), PATH_UNSHARED,
-                                   unshared_reason(len(query_lens)))
+            decode = _all_decode(query_lens, facts)
+            stats.record_flat_step(decode, PATH_UNSHARED, unshared_reason(len(query_lens)))
+        self.hold_verdict(decode, len(query_lens), None)
         self.unshared = True
         return True
 
@@ -91,6 +136,7 @@ class PreChecks:
         if not self.active or (self.config is not None and self.config.debug):
             return False
         stats.record_flat_step(decode, PATH_UNSHARED, unshared_reason(requests))
+        self.hold_verdict(decode, requests, None)
         return True
 
     def cannot_win(self, seq_lens: np.ndarray, query_lens: np.ndarray,
@@ -130,8 +176,9 @@ class PreChecks:
                 return False
             if floor is None:
                 return False
-        stats.record_flat_step(decode, PATH_COST_FLOOR, flat_reason(decode, query),
-                               floor.cascade_us / floor.flat_us)
+        ratio = floor.cascade_us / floor.flat_us
+        stats.record_flat_step(decode, PATH_COST_FLOOR, flat_reason(decode, query), ratio)
+        self.hold_verdict(decode, len(query), ratio)
         return True
 
     def continued_flat(self, block_table: np.ndarray, seq_lens: np.ndarray,
@@ -171,6 +218,8 @@ class PreChecks:
                 stats.record_fallback("planner error", f"{type(exc).__name__}: {exc}")
                 return False
             stats.record_flat_step(True, PATH_KEPT_FLAT, reason, cascade_us / flat_us)
+        self.hold_verdict(True, len(query_lens),
+                          cascade_us / flat_us if reason == COST_MODEL else None)
         return True
 
     def _split_lens(self, query_lens: np.ndarray) -> np.ndarray | None:
