@@ -397,49 +397,81 @@ def test_a_capture_is_charged_what_the_steps_that_captured_spent_capturing():
     assert session.capture_cost_us == pytest.approx((20_000 + 40_000 + 3_000) / 3)
 
 
-def test_a_clear_flat_verdict_holds_for_later_decode_steps_without_reading_their_rows(
-        monkeypatch):
-    """A decode step the cost model's floor keeps flat by a quarter or more (4 rows behind 2
-    shared pages: the reference is ``decide`` on its plan, which loses by more) holds the verdict:
-    up to HOLD_STEPS decode steps of at most an eighth more rows are counted flat ('held flat')
-    without the planner; a step with more rows, a mixed step's own verdict, or the steps after
-    the hold's end are planned again."""
-    from vllm_cascade_plugin.step.prechecks import HOLD_RATIO, HOLD_STEPS
 
+def chat_rows(rows: int, prefix_pages: int = 4):
+    """``rows`` requests behind one 64-token system prompt, 300-1,000 tokens each of their own
+    (seeded): (block table, sequence lengths), every row one decode token."""
+    own = np.random.default_rng(rows).integers(300, 1000, rows)
+    pages = prefix_pages + (own + 15) // 16 + 1
+    table = np.zeros((rows, int(pages.max())), np.int32)
+    table[:, :prefix_pages] = np.arange(1, prefix_pages + 1)
+    next_page = 100
+    for r in range(rows):
+        n = int(pages[r]) - prefix_pages
+        table[r, prefix_pages:prefix_pages + n] = np.arange(next_page, next_page + n)
+        next_page += n
+    return table, (prefix_pages * 16 + own).astype(np.int32)
+
+
+@pytest.mark.parametrize("prefix_pages", [4, 96, 128])
+def test_a_flat_verdict_holds_for_later_decode_steps_the_cost_model_would_keep_flat(
+        monkeypatch, prefix_pages):
+    """A decode step the cost model keeps flat holds the verdict: up to HOLD_STEPS decode steps
+    are counted flat ('held flat') without the planner, while they have at most as many rows
+    as the verdict holds for. Every step count it holds is one the cost model keeps flat too
+    (the reference: ``decide`` on the plan of that many such rows, from 64 to 2K shared tokens,
+    up to where cascade wins); a step with more rows, or after the hold's end, is planned
+    again; a mixed step is planned and keeps the hold."""
+    from vllm_cascade_plugin.step.prechecks import HOLD_STEPS
+
+    rows = 24
+    table, seq = chat_rows(rows, prefix_pages)
+    q = np.ones(rows, np.int32)
+    assert not decide(plan_cascade(table, seq, q, 16), H200_LAYER, GRAPHED).use_cascade
     session = fa3_session()
-    small, _ = prefix_rows(16, prefix_pages=2, own_pages=2)
-    seq = np.full(16, 2 * 16 + 20, np.int32)
-    q = np.ones(16, np.int32)
-    d = decide(plan_cascade(small, seq, q, 16), H200_LAYER, GRAPHED)
-    assert d.cascade_us / d.flat_us >= HOLD_RATIO
-    assert session.cannot_win(seq, q)  # the floor's verdict: planned, flat, held
+    assert not session.plan_step(table, seq, q).decision.use_cascade
     session.end_step()
+    held = []
+    for more in range(rows, 4 * rows):
+        probe = fa3_session()
+        probe.plan_step(table, seq, q)
+        probe.end_step()
+        t, s = chat_rows(more, prefix_pages)
+        wins = decide(plan_cascade(t, s, np.ones(more, np.int32), 16), H200_LAYER,
+                      GRAPHED).use_cascade
+        if probe.held_flat({i: 1 for i in range(more)}):
+            held.append(more)
+            assert not wins, more
+        elif wins and "turn" not in locals():
+            turn = more
+    assert held and held[0] == rows and held == list(range(rows, held[-1] + 1))
+    if prefix_pages >= 96:  # 1.5K-2K shared tokens: cascade wins within 4x the rows
+        assert held[-1] < locals()["turn"]
+    stats.reset()
     planned = []
     monkeypatch.setattr(session._planner, "plan", lambda *a: planned.append(1) / 0)
-    rows = {f"r{i}": 1 for i in range(16)}
-    assert session.held_flat(rows) and session.current is None
-    assert session.held_flat({**rows, "r16": 1, "r17": 1})  # 18 rows: an eighth more
-    assert not session.held_flat({**rows, "r16": 170})  # mixed: planned, still held
-    assert session.held_flat(rows)
-    assert not session.held_flat({**rows, **{f"n{i}": 1 for i in range(3)}})  # 19 rows
-    assert not session.held_flat(rows)  # let go: planned again
+    same = {f"r{i}": 1 for i in range(rows)}
+    assert session.held_flat(same) and session.current is None
+    assert not session.held_flat({**same, "new": 170})  # mixed: planned, still held
+    assert session.held_flat(same)
+    assert not session.held_flat({i: 1 for i in range(held[-1] + 1)})  # too many rows
+    assert not session.held_flat(same)  # let go: planned again
     session.end_step()
     counted = stats.snapshot()
-    assert counted.planning_paths[c.PATH_HELD] == 3 and counted.flat_reasons[c.COST_MODEL] == 4
-    assert planned == []
-    assert session.cannot_win(seq, q)
+    assert counted.planning_paths[c.PATH_HELD] == 2 and planned == []
+    monkeypatch.undo()
+    session.plan_step(table, seq, q)
     session.end_step()
-    held = 0
-    while session.held_flat(rows):
-        held += 1
-    assert held == HOLD_STEPS
+    steps = 0
+    while session.held_flat(same):
+        steps += 1
+    assert steps == HOLD_STEPS
 
 
-def test_no_verdict_is_held_where_it_is_not_clear_or_every_step_must_be_planned():
-    """A step that runs cascade, one the cost model keeps flat by less than HOLD_RATIO, and any
-    step under CASCADE_DEBUG or CASCADE_POLICY=always hold nothing."""
-    from vllm_cascade_plugin.step.prechecks import HOLD_RATIO
-
+def test_no_verdict_is_held_after_a_cascade_step_or_where_every_step_must_be_planned():
+    """A step that runs cascade, one kept flat until its graphs are worth capturing, and any
+    step under CASCADE_DEBUG or CASCADE_POLICY=always hold nothing; a verdict at the very turn
+    holds for no more rows than it had."""
     big, seq_big = prefix_rows(64)
     q = np.ones(64, np.int32)
     rows = {i: 1 for i in range(64)}
@@ -448,15 +480,15 @@ def test_no_verdict_is_held_where_it_is_not_clear_or_every_step_must_be_planned(
     session.end_step()
     assert not session.held_flat(rows)  # kept flat for its graphs, not by the cost model
     assert session.plan_step(big, seq_big + 1, q).decision.use_cascade
+    session.end_step()
     assert not session.held_flat(rows)
-    small, _ = prefix_rows(16, prefix_pages=2, own_pages=2)
-    seq = np.full(16, 2 * 16 + 20, np.int32)
+    table, seq = chat_rows(24)
     for config in ({"debug": True}, {"policy": "always"}):
         other = fa3_session(**config)
-        other.plan_step(small, seq, np.ones(16, np.int32))
+        other.plan_step(table, seq, np.ones(24, np.int32))
         other.end_step()
-        assert not other.held_flat({i: 1 for i in range(16)}), config
-    near = fa3_session()
-    near._hold_ratio = None
-    near.hold_verdict(True, 16, HOLD_RATIO * 0.99)
-    assert not near.held_flat({i: 1 for i in range(16)})
+        assert not other.held_flat({i: 1 for i in range(24)}), config
+    turn = fa3_session()
+    turn.hold_verdict(True, 24, 1 / (1 + turn.cost_model.margin))
+    assert turn.held_flat({i: 1 for i in range(24)})
+    assert not turn.held_flat({i: 1 for i in range(25)})

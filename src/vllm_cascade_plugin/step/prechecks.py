@@ -26,9 +26,8 @@ from .plan import flat_reason, unshared_reason
 if TYPE_CHECKING:
     from ..config import CascadeConfig
 
-# A decode step the cost model keeps flat by this much (its cascade estimate over flat's) holds
-# the verdict for up to HOLD_STEPS decode steps of at most an eighth more rows (held_flat).
-HOLD_RATIO = 1.25
+# A decode step the cost model keeps flat holds the verdict for up to HOLD_STEPS decode steps
+# (held_flat).
 HOLD_STEPS = 16
 
 
@@ -45,29 +44,36 @@ class PreChecks:
     _planner: CascadePlanner | None
     _flat_held: tuple[CostModel, float, int, str] | None
     unshared = False  # whether skip_unshared's last True: its step provably shares no page
-    # A clear flat verdict on a decode step, held (held_flat): (its rows, steps it may still
-    # hold, its cascade estimate over flat's); None: nothing held.
+    # A decode step's flat verdict, held (held_flat): (the most rows it holds for, steps it may
+    # still hold, its cascade estimate over flat's); None: nothing held.
     _hold: tuple[int, int, float] | None = None
 
     def hold_verdict(self, decode: bool, rows: int, ratio: float | None) -> None:
-        """A planned step ended flat: a decode step the cost model kept flat by
-        :data:`HOLD_RATIO` or more holds its verdict (:meth:`held_flat`); any other decode step
-        lets go of what was held. A mixed step that runs flat keeps it (its new rows are counted
-        against the held step's); one that runs cascade lets go (``plan_step``)."""
+        """A planned step ended: a decode step of ``rows`` rows the cost model kept flat, its
+        cascade estimate ``ratio`` times flat's, holds its verdict (:meth:`held_flat`); any
+        other decode step (``ratio`` None) lets go of what was held. A mixed step that runs
+        flat keeps it (its new rows are counted against the held step's); one that runs
+        cascade lets go (``plan_step``).
+
+        The verdict holds for at most ``rows * ratio * (1 + margin)`` rows: flat attention's
+        time grows with the rows (each reads the shared pages again), while the cascade's
+        estimate would have to stand still for the verdict to turn there, so with fewer rows it
+        cannot (rows like those planned: their lengths, one token a step longer, change the
+        estimates far less)."""
         if not decode:
             return
-        clear = (ratio is not None and ratio >= HOLD_RATIO and self.config is not None
-                 and not self.config.debug and self.config.policy == "auto")
-        self._hold = (rows, HOLD_STEPS, ratio) if clear and ratio is not None else None
+        config = self.config
+        if ratio is None or config is None or config.debug or config.policy != "auto":
+            self._hold = None
+            return
+        most = int(rows * ratio * (1 + self.cost_model.margin) + 1e-9)  # not below rows by a ulp
+        self._hold = (most, HOLD_STEPS, ratio)
 
     def held_flat(self, tokens: Mapping[Any, int]) -> bool:
         """Count a decode step (``tokens``: each row's query tokens, vLLM's
-        ``num_scheduled_tokens``) flat, without reading its rows, while the last
-        planned decode step's clear flat verdict holds (:meth:`hold_verdict`): at most
-        :data:`HOLD_STEPS` steps, of at most an eighth more rows than it had; True if so.
-
-        The cascade's gain grows with the rows behind each shared page: a verdict that its
-        estimate loses by a quarter does not turn with a few more rows. At worst a held step
+        ``num_scheduled_tokens``) flat, without reading its rows, while the last planned
+        decode step's flat verdict holds (:meth:`hold_verdict`): at most :data:`HOLD_STEPS`
+        steps, of at most as many rows as it holds for; True if so. At worst a held step
         misses a cascade a plan would have run, never a correct result: it runs vLLM's flat
         attention. Off with ``CASCADE_DEBUG`` (every step is planned and checked)."""
         held, self._hold = self._hold, None
@@ -77,7 +83,7 @@ class PreChecks:
         if sum(tokens.values()) != rows:  # a mixed step: planned, the verdict still held
             self._hold = held
             return False
-        if held[1] <= 0 or rows > held[0] + max(1, held[0] // 8) or not self.active:
+        if held[1] <= 0 or rows > held[0] or not self.active:
             return False
         self.current = None
         stats.record_flat_step(True, PATH_HELD, COST_MODEL, held[2])
