@@ -258,9 +258,10 @@ def main(argv: list[str] | None = None) -> int:
     old = [] if args.fresh else sr.load_rows(args.out)
     model = model_name(args.model)
     flats = sorted({baseline(c) for c in CONFIGS})
-    known = {flat: sr.baseline_rates(old, flat, args.tensor_parallel_size, model)
+    kept = sr.rows_kept(args.out, old)  # no rate from a run left out of the tables
+    known = {flat: sr.baseline_rates(kept, flat, args.tensor_parallel_size, model)
              for flat in flats}
-    rate_runs = {flat: sr.baseline_rates(old, flat, args.tensor_parallel_size, model, "run_id")
+    rate_runs = {flat: sr.baseline_rates(kept, flat, args.tensor_parallel_size, model, "run_id")
                  for flat in flats}
     for flat in sorted({baseline(c) for c in configs} - set(configs)):
         missing = [w.name for w in workloads if w.name not in known[flat] and any(

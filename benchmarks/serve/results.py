@@ -75,6 +75,16 @@ def load_rows(path: Path) -> list[dict[str, Any]]:
     return json.loads(path.read_text()) if path.is_file() else []
 
 
+def rows_kept(path: Path, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``rows`` but those of a run ``<path>.meta.json`` marks ``left_out`` (it could not resolve
+    what it measured: a rate taken from it would carry that on)."""
+    meta_path = path.with_suffix(".meta.json")
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    left_out = {run.get("run_id") for run in meta.get("runs", [])
+                if isinstance(run, dict) and run.get("left_out")}
+    return [row for row in rows if row.get("run_id") not in left_out]
+
+
 def write_results(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
     """Rows to ``out``; ``meta`` (this invocation) to ``<out>.meta.json`` beside it, the earlier
     invocations' meta kept under ``runs`` (rows name theirs by ``run_id``)."""

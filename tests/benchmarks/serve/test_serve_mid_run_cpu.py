@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -185,3 +186,21 @@ def test_the_rate_of_an_earlier_run_is_its_latest_flat_burst():
             {**row, "request_throughput": 9.0, "run_id": "c", "config": "flashinfer"}]
     assert sr.baseline_rates(rows, "flash_attn", 1) == {"chat": 5.0}
     assert sr.baseline_rates(rows, "flash_attn", 1, key="run_id") == {"chat": "b"}
+
+
+def test_no_rate_is_taken_from_a_run_its_meta_leaves_out(tmp_path):
+    """A run serve.meta.json marks ``left_out`` (e.g. its two flat servers far apart) gives no
+    later run its burst rate: the latest kept run's does."""
+    from benchmarks.serve import results as sr
+
+    row = {"config": "flash_attn", "request_rate": "burst", "workload": "chat",
+           "tensor_parallel_size": 1, "model": "llama3-8b"}
+    rows = [{**row, "request_throughput": 3.0, "run_id": "a"},
+            {**row, "request_throughput": 5.0, "run_id": "b"}]
+    out = tmp_path / "serve.json"
+    assert sr.rows_kept(out, rows) == rows  # no meta yet: every row
+    (tmp_path / "serve.meta.json").write_text(json.dumps(
+        {"runs": [{"run_id": "a"}, {"run_id": "b", "left_out": "flat servers 1.6x apart"}]}))
+    kept = sr.rows_kept(out, rows)
+    assert sr.baseline_rates(kept, "flash_attn", 1) == {"chat": 3.0}
+    assert sr.baseline_rates(kept, "flash_attn", 1, key="run_id") == {"chat": "a"}
