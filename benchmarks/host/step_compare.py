@@ -32,13 +32,14 @@ from benchmarks.common import child_path, module_command
 STEP_BENCH = "benchmarks.host.step"  # this checkout's, run with each version's src
 
 
-def bench(src: Path, steps: int, cold: bool = False) -> list[dict[str, object]]:
+def bench(src: Path, steps: int, cold: bool = False, cases: str = "") -> list[dict[str, object]]:
     """One ``benchmarks.host.step`` run with ``src`` first on the path (``cold``: with
-    ``--cold``): its rows."""
+    ``--cold``; ``cases``: its ``--cases``): its rows."""
     with tempfile.TemporaryDirectory() as out:
         env = {**os.environ, "PYTHONPATH": child_path(src, inherited=os.environ.get("PYTHONPATH"))}
         subprocess.run([*module_command(STEP_BENCH), "--steps", str(steps),
-                        "--out", out, *(["--cold"] if cold else [])], env=env, check=True,
+                        "--out", out, *(["--cold"] if cold else []),
+                        *(["--cases", cases] if cases else [])], env=env, check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         name = "step_host_cold.json" if cold else "step_host.json"
         rows: list[dict[str, object]] = json.loads((Path(out) / name).read_text())["rows"]
@@ -79,6 +80,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--cold", action="store_true",
                         help="host/step.py --cold: the CPU caches evicted between steps")
+    parser.add_argument("--cases", default="",
+                        help="only the cases whose name contains this text (host/step.py's)")
     parser.add_argument("--what", default="", help="what each version is (goes to the file)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -86,7 +89,7 @@ def main() -> None:
     for time in range(args.times):  # each version first every other time: warm-up bias
         for run in (0, 1) if time % 2 == 0 else (1, 0):
             (before, after)[run].append(bench((args.before, args.after)[run].resolve(),
-                                              args.steps, args.cold))
+                                              args.steps, args.cold, args.cases))
     lines = summary(before, after)
     print("\n".join(lines))
     command = shlex.join(["python", "-m", "benchmarks.host.step_compare", *sys.argv[1:]])
