@@ -75,6 +75,9 @@ def judge(rows: list[dict[str, Any]], plugin: str = PLUGIN,
                                  **_ratios(flat, on, "")}
         point["target"] = _passes(point, "", TPOT_FLOOR, TTFT_CEILING)
         again = got.get(AGAIN) if again_config else None
+        point["steps"] = {name: _steps(row) for name, row in
+                          (("flat", flat), ("plugin", on), ("again", again))
+                          if row is not None and row.get("gpu_step_ms_per_step") is not None}
         if again is None:
             point["spread"] = None
         else:
@@ -93,6 +96,16 @@ def _rate_from_elsewhere(flat: dict[str, Any]) -> str | None:
     None."""
     source = flat.get("sustainable_rate_run")
     return source if source not in (None, flat.get("run_id")) else None
+
+
+def _steps(row: dict[str, Any]) -> str:
+    """A server's steps as the step-timeline probe saw them: GPU ms per step (the GPU waiting
+    for the host, ms per step, in brackets), by kind of step where it told them apart."""
+    kinds = row.get("timeline_by_kind") or {}
+    shown = [f"{row['gpu_step_ms_per_step']:.1f} ({row['gpu_wait_ms_per_step']:.2f})"]
+    shown += [f"{kind} {k['steps']}x {k['gpu_step_ms_per_step']:.1f} "
+              f"({k['gpu_wait_ms_per_step']:.2f})" for kind, k in kinds.items()]
+    return ", ".join(shown)
 
 
 def _ratios(flat: dict[str, Any], other: dict[str, Any], prefix: str) -> dict[str, float]:
@@ -121,6 +134,9 @@ def table(points: list[dict[str, Any]]) -> str:
                      f"{verdict(p['spread'])}")
         if p.get("rate_from_run"):
             lines[-1] += f"  (rate from run {p['rate_from_run']}'s flat burst)"
+        if p.get("steps"):  # the step-timeline probe's: GPU ms per step (waiting for the host)
+            lines.append("    GPU ms per step (host wait): " + "; ".join(
+                f"{name} {shown}" for name, shown in p["steps"].items()))
     return "\n".join(lines)
 
 

@@ -125,3 +125,22 @@ def test_a_point_whose_rate_came_from_another_runs_burst_says_so(tmp_path):
     [half] = [line for line in out.splitlines() if " 50% " in line]
     assert half.endswith("(rate from run R0's flat burst)")
     assert "rate from run" not in out.replace(half, "")
+
+
+def test_each_point_shows_the_step_timelines_of_its_servers_by_kind_of_step():
+    """Where the servers ran the step-timeline probe, a point's lines show each one's GPU ms
+    per step and host wait, and the plugin's by kind of step; a point without it shows none."""
+    timeline = {"gpu_step_ms_per_step": 28.25, "gpu_wait_ms_per_step": 0.1}
+    kinds = {"flat": {"steps": 300, "gpu_step_ms_per_step": 27.0, "gpu_wait_ms_per_step": 0.2},
+             "capture": {"steps": 20, "gpu_step_ms_per_step": 61.5,
+                         "gpu_wait_ms_per_step": 0.4}}
+    rows = [row("flash_attn", "110%", 41.0, 480.0, **timeline),
+            row("cascade_flash_attn", "110%", 47.3, 480.0, gpu_step_ms_per_step=31.3,
+                gpu_wait_ms_per_step=0.3, timeline_by_kind=kinds),
+            row("flash_attn", "50%", 10.0, 100.0), row("cascade_flash_attn", "50%", 10.0, 100.0)]
+    text = verdict.table(verdict.judge(rows))
+    lines = text.splitlines()
+    at = next(i for i, line in enumerate(lines) if " 110% " in line)
+    assert lines[at + 1] == ("    GPU ms per step (host wait): flat 28.2 (0.10); plugin 31.3 "
+                             "(0.30), flat 300x 27.0 (0.20), capture 20x 61.5 (0.40)")
+    assert sum("GPU ms per step" in line for line in lines) == 1
