@@ -141,22 +141,25 @@ def test_the_step_timeline_leaves_execute_models_arguments_to_the_plugins_hook(m
         pass
 
 
+class Event:
+    """A fake CUDA event at time ``t`` (ms), already reached."""
+
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other: Event) -> float:
+        return other.t - self.t
+
+
 def test_step_timeline_counts_the_wait_inside_steps_not_the_idle_time_between_them(tmp_path,
                                                                                    monkeypatch):
     """The probe's bookkeeping on fake CUDA events (times in ms): a step whose forward came
     2 ms after its begin and ran 10 ms, a step that ran nothing (no forward: dropped), then a
     step 5 s later that waited 0.5 ms; the 5 s without a step count nowhere."""
     probe = load_timeline_probe(monkeypatch)
-
-    class Event:
-        def __init__(self, t: float) -> None:
-            self.t = t
-
-        def query(self) -> bool:
-            return True
-
-        def elapsed_time(self, other: Event) -> float:
-            return other.t - self.t
 
     times = iter([0.0, 2.0, 12.0, 20.0, 5000.0, 5000.5, 5010.5])
     monkeypatch.setattr(probe._Timeline, "_event", staticmethod(lambda: Event(next(times))))
@@ -181,16 +184,6 @@ def test_the_step_timeline_tells_steps_apart_by_the_plugins_counters(tmp_path, m
     from vllm_cascade_plugin import stats
 
     probe = load_timeline_probe(monkeypatch)
-
-    class Event:
-        def __init__(self, t: float) -> None:
-            self.t = t
-
-        def query(self) -> bool:
-            return True
-
-        def elapsed_time(self, other: Event) -> float:
-            return other.t - self.t
 
     clock = iter(float(t) for t in range(0, 1000, 5))
     monkeypatch.setattr(probe._Timeline, "_event", staticmethod(lambda: Event(next(clock))))
