@@ -397,10 +397,10 @@ def test_a_capture_is_charged_what_the_steps_that_captured_spent_capturing():
     assert session.capture_cost_us == pytest.approx((20_000 + 40_000 + 3_000) / 3)
 
 
-
 def chat_rows(rows: int, prefix_pages: int = 4):
-    """``rows`` requests behind one 64-token system prompt, 300-1,000 tokens each of their own
-    (seeded): (block table, sequence lengths), every row one decode token."""
+    """``rows`` requests behind one system prompt of ``prefix_pages`` pages (64 tokens by
+    default), 300-1,000 tokens each of their own (seeded): (block table, sequence lengths),
+    every row one decode token."""
     own = np.random.default_rng(rows).integers(300, 1000, rows)
     pages = prefix_pages + (own + 15) // 16 + 1
     table = np.zeros((rows, int(pages.max())), np.int32)
@@ -431,7 +431,7 @@ def test_a_flat_verdict_holds_for_later_decode_steps_the_cost_model_would_keep_f
     session = fa3_session()
     assert not session.plan_step(table, seq, q).decision.use_cascade
     session.end_step()
-    held = []
+    held, turn = [], None  # the row counts held; the fewest at which cascade wins
     for more in range(rows, 4 * rows):
         probe = fa3_session()
         probe.plan_step(table, seq, q)
@@ -442,11 +442,11 @@ def test_a_flat_verdict_holds_for_later_decode_steps_the_cost_model_would_keep_f
         if probe.held_flat({i: 1 for i in range(more)}):
             held.append(more)
             assert not wins, more
-        elif wins and "turn" not in locals():
+        elif wins and turn is None:
             turn = more
     assert held and held[0] == rows and held == list(range(rows, held[-1] + 1))
     if prefix_pages >= 96:  # 1.5K-2K shared tokens: cascade wins within 4x the rows
-        assert held[-1] < locals()["turn"]
+        assert turn is not None and held[-1] < turn
     stats.reset()
     planned = []
     monkeypatch.setattr(session._planner, "plan", lambda *a: planned.append(1) / 0)
