@@ -5,6 +5,7 @@ renders the blocks; standard library only)."""
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -28,10 +29,13 @@ def _meta(path: Path) -> dict[str, Any]:
 def served_rows(path: Path) -> list[dict[str, Any]]:
     """serve.json's rows but those of a run its meta marks ``left_out`` (a run that cannot
     resolve what it measured, e.g. its two flat servers far apart: the reason is that field's
-    text); the rows stay in the file, the tables leave them out."""
-    left_out = {run.get("run_id") for run in _meta(path).get("runs", [])
-                if isinstance(run, dict) and run.get("left_out")}
-    return [row for row in _load(path) if row.get("run_id") not in left_out]
+    text); the rows stay in the file, the tables leave them out (the serve bench's
+    ``results.rows_kept``, which takes no rate from them either)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from benchmarks.serve.results import rows_kept
+
+    return rows_kept(path, _load(path))
 
 
 def _int(x: float) -> str:

@@ -76,13 +76,11 @@ class PreChecks:
         steps, of at most as many rows as it holds for; True if so. At worst a held step
         misses a cascade a plan would have run, never a correct result: it runs vLLM's flat
         attention. Off with ``CASCADE_DEBUG`` (every step is planned and checked)."""
-        held, self._hold = self._hold, None
-        if held is None:
-            return False
+        held = self._hold
         rows = len(tokens)
-        if sum(tokens.values()) != rows:  # a mixed step: planned, the verdict still held
-            self._hold = held
+        if held is None or sum(tokens.values()) != rows:  # a mixed step: planned, still held
             return False
+        self._hold = None
         if held[1] <= 0 or rows > held[0] or not self.active:
             return False
         self.current = None
