@@ -106,6 +106,10 @@
 #                      the plugin with CASCADE_UNVERIFIED=1, flat again (flash_attn_again: two
 #                      identical servers around the plugin's, the run's drift). About 13 min
 #                      on a fresh machine.
+#   shared_docs_pair   vLLM's default backend flat and the plugin on 8K x 4 (four 8K-token
+#                      documents, many questions each) in a burst, at 50% and 90% of this run's
+#                      flat burst rate: the long-shared-prefix figures. About 6 min on a warm
+#                      machine.
 #   hybrid_bamba_graphs  what a step without vLLM's FULL graphs costs that model, as every
 #                      cascade step runs (its 29 Mamba mixers are splitting ops, so eager
 #                      then): flat against flat with piecewise graphs only
@@ -203,6 +207,8 @@ part_serve_grid() {  # run it detached, alone; the slices in SERVE_GRID's order
       --configs flash_attn,cascade_flash_attn,cascade_flash_attn_hybrid,flash_attn_again \
       --workloads chat_6k_system --rates burst,50% ;;
     fp8_kv) serve_slice fp8_kv 1200 --configs flash_attn_fp8,cascade_flash_attn_fp8 \
+      --workloads prefix_8k_x4 --rates burst,50%,90% ;;
+    shared_docs_pair) serve_slice shared_docs_pair 900 --configs flash_attn,cascade_flash_attn \
       --workloads prefix_8k_x4 --rates burst,50%,90% ;;
     hybrid_bamba_graphs) serve_slice hybrid_bamba_graphs 900 --model examples/models/bamba-9b \
       --configs flash_attn,flash_attn_piecewise --workloads chat_6k_system --rates burst,50% ;;

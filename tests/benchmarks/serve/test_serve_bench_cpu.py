@@ -1159,7 +1159,8 @@ def test_the_serving_grid_of_gpu_validate_is_a_valid_bench(tmp_path, capsys):
                                                "never_slower", "never_slower_chat",
                                                "never_slower_paired", "hybrid_gemma3",
                                                "hybrid_bamba", "hybrid_bamba_paired",
-                                               "hybrid_bamba_graphs", "fp8_kv"}
+                                               "hybrid_bamba_graphs", "fp8_kv",
+                                               "shared_docs_pair"}
     assert all(name == log for name, log, _ in slices)
     models = {}
     for name, _, args in slices:
