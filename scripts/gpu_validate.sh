@@ -34,9 +34,9 @@
 #   fp8                tests/gpu/test_kernels_fp8.py and the FP8 engine tests (CASCADE_FP8_KV=1)
 #   speculative        ngram speculative decoding, plugin on vs off (V1 runner)
 #   sliding            tests/gpu/test_sliding_window_engine.py: sliding-window layers run flat;
-#                      under the hybrid KV cache (CASCADE_UNVERIFIED=1) the full layers' group
-#                      runs cascade: a Mistral-style oracle, Gemma 3's stack, gpt-oss's
-#                      attention with sinks (a dense stand-in: vLLM's gpt-oss layers with a
+#                      under the hybrid KV cache the full layers' group runs cascade: a
+#                      Mistral-style oracle, Gemma 3's stack, gpt-oss's attention with sinks
+#                      (CASCADE_UNVERIFIED=1; a dense stand-in: vLLM's gpt-oss layers with a
 #                      dense MLP, no fused-MoE kernels needed)
 #   hybrid             tests/gpu/test_hybrid_engine.py: a Mamba2 / attention hybrid (Granite
 #                      4.0-H's dense stack, 256-token pages): under CASCADE_UNVERIFIED=1 the

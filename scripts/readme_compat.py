@@ -60,16 +60,16 @@ ROWS: list[tuple[str, str, str, tuple[str, ...]]] = [
     ("tensor parallelism", "opt-in (`CASCADE_UNVERIFIED=1`), flat by default",
      "needs two GPUs; whole-step graphs are off at TP > 1", ("tp",)),
     ("sliding-window attention", "those layers run flat; under vLLM's hybrid KV-cache manager "
-     "(its default) the full layers' group runs cascade with `CASCADE_UNVERIFIED=1` only "
-     "(correct on a GPU, its speed not measured yet)",
+     "(its default) the full layers' group runs cascade (Gemma 3; gpt-oss also needs "
+     "`CASCADE_UNVERIFIED=1` for its sinks); served, Gemma 3's stack is faster than flat when "
+     "busy and as fast at half load ([performance.md](performance.md), gemma3-12b rows)",
      "GPU: a model mixing sliding-window and full layers in both KV-cache layouts (V1 runner, "
      "vLLM 0.26-0.33: its full layers run cascade with `--disable-hybrid-kv-cache-manager`), and "
-     "under the hybrid manager with `CASCADE_UNVERIFIED=1` on V1 and V2 (the full layers' group "
-     "runs cascade; engine vs two flat kernels); Gemma 3's stack (five sliding-window KV-cache "
-     "groups and one full): its full group cascade on every step, within the tolerance of flat "
-     "FLASH_ATTN (V1, V2) and its two flat kernels within it of each other; its test failed "
-     "only on the plugin's log naming the first sliding group's layers alone (now one line per "
-     "group), not yet rerun",
+     "under the hybrid manager on V1 and V2 (the full layers' group runs cascade; engine vs two "
+     "flat kernels); Gemma 3's stack (five sliding-window KV-cache groups and one full): its "
+     "full group cascade on every step, within the tolerance of flat FLASH_ATTN (V1, V2) and "
+     "its two flat kernels within it of each other. The last run set `CASCADE_UNVERIFIED=1`, "
+     "which this path then needed; the tests now run it without",
      ("sliding",)),
     ("attention sinks (gpt-oss)", "opt-in (`CASCADE_UNVERIFIED=1`), flat by default",
      "GPU: every executor against fp32 softmax with sinks and FA3 with `s_aux` (`kernels`); "

@@ -120,10 +120,10 @@ KNOBS: tuple[Knob, ...] = (
          "against two FP8 kernels) and served faster than flat FP8 (docs/performance.md). "
          "Off: such a cache runs flat."),
     Knob("CASCADE_UNVERIFIED", "unverified", False, _bool, "1/true/on or 0/false/off",
-         "Cascade where this release is not verified on a GPU: tensor parallelism above 1, "
-         "suffix speculative decoding, and the full-attention layers of a model whose "
-         "sliding-window or recurrent layers vLLM's hybrid KV-cache manager keeps in KV-cache "
-         "groups of their own (Gemma 3, gpt-oss, Mamba hybrids), and layers with attention "
+         "Cascade where this release is not verified on a GPU or served slower than flat: "
+         "tensor parallelism above 1, suffix speculative decoding, the attention layers of a "
+         "model whose recurrent layers vLLM's hybrid KV-cache manager keeps in KV-cache "
+         "groups of their own (Mamba and linear-attention hybrids), and layers with attention "
          "sinks (gpt-oss). Off: those run flat, saying why."),
     Knob("CASCADE_ALLOW_UNTESTED_VLLM", "allow_untested_vllm", False, _bool,
          "1/true/on or 0/false/off",

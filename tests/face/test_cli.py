@@ -62,10 +62,10 @@ def test_check_with_the_plugin_on_registers_for_real_and_exits_0_here_only_with_
                      "the plugin has nothing to do)",
                      "An FP8 KV cache (e4m3, per-layer scales) runs cascade while "
                      "CASCADE_FP8_KV is on (the default): CASCADE_FP8_KV=on",
-                     "Off unless asked for, not verified on a GPU with this release: "
-                     "tensor parallelism above 1, suffix speculative "
-                     "decoding, the full-attention layers beside sliding-window or recurrent "
-                     "ones under the hybrid KV-cache manager, and attention sinks (gpt-oss): "
+                     "Off unless asked for (not verified on a GPU with this release, or "
+                     "served slower than flat): tensor parallelism above 1, suffix speculative "
+                     "decoding, the attention layers beside recurrent ones (Mamba hybrids) "
+                     "under the hybrid KV-cache manager, and attention sinks (gpt-oss): "
                      "CASCADE_UNVERIFIED=off"):
         assert expected in out
     assert "Traceback" not in proc.stderr

@@ -37,9 +37,9 @@ def test_gemma3s_sliding_window_pattern_is_read_as_transformers_reads_it(tmp_pat
     lines, runs = families.model_lines(model, unverified=False)
     text = " ".join(lines)
     assert "2 full-attention, 10 sliding-window and 0 recurrent" in text
-    assert runs is False and "CASCADE_UNVERIFIED=1 runs the 2 full-attention" in text
-    lines, runs = families.model_lines(model, unverified=True)
-    assert runs is True and "the 10 sliding-window layer(s) run flat" in " ".join(lines)
+    assert runs is True and "CASCADE_UNVERIFIED" not in text, text
+    assert "The 2 full-attention layer(s) can run cascade" in text
+    assert "the 10 sliding-window layer(s) run flat" in text
 
 
 @pytest.mark.parametrize(("raw", "reference"), [
@@ -69,7 +69,7 @@ def test_recurrent_hybrids_attention_layers_need_unverified_paths(tmp_path, raw,
         in text
 
 
-def test_gpt_oss_needs_unverified_paths_for_its_sinks_and_hybrid_cache(tmp_path):
+def test_gpt_oss_needs_unverified_paths_for_its_sinks(tmp_path):
     from transformers import GptOssConfig
 
     layer_types = GptOssConfig(num_hidden_layers=24).layer_types
@@ -78,8 +78,26 @@ def test_gpt_oss_needs_unverified_paths_for_its_sinks_and_hybrid_cache(tmp_path)
     lines, runs = families.model_lines(model, unverified=False)
     text = " ".join(lines)
     assert runs is False and "attention sinks" in text and "12 full-attention" in text
+    assert "hybrid KV cache" not in text, text  # its sinks alone keep it flat
     lines, runs = families.model_lines(model, unverified=True)
     assert runs is True and "12 sliding-window layer(s) run flat" in " ".join(lines)
+
+
+def test_chunked_local_attention_keeps_every_layer_flat(tmp_path):
+    """Llama 4's chunked local-attention layers: vLLM gives them a KV-cache group of their own
+    (ChunkedLocalAttentionSpec), beside which the plugin plans no step
+    (tests/integration/test_kv_groups.py), so ``check`` says every layer runs flat."""
+    from transformers import Llama4TextConfig
+
+    layer_types = Llama4TextConfig(num_hidden_layers=8).layer_types
+    assert "chunked_attention" in layer_types and "full_attention" in layer_types
+    raw = {"model_type": "llama4_text", "num_hidden_layers": 8, "layer_types": layer_types}
+    kinds = families.layer_kinds(raw)
+    assert kinds.count(families.CHUNKED) == layer_types.count("chunked_attention")
+    model = saved(tmp_path, raw)
+    for unverified in (False, True):
+        lines, runs = families.model_lines(model, unverified)
+        assert runs is False and "chunked local-attention" in " ".join(lines), lines
 
 
 @pytest.mark.parametrize(("raw", "runs"), [

@@ -17,15 +17,14 @@ vLLM 0.26 lays out such a model's KV cache one of two ways; the V1 model runner,
   cascade. (Model Runner V2 keeps one builder for all four, which then runs flat: the CPU test
   reads that from vLLM's own grouping.)
 * with it (vLLM's default on a GPU): a group of the sliding layers and one of the full layers.
-  The sliding layers' builder runs flat (said once) and every step runs flat because the step has
-  two KV-cache groups (counted as a fallback): the plugin was live and saw the steps. With
-  ``CASCADE_UNVERIFIED=1`` the steps are planned from the full layers' group, which runs
-  cascade (``integration/kv_groups.py``).
+  The sliding layers' builder runs flat (said once); the steps are planned from the full
+  layers' group, which runs cascade (``integration/kv_groups.py``), on V1 and V2.
 
-Two more oracles take the same workload in vLLM's default hybrid layout with
-``CASCADE_UNVERIFIED=1``: Gemma 3's text stack (five sliding layers to one full layer, a KV-cache
-group per kind) and gpt-oss's attention stack (alternating 128-token windows, a sink per head on
-every layer) in a dense stand-in for gpt-oss, GptOssDenseForCausalLM: vLLM's gpt-oss attention,
+Two more oracles take the same workload in vLLM's default hybrid layout: Gemma 3's text stack
+(five sliding layers to one full layer, a KV-cache group per kind), with the plugin's defaults,
+and gpt-oss's attention stack (alternating 128-token windows, a sink per head on every layer),
+with ``CASCADE_UNVERIFIED=1`` (sinks need it), in a dense stand-in for gpt-oss,
+GptOssDenseForCausalLM: vLLM's gpt-oss attention,
 norms, embedding and head with a dense MLP in place of the mixture of experts, so that it runs
 where vLLM's build has no fused-MoE kernels (``tests/gpu/gpt_oss_dense``, registered in every
 engine process through that folder's ``sitecustomize``).
@@ -35,7 +34,7 @@ change in either (vLLM's layout, the plugin's choice) shows here. The engines ru
 FLASH_ATTN backend: its FlashInfer backend refuses sliding-window layers on SM90 (vLLM 0.26,
 ``FlashInferMetadataBuilder``). Three engines judge the plugin by ``engine_oracle.judge``: the
 plugin on, and two correct kernels with it off, FLASH_ATTN (the comparison) and TRITON_ATTN;
-a fourth runs the plugin in the hybrid layout, judged against the same two. No CUDA graphs
+the plugin in the hybrid layout is judged against the same two. No CUDA graphs
 (``--eager``): what is tested is which layers the cascade serves, and graphs replay the same
 kernels.
 """
@@ -106,27 +105,19 @@ def test_one_kv_cache_group_runs_sliding_layers_flat_full_layers_cascade_and_mat
     assert counts["fallbacks"] == {}, counts
 
 
-def test_hybrid_kv_cache_runs_sliding_layers_flat_and_matches_vllm(sliding_model_dir):
-    on, counts = _judged_run(sliding_model_dir, ONLY, "hybrid: sliding and full groups")
-    assert counts["steps_cascade"] == 0, counts
-    assert counts["fallbacks"].get("more than one KV cache group", 0) > 0, counts
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_hybrid_kv_cache_runs_the_full_layers_group_as_cascade_by_default(
+        sliding_model_dir, runner):
+    """vLLM's default hybrid KV cache with the plugin's defaults: steps are planned from the
+    full-attention layers' group (its own block table; on V2 its CPU mirror), which runs
+    cascade; the sliding layers' builder runs flat, said once; vLLM's answers."""
+    on, counts = _judged_run(sliding_model_dir, ONLY, f"hybrid on {runner}, full-attention "
+                             "group planned", (), runner)
+    assert counts["steps_cascade"] > 0, counts
+    assert counts["fallbacks"] == {}, counts
     [line] = _flat_lines(on)  # once, for the sliding layers' builder alone
     assert "for 2 attention layer(s)" in line, line
     assert ATTN.format(0) in line and ATTN.format(2) in line, line
-    assert ATTN.format(1) not in line and ATTN.format(3) not in line, line
-
-
-@pytest.mark.parametrize("runner", ["v1", "v2"])
-def test_hybrid_kv_cache_with_unverified_paths_runs_the_full_layers_group_as_cascade(
-        sliding_model_dir, runner):
-    """``CASCADE_UNVERIFIED=1``: steps are planned from the full-attention layers' group (its
-    own block table; on V2 its CPU mirror), which runs cascade; the sliding layers' group runs
-    flat; vLLM's answers."""
-    on, counts = _judged_run(sliding_model_dir, ONLY, f"hybrid on {runner}, full-attention "
-                             "group planned", (("CASCADE_UNVERIFIED", "1"),), runner)
-    assert counts["steps_cascade"] > 0, counts
-    assert counts["fallbacks"] == {}, counts
-    [line] = _flat_lines(on)
     assert ATTN.format(1) not in line and ATTN.format(3) not in line, line
 
 
@@ -157,10 +148,10 @@ def test_gemma3_runs_its_full_attention_layer_as_cascade_under_the_hybrid_kv_cac
         gemma3_model_dir, runner):
     """Gemma 3's text stack (``oracle_model.build_gemma3``: five 512-token sliding-window
     layers to one full-attention layer, QK-norm, two RoPE bases) as vLLM's Gemma3ForCausalLM
-    with its default hybrid KV cache, a group per layer kind: with ``CASCADE_UNVERIFIED=1`` the
+    with its default hybrid KV cache, a group per layer kind, and the plugin's defaults: the
     full-attention layer's group runs cascade, the sliding-window layers flat; vLLM's answers."""
-    on, counts = _judged_run(gemma3_model_dir, GEMMA3, f"gemma3 hybrid on {runner}",
-                             (("CASCADE_UNVERIFIED", "1"),), runner, reference=GEMMA3)
+    on, counts = _judged_run(gemma3_model_dir, GEMMA3, f"gemma3 hybrid on {runner}", (),
+                             runner, reference=GEMMA3)
     assert counts["steps_cascade"] > 0, counts
     assert counts["fallbacks"] == {}, counts
     lines = " ".join(_flat_lines(on))  # the sliding layers' builders, one line each at most

@@ -2,7 +2,8 @@
 layers in groups beside its full-attention one): which group's block table a step is planned
 from, that only that group's builders may run the plan, and that Model Runner V2's CPU mirror of
 the block ids holds every group's ids as vLLM writes them. The reference for each plan is a fresh
-``plan_cascade`` of the planned group's own rows. Off unless ``CASCADE_UNVERIFIED``."""
+``plan_cascade`` of the planned group's own rows. Beside recurrent groups, off unless
+``CASCADE_UNVERIFIED``."""
 
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ def groups(*kinds_and_layers):
 
 
 HYBRID = (("sliding", SLIDING_LAYERS), ("full", FULL_LAYERS))
+RECURRENT = (("mamba", ["model.layers.0.mixer", "model.layers.2.mixer"]), ("full", FULL_LAYERS))
 
 
 def settings(layers, unsupported=None, unverified=True) -> BuilderSettings:
@@ -69,22 +71,31 @@ def test_an_engine_of_one_group_plans_it_without_reading_its_layout(hybrid_sessi
     assert kv_groups.planned_group(SimpleNamespace(), 1) == (0, None)
 
 
-def test_by_default_a_step_of_several_groups_runs_flat_and_says_how_to_turn_it_on(
+def test_by_default_a_recurrent_hybrids_step_runs_flat_and_says_how_to_turn_it_on(
         hybrid_session, caplog):
     hybrid_session(unverified=False)
-    runner = SimpleNamespace(kv_cache_config=groups(*HYBRID))
+    runner = SimpleNamespace(kv_cache_config=groups(*RECURRENT))
     assert kv_groups.planned_group(runner, 2) is None
     assert stats.snapshot().fallbacks == {kv_groups.SEVERAL_GROUPS: 1}
-    assert "CASCADE_UNVERIFIED=1" in caplog.text
+    assert "CASCADE_UNVERIFIED=1" in caplog.text and "recurrent hybrid" in caplog.text
 
 
-def test_by_default_an_engine_of_several_groups_stands_down_after_its_first_step(
+def test_by_default_a_sliding_window_hybrids_full_attention_group_is_planned(hybrid_session):
+    """Beside sliding-window groups (Gemma 3, gpt-oss) the full-attention layers' group is
+    planned without CASCADE_UNVERIFIED (on a GPU: tests/gpu/test_sliding_window_engine.py)."""
+    hybrid_session(unverified=False)
+    runner = SimpleNamespace(kv_cache_config=groups(*HYBRID))
+    assert kv_groups.planned_group(runner, 2) == (1, frozenset(FULL_LAYERS))
+    assert stats.snapshot().fallbacks == {}
+
+
+def test_by_default_an_engine_of_a_recurrent_hybrid_stands_down_after_its_first_step(
         hybrid_session):
     """The reason holds for every step of the engine: after the first, no step is made pending
     (nothing planned or counted: vLLM's path as without the plugin), until a builder registers
     again and a step meets the reason again."""
     hybrid_session(unverified=False)
-    runner = SimpleNamespace(kv_cache_config=groups(*HYBRID))
+    runner = SimpleNamespace(kv_cache_config=groups(*RECURRENT))
     seen = []
 
     def execute_model(self, scheduler_output, intermediate_tensors=None):
@@ -117,11 +128,11 @@ def test_the_full_attention_layers_group_is_planned_with_per_layer_graphs_cost(h
 
 
 def test_a_recurrent_hybrids_attention_group_is_planned_beside_its_mamba_state(hybrid_session):
-    """A Mamba or linear-attention hybrid (vLLM gives both a MambaSpec group): the attention
-    layers' group is planned, the recurrent layers' group left to its own builders."""
+    """With CASCADE_UNVERIFIED, a Mamba or linear-attention hybrid (vLLM gives both a MambaSpec
+    group): the attention layers' group is planned, the recurrent layers' group left to its own
+    builders."""
     hybrid_session()
-    runner = SimpleNamespace(kv_cache_config=groups(
-        ("mamba", ["model.layers.0.mixer", "model.layers.2.mixer"]), ("full", FULL_LAYERS)))
+    runner = SimpleNamespace(kv_cache_config=groups(*RECURRENT))
     assert kv_groups.planned_group(runner, 2) == (1, frozenset(FULL_LAYERS))
     assert stats.snapshot().fallbacks == {}
 

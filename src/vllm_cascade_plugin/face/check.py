@@ -203,11 +203,10 @@ def _startup_lines(config: CascadeConfig, found_gpu: str | None) -> None:
         "will start with: vllm-cascade check MODEL --kv-cache-dtype ... (as for vllm serve).",
         "  An FP8 KV cache (e4m3, per-layer scales) runs cascade while CASCADE_FP8_KV is on "
         f"(the default): CASCADE_FP8_KV={'on' if config.fp8_kv else 'off'}.",
-        "  Off unless asked for, not verified on a GPU with this "
-        "release: tensor parallelism above 1, suffix speculative decoding, the "
-        "full-attention layers beside sliding-window or recurrent ones under the hybrid "
-        "KV-cache manager, "
-        "and attention sinks (gpt-oss): "
+        "  Off unless asked for (not verified on a GPU with this release, or served slower "
+        "than flat): tensor parallelism above 1, suffix speculative decoding, the "
+        "attention layers beside recurrent ones (Mamba hybrids) under the hybrid KV-cache "
+        "manager, and attention sinks (gpt-oss): "
         f"CASCADE_UNVERIFIED={'on' if config.unverified else 'off'}.",
     ])
 

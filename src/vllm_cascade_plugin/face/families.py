@@ -7,8 +7,9 @@ NemotronH's ``hybrid_override_pattern``, Jamba's ``attn_layer_period``/``attn_la
 else one ``sliding_window`` for every layer (Mistral's first models) or none. Under vLLM's
 default hybrid KV-cache manager, sliding-window layers and recurrent (Mamba, linear-attention)
 layers are KV-cache groups of their own beside the full-attention layers'
-(``integration/kv_groups.py``: such a model's full-attention layers run cascade only with
-``CASCADE_UNVERIFIED=1``). Pure Python: no vLLM, no network.
+(``integration/kv_groups.py``: the full-attention layers run cascade beside sliding-window ones,
+beside recurrent ones only with ``CASCADE_UNVERIFIED=1``; beside chunked local-attention ones,
+Llama 4's, never). Pure Python: no vLLM, no network.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 FULL, SLIDING, RECURRENT = "full attention", "sliding window", "recurrent"
+CHUNKED = "chunked local attention"  # Llama 4's: a KV-cache group the plugin does not plan beside
 _KINDS = {"full_attention": FULL, "attention": FULL, "global": FULL,
-          "sliding_attention": SLIDING, "chunked_attention": SLIDING, "local": SLIDING}
+          "sliding_attention": SLIDING, "chunked_attention": CHUNKED, "local": SLIDING}
 NOT_ATTENTION = ("mlp", "moe")  # NemotronH's layers without a token mixer
 SINK_MODELS = ("gpt_oss",)  # model types whose attention layers have sinks
 
@@ -53,7 +55,8 @@ def read_config(model: str) -> dict[str, Any] | None:
 
 
 def layer_kinds(config: dict[str, Any]) -> list[str]:
-    """Each decoder layer's kind: :data:`FULL`, :data:`SLIDING` or :data:`RECURRENT`."""
+    """Each decoder layer's kind: :data:`FULL`, :data:`SLIDING`, :data:`CHUNKED` or
+    :data:`RECURRENT`."""
     nested = config.get("text_config")
     text: dict[str, Any] = nested if isinstance(nested, dict) else config
     n = int(text.get("num_hidden_layers") or 0)
@@ -87,17 +90,20 @@ def model_lines(model: str, unverified: bool) -> tuple[list[str], bool | None]:
             f"{recurrent} recurrent layer(s)")
     if not full:
         return [f"{head}. Every layer runs flat: only full-attention layers run cascade."], False
+    if chunked := kinds.count(CHUNKED):
+        return [f"{head}, and {chunked} chunked local-attention layer(s). Every layer runs flat: "
+                "the plugin plans no step beside chunked local-attention layers (Llama 4)."], False
     unverified_parts = [part for applies, part in (
-        (sliding > 0, "full-attention layers beside sliding-window ones (hybrid KV cache)"),
-        (recurrent > 0, "attention layers beside recurrent ones (hybrid KV cache)"),
-        (model_type in SINK_MODELS, "attention sinks")) if applies]
+        (recurrent > 0, "attention layers beside recurrent ones (hybrid KV cache: they agree "
+                        "with flat attention on a GPU, but served slower than flat)"),
+        (model_type in SINK_MODELS, "attention sinks (they agree with flat attention on a GPU, "
+                                    "but no engine has served them faster yet)")) if applies]
     flat = "".join(f"; the {n} {kind} layer(s) run {how}" for n, kind, how in (
         (sliding, "sliding-window", "flat"), (recurrent, "recurrent", "as vLLM runs them"))
         if n)
     if unverified_parts and not unverified:
         return [f"{head}. Every layer runs flat: {' and '.join(unverified_parts)} are off "
-                "by default in this release (they agree with flat attention on a GPU, but are "
-                "not measured faster than flat: on a Mamba hybrid, slower); "
+                "by default in this release; "
                 f"CASCADE_UNVERIFIED=1 runs the {full} full-attention layer(s) as "
                 f"cascade{flat}."], False
     return [f"{head}. The {full} full-attention layer(s) can run cascade{flat}."], True

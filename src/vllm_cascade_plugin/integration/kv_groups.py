@@ -9,12 +9,15 @@ layers steps are planned for (the first builder that can run cascade:
 ``session.planning_layers``, a full-attention one), and only builders of that group's layers may
 run the plan (``StepPlan.group_layers``); the sliding-window layers' builders run flat, as they
 do in an engine of one group. Beside the planned group only sliding-window and recurrent groups
-are accepted (any other kind keeps the step flat). With sliding-window groups the path agrees
-with flat attention in engines on a GPU (tests/gpu/test_sliding_window_engine.py, V1 and V2),
-its speed not measured; so does it with recurrent ones (tests/gpu/test_hybrid_engine.py), but
-served it was slower than flat (vLLM's prefix caching of Mamba state is experimental, and such a
-model's attention pages are as large as a state's: docs/performance.md). So it is off unless
-``CASCADE_UNVERIFIED=1``; without it the first such step runs flat, counted as
+are accepted (any other kind keeps the step flat).
+
+Beside sliding-window groups this runs by default: it agrees with flat attention in engines on
+a GPU (tests/gpu/test_sliding_window_engine.py: Gemma 3's stack and a Mistral-style model, V1
+and V2) and served Gemma 3's stack faster than flat, or as fast where the cost model kept every
+step flat (docs/performance.md). Beside recurrent groups it agrees on a GPU too
+(tests/gpu/test_hybrid_engine.py) but served slower than flat (vLLM's prefix caching of Mamba
+state is experimental, and such a model's attention pages are as large as a state's), so there
+it needs ``CASCADE_UNVERIFIED=1``; without it the first such step runs flat, counted as
 :data:`SEVERAL_GROUPS`, and the session stands down (:meth:`~..step.StepSession.stand_down`):
 every later step runs vLLM's path with no planning at all, as in an engine without the plugin.
 """
@@ -56,21 +59,19 @@ def planned_group(runner: Any, count: int) -> tuple[int, frozenset[str] | None] 
 def _choose(groups: list[Any], layers: frozenset[str],
             ) -> tuple[int, frozenset[str]] | tuple[str, str]:
     """(group, its layers), or (fallback reason, detail)."""
-    config = session.config
-    if config is None or not config.unverified:
-        return SEVERAL_GROUPS, ("the hybrid KV-cache manager's layout (layers of several kinds); "
-                                "CASCADE_UNVERIFIED=1 runs the full-attention layers' group as "
-                                "cascade (beside sliding-window layers correct on a GPU, its "
-                                "speed not yet measured; beside recurrent ones correct on a "
-                                "GPU, served slower than flat)")
     held = [g for g, group in enumerate(groups) if layers and layers <= set(group.layer_names)]
     if len(held) != 1:
         return SEVERAL_GROUPS, "the planned layers are in no one KV-cache group"
-    others = sorted({compat.kv_cache_kind(group.kv_cache_spec)
-                     for g, group in enumerate(groups) if g != held[0]}
-                    - {compat.SLIDING, compat.RECURRENT})
-    if others:
+    beside = {compat.kv_cache_kind(group.kv_cache_spec)
+              for g, group in enumerate(groups) if g != held[0]}
+    if others := sorted(beside - {compat.SLIDING, compat.RECURRENT}):
         return SEVERAL_GROUPS, (f"KV-cache groups of {', '.join(others)} layers beside the "
                                 "planned one (only sliding-window and recurrent ones are "
                                 "supported)")
+    config = session.config
+    if compat.RECURRENT in beside and (config is None or not config.unverified):
+        return SEVERAL_GROUPS, ("the attention layers of a recurrent hybrid (Mamba or linear "
+                                "attention layers in KV-cache groups of their own) run flat: "
+                                "correct on a GPU but served slower than flat; "
+                                "CASCADE_UNVERIFIED=1 runs their group as cascade")
     return held[0], frozenset(groups[held[0]].layer_names)

@@ -1160,7 +1160,7 @@ def test_the_serving_grid_of_gpu_validate_is_a_valid_bench(tmp_path, capsys):
                                                "never_slower_paired", "hybrid_gemma3",
                                                "hybrid_bamba", "hybrid_bamba_paired",
                                                "hybrid_bamba_graphs", "fp8_kv",
-                                               "shared_docs_pair"}
+                                               "shared_docs_pair", "hybrid_gemma3_policy"}
     assert all(name == log for name, log, _ in slices)
     models = {}
     for name, _, args in slices:
@@ -1178,7 +1178,8 @@ def test_the_serving_grid_of_gpu_validate_is_a_valid_bench(tmp_path, capsys):
         assert all(sc.baseline(c) == flat[0] for c in configs)
         assert sb.main(["--dry-run", "--model", str(ROOT / model), "--out",
                         str(tmp_path / "s.json"), "--work-dir", str(tmp_path / "w"), *keep]) == 0
-    assert models["hybrid_gemma3"] == "gemma3-12b" and models["hybrid_bamba"] == "bamba-9b"
+    assert models["hybrid_gemma3"] == models["hybrid_gemma3_policy"] == "gemma3-12b"
+    assert models["hybrid_bamba"] == "bamba-9b"
     assert models["hybrid_bamba_paired"] == models["hybrid_bamba_graphs"] == "bamba-9b"
     printed = capsys.readouterr().out
     assert "# model gemma3-12b: " in printed and "# model bamba-9b: " in printed

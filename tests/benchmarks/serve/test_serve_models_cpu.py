@@ -106,11 +106,17 @@ def test_llama_is_one_kind_of_layer(views):
     assert view["class"] == "LlamaForCausalLM" and not view["hybrid"] and view["page"] == 16
 
 
-@pytest.mark.parametrize(("folder", "kinds"), [
-    ("gemma3-12b", "8 full-attention, 40 sliding-window and 0 recurrent"),
-    ("bamba-9b", "3 full-attention, 0 sliding-window and 29 recurrent")])
-def test_check_runs_the_full_layers_as_cascade_only_with_unverified(folder, kinds):
-    lines, can = families.model_lines(str(MODELS / folder), unverified=False)
-    assert kinds in lines[0] and can is False and "CASCADE_UNVERIFIED=1" in lines[0]
-    lines, can = families.model_lines(str(MODELS / folder), unverified=True)
+def test_check_runs_gemma3s_full_layers_as_cascade_by_default():
+    lines, can = families.model_lines(str(MODELS / "gemma3-12b"), unverified=False)
+    assert "8 full-attention, 40 sliding-window and 0 recurrent" in lines[0]
+    assert can is True and "CASCADE_UNVERIFIED" not in lines[0]
+    assert "The 8 full-attention layer(s) can run cascade" in lines[0]
+
+
+def test_check_runs_bambas_attention_layers_as_cascade_only_with_unverified():
+    lines, can = families.model_lines(str(MODELS / "bamba-9b"), unverified=False)
+    text = lines[0]
+    assert "3 full-attention, 0 sliding-window and 29 recurrent" in text
+    assert can is False and "CASCADE_UNVERIFIED=1" in text
+    lines, can = families.model_lines(str(MODELS / "bamba-9b"), unverified=True)
     assert can is True and "full-attention layer(s) can run cascade" in lines[0]
