@@ -60,10 +60,9 @@ CONFIGS = {
     # keeps flat would have been faster (its "never slower than flat", checked online).
     "cascade_flash_attn_always": Config("FLASH_ATTN", {"CASCADE_ATTENTION": "1",
                                                        "CASCADE_POLICY": "always"}),
-    # The plugin on a model of several kinds of layer (sliding-window or recurrent layers beside
-    # the full-attention ones: Gemma 3, Mamba hybrids), whose full-attention layers' KV-cache
-    # group runs cascade only with CASCADE_UNVERIFIED=1 (integration/kv_groups.py); against
-    # plain flash_attn serving the same model.
+    # The plugin with CASCADE_UNVERIFIED=1: on a Mamba hybrid its attention layers' KV-cache
+    # group runs cascade only with it (integration/kv_groups.py; beside sliding-window groups,
+    # Gemma 3's, the defaults do); against plain flash_attn serving the same model.
     "cascade_flash_attn_hybrid": Config("FLASH_ATTN", {"CASCADE_ATTENTION": "1",
                                                        "CASCADE_UNVERIFIED": "1"}),
     # The plugin with 1 or 4 ms of busy host time added to the planning of every step
