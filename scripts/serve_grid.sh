@@ -91,9 +91,10 @@
 #                      layers of 1,024 tokens, 8 full-attention ones, head_dim 256) flat and
 #                      the plugin (its defaults: the full layers' KV-cache group as cascade) on
 #                      chat_6k_system (one 6K-token system prompt) in a burst, at 50% and 90%:
-#                      the served pair of a sliding-window family. Expected TPOT ratios:
-#                      benchmarks/results/cpu/served_expected.json. About 7 min on a fresh
-#                      machine (a new model: its first server compiles).
+#                      the served pair of a sliding-window family, each server with the
+#                      step-timeline probe (GPU ms per step of cascade and flat steps apart).
+#                      Expected TPOT ratios: benchmarks/results/cpu/served_expected.json. About
+#                      7 min on a fresh machine (a new model: its first server compiles).
 #   hybrid_gemma3_policy  the same model flat, the plugin, and the plugin with cascade on every
 #                      step that shares (CASCADE_POLICY=always) at 50% and 90% (rates from the
 #                      committed Gemma 3 flat burst): what the decode steps the cost model keeps
@@ -203,12 +204,12 @@ part_serve_grid() {  # run it detached, alone; the slices in SERVE_GRID's order
       --workloads chat_1k_prefill_heavy,random_2k,prefix_8k_x4 --step-timeline \
       --rates "chat_1k_prefill_heavy=burst*2,50%*2,90%,110%;random_2k=burst,90%;prefix_8k_x4=burst,50%" ;;
     hybrid_gemma3) serve_slice hybrid_gemma3 1500 --model examples/models/gemma3-12b \
-      --configs flash_attn,cascade_flash_attn --workloads chat_6k_system \
+      --configs flash_attn,cascade_flash_attn --workloads chat_6k_system --step-timeline \
       --rates burst,50%,90% ;;
     hybrid_gemma3_policy) serve_slice hybrid_gemma3_policy 1200 \
       --model examples/models/gemma3-12b \
       --configs flash_attn,cascade_flash_attn,cascade_flash_attn_always \
-      --workloads chat_6k_system --rates 50%,90% ;;
+      --workloads chat_6k_system --step-timeline --rates 50%,90% ;;
     hybrid_bamba) serve_slice hybrid_bamba 1500 --model examples/models/bamba-9b \
       --configs flash_attn,cascade_flash_attn_hybrid --workloads chat_6k_system \
       --rates burst,50%,90% ;;
