@@ -14,6 +14,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# What pip reads of the checkout to build the package (pyproject.toml's project, readme and
+# packages). The tests build from a copy: pip builds in the source tree (setuptools' build/ and
+# egg-info), and the suites of several vLLM releases run side by side from one checkout.
+SOURCE = ("pyproject.toml", "README.md", "src")
 
 
 def pip(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -32,20 +36,35 @@ def would_install(target: str, tmp_path: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
+def checkout(tmp_path_factory) -> Path:
+    """The checkout's package sources (:data:`SOURCE`), copied."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("checkout")
+    for name in SOURCE:
+        if (REPO / name).is_dir():
+            shutil.copytree(REPO / name, root / name, ignore=shutil.ignore_patterns(
+                "__pycache__", "*.egg-info", "build"))
+        else:
+            shutil.copy2(REPO / name, root / name)
+    return root
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory, checkout) -> Path:
     out = tmp_path_factory.mktemp("wheel")
-    proc = pip("wheel", "--no-deps", "--wheel-dir", str(out), str(REPO), cwd=out)
+    proc = pip("wheel", "--no-deps", "--wheel-dir", str(out), str(checkout), cwd=out)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (built,) = out.glob("vllm_cascade_plugin-*.whl")
     return built
 
 
 @pytest.mark.parametrize("what", ["checkout", "wheel"])
-def test_installing_the_plugin_installs_only_the_plugin(what, wheel, tmp_path):
+def test_installing_the_plugin_installs_only_the_plugin(what, checkout, wheel, tmp_path):
     from importlib.metadata import version
 
     assert version("vllm")  # the case that matters: a vLLM is there (raises where none is)
-    target = str(REPO) if what == "checkout" else str(wheel)
+    target = str(checkout) if what == "checkout" else str(wheel)
     assert set(would_install(target, tmp_path)) == {"vllm-cascade-plugin"}
 
 
