@@ -221,9 +221,9 @@ class PreChecks:
             except Exception as exc:  # the planner plans it instead
                 stats.record_fallback("planner error", f"{type(exc).__name__}: {exc}")
                 return False
-            stats.record_flat_step(True, PATH_KEPT_FLAT, reason, cascade_us / flat_us)
-        self.hold_verdict(True, len(query_lens),
-                          cascade_us / flat_us if reason == COST_MODEL else None)
+            ratio = cascade_us / flat_us
+            stats.record_flat_step(True, PATH_KEPT_FLAT, reason, ratio)
+        self.hold_verdict(True, len(query_lens), ratio if reason == COST_MODEL else None)
         return True
 
     def _split_lens(self, query_lens: np.ndarray) -> np.ndarray | None:
