@@ -68,8 +68,7 @@ ROWS: list[tuple[str, str, str, tuple[str, ...]]] = [
      "under the hybrid manager on V1 and V2 (the full layers' group runs cascade; engine vs two "
      "flat kernels); Gemma 3's stack (five sliding-window KV-cache groups and one full): its "
      "full group cascade on every step, within the tolerance of flat FLASH_ATTN (V1, V2) and "
-     "its two flat kernels within it of each other (the check named in the last column ran "
-     "with `CASCADE_UNVERIFIED=1` set)",
+     "its two flat kernels within it of each other, with the plugin's defaults (no switch)",
      ("sliding",)),
     ("attention sinks (gpt-oss)", "opt-in (`CASCADE_UNVERIFIED=1`), flat by default",
      "GPU: every executor against fp32 softmax with sinks and FA3 with `s_aux` (`kernels`); "

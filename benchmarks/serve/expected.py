@@ -293,6 +293,9 @@ def on_gpu(m: Model, t: Traffic, flat: dict[str, Any], plugin: dict[str, Any],
         found = [at_rate(m, t, float(flat["request_rate"]), bandwidth, c, l2)
                  for c in (False, True)]
     (bf, tf), (bp, tp) = found
+    if math.isinf(tf) or math.isinf(tp):  # JSON has no infinity: say what it means instead
+        return {"saturated": "at this rate flat's decode would need more than the GPU's peak "
+                             "bandwidth by bytes alone: the model gives no batch or TPOT"}
     return {"batch": [round(bf, 1), round(bp, 1)],
             "tpot_ms": [round(1e3 * tf, 2), round(1e3 * tp, 2)],
             "tpot_flat_over_plugin": round(tf / tp, 2),
@@ -314,6 +317,8 @@ def measured(m: Model, rows: list[dict[str, Any]], plugin: str,
             point: dict[str, Any] = {
                 "workload": name, "rate_spec": spec, "request_rate": flat["request_rate"],
                 "gpu": gpu, "runs": len(runs),
+                "gpus": [str(f.get("gpu", "")).removeprefix("NVIDIA ").split(" ")[0]
+                         for f, _ in runs],
                 "measured_tpot_flat_over_plugin": [round(r, 2) for r in ratios(
                     runs, "tpot_ms_p50", lower_is_better=True)],
                 "measured_tpot_ms_latest": [round(flat["tpot_ms_p50"], 2),
@@ -371,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         elif found := measured(m, rows, HYBRID, (args.workload,)):  # once the pair has run
             result["models"][m.name]["measured"] = found
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    args.out.write_text(json.dumps(result, indent=1, allow_nan=False) + "\n")
     print(f"written: {args.out}")
     return 0
 

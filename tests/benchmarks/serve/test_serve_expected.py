@@ -107,6 +107,11 @@ def test_the_batch_at_a_load_is_littles_law(tmp_path):
     assert batch == pytest.approx(_little(m, t, 2000 * t.output / 1e9, False), rel=1e-9)
     assert tpot == pytest.approx(sum(se.step_bytes(m, t, batch, False).values()) / 1e9)
     assert se.at_rate(m, t, 1e12, 1e9, cascade=False) == (math.inf, math.inf)  # overloaded
+    # A measured pair at that rate: the model says it has no figure, in strict JSON.
+    pair = {"request_rate": 1e12, "tpot_ms_p50": 10.0}
+    overloaded = se.on_gpu(m, t, pair, pair, 1e9)
+    assert set(overloaded) == {"saturated"}
+    json.dumps(overloaded, allow_nan=False)
 
 
 @pytest.mark.parametrize("folder", ["gemma3-12b", "bamba-9b", "llama3-8b"])
@@ -143,7 +148,11 @@ def test_the_system_prompt_workload_and_the_ratios_written():
     t = se.Traffic.of(sw.WORKLOADS["chat_6k_system"])
     assert (t.shared, t.groups, t.own, t.output, t.burst) == (6144, 1, 512.0, 128, 256)
     assert 6144 % 768 == 0  # whole pages of the Mamba hybrid's attention layers too
-    written = json.loads((ROOT / "benchmarks/results/cpu/served_expected.json").read_text())
+    def no_infinity(name):
+        raise AssertionError(f"{name} in served_expected.json: not JSON")
+
+    written = json.loads((ROOT / "benchmarks/results/cpu/served_expected.json").read_text(),
+                         parse_constant=no_infinity)
     assert written["workload"] == "chat_6k_system"
     for name, model in written["models"].items():
         m = se.model_of(MODELS / name)
@@ -155,3 +164,5 @@ def test_the_system_prompt_workload_and_the_ratios_written():
         low = model["equal_batch_tpot_flat_over_plugin_flat_l2"]
         assert all(1 <= low[b] <= equal[b] for b in equal)
     assert {p["workload"] for p in written["llama_anchor"]} == set(se.ANCHOR)
+    for point in written["llama_anchor"]:  # each measured ratio's GPU named
+        assert len(point["gpus"]) == point["runs"] == len(point["measured_tpot_flat_over_plugin"])
