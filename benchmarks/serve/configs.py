@@ -46,6 +46,7 @@ CONFIGS = {
     # A second flat server in the same run, compared with the first: how far two identical
     # servers' figures are apart (the spread a plugin row is judged against).
     "flash_attn_again": Config("FLASH_ATTN", {"CASCADE_ATTENTION": "0"}, flat="flash_attn"),
+    "flashinfer_again": Config("FLASHINFER", {"CASCADE_ATTENTION": "0"}, flat="flashinfer"),
     # Flat with vLLM's piecewise CUDA graphs only (no FULL graph of a whole decode step): what
     # a cascade step runs apart from the plugin's attention, since the plugin keeps cascade
     # steps off FULL graphs. On a model whose other layers are splitting ops too (a Mamba

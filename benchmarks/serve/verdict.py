@@ -3,7 +3,8 @@ against each other in the same run.
 
 A run of ``scripts/serve_grid.sh``'s ``never_slower_paired`` slice serves the same requests, at
 the same Poisson arrival times, three times: flat (``flash_attn``), the plugin
-(``cascade_flash_attn``), and flat again (``flash_attn_again``). Two identical flat servers are
+(``cascade_flash_attn``), and flat again (``flash_attn_again``; on FlashInfer ``flashinfer``,
+``cascade`` and ``flashinfer_again``). Two identical flat servers are
 several percent apart in one short run (``benchmarks/results/gpu/serve_noise_floor.json``), so
 each point gets two verdicts:
 
@@ -30,7 +31,8 @@ from typing import Any
 from benchmarks.serve.configs import CONFIGS, baseline
 from benchmarks.serve.pairs import model_of, rate_spec
 
-FLAT, AGAIN, PLUGIN = "flash_attn", "flash_attn_again", "cascade_flash_attn"
+FLAT, PLUGIN = "flash_attn", "cascade_flash_attn"
+AGAIN = "_again"  # a flat config's repeat in the same run: flash_attn_again, flashinfer_again
 TPOT_FLOOR = 0.99  # the plugin's TPOT p50 gain (flat / plugin) at least this
 TTFT_CEILING = 1.05  # the plugin's TTFT p99 over flat's at most this
 SERVE_JSON = Path(__file__).resolve().parents[1] / "results" / "gpu" / "serve.json"
@@ -55,9 +57,10 @@ def judge(rows: list[dict[str, Any]], plugin: str = PLUGIN,
     plugin's TPOT p50 gain (flat / plugin), TTFT p99 ratio (plugin / flat) and output
     throughput ratio; flat again's, where the run has it; and both verdicts (``spread``: None
     without flat again). Flat is the plugin config's own (``configs.baseline``: ``flash_attn``,
-    or e.g. ``flash_attn_fp8`` for the FP8 pair); flat again is ``flash_attn``'s repeat."""
+    or e.g. ``flash_attn_fp8`` for the FP8 pair); flat again is that flat config's repeat
+    (``flash_attn_again``, ``flashinfer_again``) where the configs have one."""
     flat_config = flat_of(plugin)
-    again_config = AGAIN if flat_config == FLAT else None
+    again_config = flat_config + AGAIN if flat_config + AGAIN in CONFIGS else None
     by_point: dict[tuple[str, str, str, str], dict[str, dict[str, Any]]] = {}
     for row in rows:
         if row.get("config") in (flat_config, again_config, plugin) and row.get("completed", 1):
@@ -74,7 +77,7 @@ def judge(rows: list[dict[str, Any]], plugin: str = PLUGIN,
                                  "rate_from_run": _rate_from_elsewhere(flat),
                                  **_ratios(flat, on, "")}
         point["target"] = _passes(point, "", TPOT_FLOOR, TTFT_CEILING)
-        again = got.get(AGAIN) if again_config else None
+        again = got.get(again_config) if again_config else None
         point["steps"] = {name: _steps(row) for name, row in
                           (("flat", flat), ("plugin", on), ("again", again))
                           if row is not None and row.get("gpu_step_ms_per_step") is not None}

@@ -144,3 +144,16 @@ def test_each_point_shows_the_step_timelines_of_its_servers_by_kind_of_step():
     assert lines[at + 1] == ("    GPU ms per step (host wait): flat 28.2 (0.10); plugin 31.3 "
                              "(0.30), flat 300x 27.0 (0.20), capture 20x 61.5 (0.40)")
     assert sum("GPU ms per step" in line for line in lines) == 1
+
+
+def test_the_flashinfer_plugin_is_judged_beside_flat_flashinfer_run_twice():
+    """On the FLASHINFER backend the triple is flashinfer, cascade, flashinfer_again; a
+    flash_attn_again row of the same run is not FlashInfer's spread."""
+    rows = [row("flashinfer", "50%", 40.0, 200.0, run="F"), row("cascade", "50%", 41.2, 204.0,
+                                                               run="F"),
+            row("flashinfer_again", "50%", 41.6, 190.0, run="F"),
+            row("flash_attn_again", "50%", 80.0, 900.0, run="F")]
+    [p] = verdict.judge(rows, "cascade")
+    assert (p["plugin"], p["flat"]) == ("cascade", "flashinfer")
+    assert p["again_tpot_gain"] == pytest.approx(40.0 / 41.6)
+    assert p["target"] is False and p["spread"] is True  # 0.971 inside flat's own 0.962
