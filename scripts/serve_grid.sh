@@ -115,13 +115,11 @@
 #   never_slower_flashinfer_paired  never_slower_paired on the FLASHINFER backend: flat
 #                      FlashInfer, the plugin (cascade), flat FlashInfer again
 #                      (flashinfer_again). About 13 min on a fresh machine.
-#   shared_docs_paired  8K x 4 (a burst, 50%, 90%) on three servers with the step-timeline
-#                      probe: flat, the plugin, flat again: the long-shared-prefix figures
-#                      with the run's own spread, and the GPU ms per step of the plugin's
-#                      cascade steps at half load. About 11 min on a fresh machine.
-#   no_sharing_paired  random_2k (every prompt its own) in a burst, at 50% and 90% on three
-#                      servers with the step-timeline probe: flat, the plugin, flat again.
-#                      About 11 min on a fresh machine.
+#   docs_and_no_sharing_paired  8K x 4 and random_2k (every prompt its own), each in a
+#                      burst, at 50% and 90%, on three servers with the step-timeline probe:
+#                      flat, the plugin, flat again. The long-shared-prefix figures and the
+#                      no-sharing ones with the run's own spread, and the GPU ms per step of
+#                      the plugin's steps by kind. About 12 min on a fresh machine.
 #   shared_docs_pair   vLLM's default backend flat and the plugin on 8K x 4 (four 8K-token
 #                      documents, many questions each) in a burst, at 50% and 90% of this run's
 #                      flat burst rate: the long-shared-prefix figures. About 6 min on a warm
@@ -233,12 +231,9 @@ part_serve_grid() {  # run it detached, alone; the slices in SERVE_GRID's order
     never_slower_flashinfer_paired) serve_slice never_slower_flashinfer_paired 1200 \
       --configs flashinfer,cascade,flashinfer_again --workloads chat_1k_prefill_heavy \
       --step-timeline --rates burst,50%,90%,110% ;;
-    shared_docs_paired) serve_slice shared_docs_paired 1200 \
-      --configs flash_attn,cascade_flash_attn,flash_attn_again --workloads prefix_8k_x4 \
-      --step-timeline --rates burst,50%,90% ;;
-    no_sharing_paired) serve_slice no_sharing_paired 1200 \
-      --configs flash_attn,cascade_flash_attn,flash_attn_again --workloads random_2k \
-      --step-timeline --rates burst,50%,90% ;;
+    docs_and_no_sharing_paired) serve_slice docs_and_no_sharing_paired 1500 \
+      --configs flash_attn,cascade_flash_attn,flash_attn_again \
+      --workloads prefix_8k_x4,random_2k --step-timeline --rates burst,50%,90% ;;
     hybrid_bamba_graphs) serve_slice hybrid_bamba_graphs 900 --model examples/models/bamba-9b \
       --configs flash_attn,flash_attn_piecewise --workloads chat_6k_system --rates burst,50% ;;
     *) stamp "serve_grid: no slice named $slice (see the list above part_serve_grid)"; return 1 ;;
