@@ -294,7 +294,8 @@ def on_gpu(m: Model, t: Traffic, flat: dict[str, Any], plugin: dict[str, Any],
                  for c in (False, True)]
     (bf, tf), (bp, tp) = found
     if math.isinf(tf) or math.isinf(tp):  # JSON has no infinity: say what it means instead
-        return {"saturated": "at this rate flat's decode would need more than the GPU's peak "
+        which = " and ".join(n for n, t in (("flat", tf), ("the plugin", tp)) if math.isinf(t))
+        return {"saturated": f"at this rate {which} would need more than the GPU's peak "
                              "bandwidth by bytes alone: the model gives no batch or TPOT"}
     return {"batch": [round(bf, 1), round(bp, 1)],
             "tpot_ms": [round(1e3 * tf, 2), round(1e3 * tp, 2)],
