@@ -100,6 +100,13 @@
 #                      committed Gemma 3 flat burst): what the decode steps the cost model keeps
 #                      flat would cost as cascade, with per-layer graphs (a hybrid engine has
 #                      no whole-step graphs). About 9 min on a fresh machine.
+#   hybrid_gpt_oss     the same pair on gpt-oss-20b's attention stack with a dense MLP
+#                      (examples/models/gpt-oss-20b-dense: 12 sliding-window layers of 128
+#                      tokens and 12 full-attention ones, all with sinks, head_dim 64; the MLP
+#                      reads what gpt-oss-20b's experts read at a serving batch), the plugin
+#                      with CASCADE_UNVERIFIED=1 (sinks), each server with the step-timeline
+#                      probe. About 8 min on a fresh machine (a new model: its first server
+#                      compiles).
 #   hybrid_bamba       the same pair on a Mamba2 hybrid without MoE (examples/models/bamba-9b:
 #                      Bamba-9B's shapes as vLLM's GraniteMoeHybridForCausalLM, 29 Mamba2
 #                      layers and 3 full-attention ones, 768-token pages). About 12 min on a
@@ -218,6 +225,9 @@ part_serve_grid() {  # run it detached, alone; the slices in SERVE_GRID's order
       --model examples/models/gemma3-12b \
       --configs flash_attn,cascade_flash_attn,cascade_flash_attn_always \
       --workloads chat_6k_system --step-timeline --rates 50%,90% ;;
+    hybrid_gpt_oss) serve_slice hybrid_gpt_oss 1500 --model examples/models/gpt-oss-20b-dense \
+      --configs flash_attn,cascade_flash_attn_hybrid --workloads chat_6k_system \
+      --step-timeline --rates burst,50%,90% ;;
     hybrid_bamba) serve_slice hybrid_bamba 1500 --model examples/models/bamba-9b \
       --configs flash_attn,cascade_flash_attn_hybrid --workloads chat_6k_system \
       --rates burst,50%,90% ;;

@@ -222,9 +222,9 @@ def print_dry_run(bench: Bench, configs: list[str], workloads: list[sw.Workload]
     for i, config in enumerate(configs):
         port = bench.args.port + i
         env = server_env(CONFIGS[config], bench.work / f"prometheus-{config}",
-                         bench.timeline(config))
+                         bench.timeline(config), Path(bench.args.model))
         shown = [f"{k}={env[k]}" for k in (*CONFIGS[config].env, "PROMETHEUS_MULTIPROC_DIR",
-                                           "VLLM_SERVER_DEV_MODE")]
+                                           "VLLM_SERVER_DEV_MODE", "PYTHONPATH") if k in env]
         cmd = server_command(CONFIGS[config], bench.model_dir, port, bench.max_len, bench.args,
                              config)
         print(f"# server {config}: {' '.join(shown)} {shlex.join(cmd)}")
@@ -303,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
         log = log_dir / f"serve-{config}-{run_id}.log"
         print(f"[{config}] vllm serve on port {port}, log {log}", flush=True)
         try:
-            env = server_env(CONFIGS[config], prometheus, bench.timeline(config))
+            env = server_env(CONFIGS[config], prometheus, bench.timeline(config),
+                             Path(args.model))
             with Server(cmd, env, log, port) as server:
                 server.wait_healthy(args.server_timeout)
                 for w in workloads:

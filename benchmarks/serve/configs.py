@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from pathlib import Path
 
@@ -142,12 +143,28 @@ def server_command(config: Config, model_dir: Path, port: int, max_len: int,
 
 
 TIMELINE = PROBES / "step_timeline"  # --step-timeline's probe
+# Architectures vLLM does not ship, registered with its ModelRegistry in every process of a
+# server by a ``sitecustomize`` folder put first on the server's path (which then runs the next
+# ``sitecustomize`` on the path: a config's probe still runs): gpt-oss's attention stack with a
+# dense MLP (examples/models/gpt-oss-20b-dense), the GPU tests' stand-in for gpt-oss, whose
+# experts need fused-MoE kernels some vLLM builds lack.
+REGISTERED = {"GptOssDenseForCausalLM": Path(__file__).resolve().parents[2] / "tests" / "gpu"
+              / "gpt_oss_dense"}
 
 
-def server_env(config: Config, prometheus_dir: Path,
-               timeline: Path | None = None) -> dict[str, str]:
+def model_pythonpath(model_dir: Path | None) -> list[str]:
+    """The registration folders the model in ``model_dir`` (its config.json) needs."""
+    if model_dir is None:
+        return []
+    architectures = json.loads((Path(model_dir) / "config.json").read_text()).get(
+        "architectures") or []
+    return [str(REGISTERED[a]) for a in architectures if a in REGISTERED]
+
+
+def server_env(config: Config, prometheus_dir: Path, timeline: Path | None = None,
+               model_dir: Path | None = None) -> dict[str, str]:
     """``timeline``: the file the step-timeline probe (``probes/step_timeline/``) writes, or
-    None."""
+    None; ``model_dir``: the served model's folder (:func:`model_pythonpath`)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CASCADE_")}
     env.update(config.env, PROMETHEUS_MULTIPROC_DIR=str(prometheus_dir),
                VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1")
@@ -156,6 +173,7 @@ def server_env(config: Config, prometheus_dir: Path,
         if pythonpath:
             raise ValueError("--step-timeline shadows the config's own sitecustomize probe")
         pythonpath, env["CASCADE_BENCH_TIMELINE_FILE"] = [str(TIMELINE)], str(timeline)
+    pythonpath = [*model_pythonpath(model_dir), *pythonpath]
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join([*pythonpath, *filter(None, [env.get("PYTHONPATH")])])
     return env

@@ -51,7 +51,8 @@ PAGE = 16  # vLLM's FLASH_ATTN page on CUDA for a model without recurrent layers
 KERNEL_PAGE = 16  # the FLASH_ATTN kernels' page granularity (a hybrid's page is a multiple)
 HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}  # peak HBM bandwidth, for at_rate
 MODELS = ROOT / "examples" / "models"
-FAMILIES = ("gemma3-12b", "bamba-9b", "llama3-8b")  # the served pairs, and the Llama anchor
+# The served pairs, and the Llama anchor.
+FAMILIES = ("gemma3-12b", "bamba-9b", "gpt-oss-20b-dense", "llama3-8b")
 # The Llama anchor: workloads of serve.json whose measured ratios the model is held against.
 ANCHOR = ("prefix_8k_x4", "chat_1k5_system")
 HYBRID = "cascade_flash_attn_hybrid"  # the plugin's config of the other families' pairs
@@ -114,9 +115,9 @@ def weight_params(config: dict[str, Any], kinds: list[str]) -> int:
     """Parameters a decode step reads: each layer's mixer (attention, or Mamba2's projections
     and convolution) and gated MLP, and the LM head. Dense models only."""
     text = _text(config)
-    if int(text.get("num_local_experts") or 0) or text.get("num_experts"):
+    if int(text.get("num_local_experts") or 0) > 1 or int(text.get("num_experts") or 0) > 1:
         raise ValueError("a mixture of experts reads the experts its batch routes to: not "
-                         "modelled here")
+                         "modelled here")  # one expert (gpt-oss's dense stand-in) is an MLP
     hidden, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
     head_dim = int(text.get("head_dim") or hidden // heads)
     kv_heads = int(text["num_key_value_heads"])

@@ -127,6 +127,29 @@ def test_the_host_delay_config_delays_every_planning_of_its_servers_processes(tm
     assert plain[0] == "plan_rows"
 
 
+def test_a_model_vllm_does_not_ship_is_registered_in_its_servers_beside_the_timeline_probe(
+        tmp_path, monkeypatch):
+    """The gpt-oss dense stand-in's servers (every config) start with its registration folder
+    first on the path: a fresh Python with the server's environment finds the architecture in
+    vLLM's ModelRegistry, and the step-timeline probe's ``sitecustomize`` still ran (the
+    registration's runs the next one on the path). A model vLLM ships needs none."""
+    pytest.importorskip("vllm")
+    monkeypatch.setenv("PYTHONPATH", str(SRC))
+    folder = ROOT / "examples/models/gpt-oss-20b-dense"
+    env = sc.server_env(sc.CONFIGS["cascade_flash_attn_hybrid"], tmp_path, tmp_path / "t.json",
+                        folder)
+    paths = env["PYTHONPATH"].split(os.pathsep)
+    assert paths[:2] == [str(sc.REGISTERED["GptOssDenseForCausalLM"]), str(sc.TIMELINE)]
+    probe = ("import sitecustomize\n"
+             "from vllm.model_executor.models import ModelRegistry\n"
+             "print('@@', 'GptOssDenseForCausalLM' in ModelRegistry.get_supported_archs(),\n"
+             "      sitecustomize.SHADOWED.__file__)\n")
+    out = _run_in_server_env(probe, env)
+    registered, shadowed = out[out.index("@@") + 1:]  # vLLM may print its own lines first
+    assert registered == "True" and Path(shadowed) == sc.TIMELINE / "sitecustomize.py"
+    assert sc.model_pythonpath(ROOT / "examples/models/gemma3-12b") == []
+
+
 def test_the_capture_second_config_captures_each_graph_at_its_keys_second_sighting(
         tmp_path, monkeypatch):
     """Its servers' processes (benchmarks/serve/probes/capture_after/sitecustomize.py) make
@@ -1162,7 +1185,7 @@ def test_the_serving_grid_of_gpu_validate_is_a_valid_bench(tmp_path, capsys):
                                                "hybrid_bamba_graphs", "fp8_kv",
                                                "shared_docs_pair", "hybrid_gemma3_policy",
                                                "never_slower_flashinfer_paired",
-                                               "docs_and_no_sharing_paired"}
+                                               "docs_and_no_sharing_paired", "hybrid_gpt_oss"}
     assert all(name == log for name, log, _ in slices)
     models = {}
     for name, _, args in slices:
@@ -1182,6 +1205,7 @@ def test_the_serving_grid_of_gpu_validate_is_a_valid_bench(tmp_path, capsys):
                         str(tmp_path / "s.json"), "--work-dir", str(tmp_path / "w"), *keep]) == 0
     assert models["hybrid_gemma3"] == models["hybrid_gemma3_policy"] == "gemma3-12b"
     assert models["hybrid_bamba"] == "bamba-9b"
+    assert models["hybrid_gpt_oss"] == "gpt-oss-20b-dense"
     assert models["hybrid_bamba_paired"] == models["hybrid_bamba_graphs"] == "bamba-9b"
     printed = capsys.readouterr().out
     assert "# model gemma3-12b: " in printed and "# model bamba-9b: " in printed

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.serve import configs as sc
 from benchmarks.serve import expected as se
 from vllm_cascade_plugin.face import families
 
@@ -60,11 +61,14 @@ def views() -> dict:
     pytest.importorskip("vllm")
     code = ("import json, sys, test_serve_models_cpu as t; "
             "print('@@' + json.dumps({f: t.vllm_view(f) for f in sys.argv[1:]}))")
+    folders = [str(MODELS / f) for f in ("gemma3-12b", "bamba-9b", "gpt-oss-20b-dense",
+                                         "llama3-8b")]
+    # The servers' registration of the architectures vLLM does not ship (the stand-in's).
+    registered = [p for f in folders for p in sc.model_pythonpath(Path(f))]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(HERE), str(ROOT / "tests"), str(ROOT / "src"), str(ROOT),
+        [*registered, str(HERE), str(ROOT / "tests"), str(ROOT / "src"), str(ROOT),
          os.environ.get("PYTHONPATH", "")])}
     env.pop("CASCADE_ATTENTION", None)
-    folders = [str(MODELS / f) for f in ("gemma3-12b", "bamba-9b", "llama3-8b")]
     proc = subprocess.run([sys.executable, "-c", code, *folders], env=env, text=True,
                           capture_output=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
@@ -99,6 +103,27 @@ def test_the_mamba_hybrid_is_dense_with_prefix_caching_of_its_state_and_768_toke
         assert view["mamba_cache_mode"] == "align"
         assert view["page"] % 16 == 0 and view["page"] % 256 != 0
         assert view["page"] * model.kv_token_bytes >= model.state_bytes
+
+
+def test_the_gpt_oss_stand_in_is_gpt_oss_20bs_attention_stack_registered_with_vllm(views):
+    """Its architecture is registered in the servers' processes (``serve/configs.REGISTERED``):
+    gpt-oss-20b's 24 layers alternating 128-token windows and full attention, 8 KV heads of
+    64; under the hybrid KV-cache manager by window, not by recurrent state."""
+    view = views["gpt-oss-20b-dense"]
+    assert view["class"] == "GptOssDenseForCausalLM"
+    assert view["layer_types"] == {"sliding_attention": 12, "full_attention": 12}
+    assert (view["head_size"], view["kv_heads"], view["sliding_window"]) == (64, 8, 128)
+    assert not view["hybrid"] and view["page"] == 16
+    model = se.model_of(MODELS / "gpt-oss-20b-dense")
+    assert (model.full_layers, model.sliding_layers, model.window) == (12, 12, 128)
+
+
+def test_check_runs_gpt_oss_full_layers_as_cascade_only_with_unverified_for_its_sinks():
+    lines, can = families.model_lines(str(MODELS / "gpt-oss-20b-dense"), unverified=False)
+    assert "12 full-attention, 12 sliding-window and 0 recurrent" in lines[0]
+    assert can is False and "CASCADE_UNVERIFIED=1" in " ".join(lines)
+    lines, can = families.model_lines(str(MODELS / "gpt-oss-20b-dense"), unverified=True)
+    assert can is True
 
 
 def test_llama_is_one_kind_of_layer(views):

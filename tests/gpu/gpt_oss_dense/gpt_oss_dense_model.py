@@ -1,4 +1,5 @@
-"""Test only: gpt-oss's attention stack with a dense MLP per layer, as a vLLM model.
+"""Tests and benchmarks only: gpt-oss's attention stack with a dense MLP per layer, as a vLLM
+model.
 
 vLLM's own gpt-oss (``vllm.model_executor.models.gpt_oss``) routes every layer's MLP through
 its fused-MoE kernels (``torch.ops._moe_C``), which some vLLM builds lack (the GPU validation

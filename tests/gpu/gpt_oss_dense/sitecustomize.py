@@ -1,5 +1,8 @@
-"""Test only: vLLM knows GptOssDenseForCausalLM in every Python started with this folder on
-``PYTHONPATH``.
+"""Tests and benchmarks only: vLLM knows GptOssDenseForCausalLM in every Python started with this
+folder on ``PYTHONPATH``.
+
+The serving benchmark's servers of ``examples/models/gpt-oss-20b-dense`` start with it first on
+theirs (``benchmarks/serve/configs.py``, ``REGISTERED``).
 
 The gpt-oss engine test (``tests/gpu/test_sliding_window_engine.py``) runs
 ``oracle_model.save_gpt_oss_dense``'s checkpoint, whose config names that architecture; its
