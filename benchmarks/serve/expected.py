@@ -315,12 +315,11 @@ def measured(m: Model, rows: list[dict[str, Any]], plugin: str,
         t = Traffic.of(sw.WORKLOADS[name])
         for spec, runs in serve_runs(rows, "flash_attn", plugin, name, model=m.name).items():
             flat, on = runs[-1]
-            gpu = str(flat.get("gpu", "")).removeprefix("NVIDIA ").split(" ")[0]
+            gpus = [str(f.get("gpu", "")).removeprefix("NVIDIA ").split(" ")[0] for f, _ in runs]
+            gpu = gpus[-1]  # the latest run's, which the model is put on
             point: dict[str, Any] = {
                 "workload": name, "rate_spec": spec, "request_rate": flat["request_rate"],
-                "gpu": gpu, "runs": len(runs),
-                "gpus": [str(f.get("gpu", "")).removeprefix("NVIDIA ").split(" ")[0]
-                         for f, _ in runs],
+                "gpu": gpu, "runs": len(runs), "gpus": gpus,
                 "measured_tpot_flat_over_plugin": [round(r, 2) for r in ratios(
                     runs, "tpot_ms_p50", lower_is_better=True)],
                 "measured_tpot_ms_latest": [round(flat["tpot_ms_p50"], 2),
