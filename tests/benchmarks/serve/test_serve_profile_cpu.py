@@ -141,6 +141,64 @@ def test_the_step_timeline_leaves_execute_models_arguments_to_the_plugins_hook(m
         pass
 
 
+def test_the_step_timeline_marks_the_v1_runners_steps_too(tmp_path, monkeypatch):
+    """vLLM 0.26 serves some models (gpt-oss) on the V1 runner: the probe marks its steps as it
+    marks V2's (its forward is entered through ``set_forward_context`` alone, FULL graphs
+    included), and one timeline per process counts the steps of whichever runner ran them."""
+    import contextlib
+    import types
+
+    probe = load_timeline_probe(monkeypatch)
+    monkeypatch.setattr(probe, "_FILE", str(tmp_path / "timeline.json"))
+    monkeypatch.setattr(probe, "_timeline", None)
+    clock = iter(float(t) for t in range(0, 1000, 5))
+    monkeypatch.setattr(probe._Timeline, "_event", staticmethod(lambda: Event(next(clock))))
+
+    class Runner:
+        def execute_model(self, scheduler_output):
+            with module.set_forward_context(None):
+                pass
+
+        def sample_tokens(self, grammar_output):
+            return grammar_output
+
+    @contextlib.contextmanager
+    def set_forward_context(attn_metadata):
+        yield
+
+    module = types.SimpleNamespace(GPUModelRunner=Runner, set_forward_context=set_forward_context)
+    probe._patch(module, probe.V1)  # no V2 graph manager is imported for V1
+    for _ in range(3):
+        Runner().execute_model(None)
+        Runner().sample_tokens(None)
+    probe._timeline.written = 0.0
+    probe._timeline.read()
+    got = json.loads((tmp_path / "timeline.json").read_text())
+    assert got["steps"] == 3 and got["gpu_step_ms"] == pytest.approx(15.0)
+
+
+def test_the_step_timeline_targets_the_installed_vllms_runners():
+    """What the probe patches exists in the installed vLLM: Model Runner V2 always, the V1
+    runner where vLLM still has it (up to 0.33)."""
+    import importlib
+
+    probe_path = (Path(__file__).resolve().parents[3] / "benchmarks" / "serve" / "probes"
+                  / "step_timeline" / "sitecustomize.py")
+    text = probe_path.read_text()
+    found = []
+    for name in ("vllm.v1.worker.gpu.model_runner", "vllm.v1.worker.gpu_model_runner"):
+        assert f'"{name}"' in text
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError:
+            continue
+        found.append(name)
+        assert callable(module.GPUModelRunner.execute_model)
+        assert callable(module.GPUModelRunner.sample_tokens)
+        assert callable(module.set_forward_context)
+    assert "vllm.v1.worker.gpu.model_runner" in found
+
+
 class Event:
     """A fake CUDA event at time ``t`` (ms), already reached."""
 

@@ -1,11 +1,12 @@
 """Benchmark only: how long the GPU waits for the host inside served steps, without a profiler.
 
 ``serve/bench.py --step-timeline`` puts this folder first on every server's ``PYTHONPATH`` and
-sets ``CASCADE_BENCH_TIMELINE_FILE``. In the engine process, once vLLM's Model Runner V2 module
-is imported, three CUDA events are recorded per step on the runner's stream: *begin*, where
+sets ``CASCADE_BENCH_TIMELINE_FILE``. In the engine process, once vLLM's model runner module is
+imported (Model Runner V2's, or the V1 runner's: vLLM 0.26 serves some models, gpt-oss among
+them, on V1), three CUDA events are recorded per step on the runner's stream: *begin*, where
 ``execute_model`` is entered (the host starts preparing the step), *forward*, where the model's
-forward is about to be launched (``set_forward_context`` or ``run_fullgraph``: the inputs and
-every attention metadata builder's work, the plugin's planning included, are done), and
+forward is about to be launched (``set_forward_context``, or V2's ``run_fullgraph``: the inputs
+and every attention metadata builder's work, the plugin's planning included, are done), and
 *sampled*, where ``sample_tokens`` returns. An event completes when the stream reaches it, or
 when it is recorded if the stream is idle by then, so ``begin -> forward`` is the time the GPU
 had nothing of the step to run while the host prepared it (on the critical path; near zero when
@@ -35,7 +36,9 @@ from collections import deque
 from typing import Any
 
 _FILE = os.environ.get("CASCADE_BENCH_TIMELINE_FILE", "")
-_TARGET = "vllm.v1.worker.gpu.model_runner"
+V2 = "vllm.v1.worker.gpu.model_runner"  # Model Runner V2 (0.26 on; the only runner in 0.34)
+V1 = "vllm.v1.worker.gpu_model_runner"  # the V1 runner (0.26-0.33)
+_TARGETS = (V2, V1)
 KINDS = ("flat", "cascade", "capture")
 
 
@@ -122,8 +125,15 @@ class _Timeline:
             os.replace(tmp, self.path)
 
 
-def _patch(module: Any) -> None:
-    timeline = _Timeline(_FILE)
+_timeline: _Timeline | None = None  # this process's, whichever runner module it patched
+
+
+def _patch(module: Any, name: str = V2) -> None:
+    """Mark ``module``'s runner steps (``name``: which runner module it is)."""
+    global _timeline
+    if _timeline is None:
+        _timeline = _Timeline(_FILE)
+    timeline = _timeline
     runner = module.GPUModelRunner
     execute_model, sample_tokens = runner.execute_model, runner.sample_tokens
 
@@ -153,6 +163,8 @@ def _patch(module: Any) -> None:
     runner.execute_model = execute_model_marked
     runner.sample_tokens = sample_tokens_marked
     module.set_forward_context = forward_context_marked
+    if name != V2:  # V1 runs its FULL graphs inside set_forward_context too
+        return
     from vllm.v1.worker.gpu import cudagraph_utils
 
     manager = cudagraph_utils.CudaGraphManager
@@ -168,10 +180,10 @@ def _patch(module: Any) -> None:
 
 
 class _Finder(importlib.abc.MetaPathFinder):
-    """Patches the runner module right after it is imported, in whichever process does."""
+    """Patches a runner module right after it is imported, in whichever process does."""
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name != _TARGET:
+        if name not in _TARGETS:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
@@ -181,7 +193,7 @@ class _Finder(importlib.abc.MetaPathFinder):
         def exec_and_patch(module: Any) -> None:
             exec_module(module)
             try:
-                _patch(module)
+                _patch(module, name)
             except Exception as exc:  # the server runs unmeasured rather than not at all
                 print(f"step timeline not installed: {type(exc).__name__}: {exc}",
                       file=sys.stderr)
