@@ -128,6 +128,8 @@ def v1_plan(step: PendingStep) -> bool:
     n = batch.num_reqs
     if n == 0:  # a step without requests runs a dummy batch (external launcher under DP)
         return False
+    if session.held_flat(so.num_scheduled_tokens):  # as on V2: its rows are not read
+        return False
     query_lens = np.fromiter(map(so.num_scheduled_tokens.__getitem__, batch.req_ids),
                              dtype=np.int32, count=n)
     seq_lens = np.asarray(batch.num_computed_tokens_cpu[:n], dtype=np.int32) + query_lens
