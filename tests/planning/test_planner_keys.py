@@ -310,6 +310,24 @@ def test_steady_decode_continued_from_the_last_step_equals_a_fresh_plan(steps, l
         assert plan_violations(plan, batch.block_table, batch.seq_lens, batch.query_lens) == []
 
 
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=steady_decode_steps(), limits=limits, data=st.data())
+def test_steps_advanced_without_a_plan_then_planned_equal_a_fresh_plan(steps, limits, data):
+    """Steps carried over without a plan (``advance``: the session's continued steps the cost
+    model keeps flat) in between, a page started in one of them or not, leave each plan made
+    afterwards the fresh plan of its step."""
+    planner = CascadePlanner(**limits)
+    keys = np.arange(len(steps[0].seq_lens), dtype=np.int64) + 7
+    first = steps[0]
+    planner.plan(first.block_table, first.seq_lens, first.query_lens, first.page_size,
+                 row_keys=keys)
+    for batch in steps[1:]:
+        args = (batch.block_table, batch.seq_lens, batch.query_lens, batch.page_size)
+        if data.draw(st.booleans()) and planner.advance(*args, row_keys=keys):
+            continue
+        assert_same_plan(planner.plan(*args, row_keys=keys), batch.plan(**limits))
+
+
 def test_a_step_that_does_not_continue_the_last_one_is_planned_anew():
     batch = interleaved_decode_batch(groups=2, per_group=3, shared=4)
     planner, keys = planned_with_keys(batch)
