@@ -50,8 +50,10 @@ def shape_of(folder: Path) -> AttentionShape:
                           expected.DTYPE_BYTES, num_layers=full)
 
 
-def decode_plan(w: sw.Workload, batch: int, page: int, rng: np.random.Generator) -> Any:
-    """A decode step of ``batch`` requests of ``w`` (one group: its shared prompt)."""
+def decode_rows(w: sw.Workload, batch: int, page: int,
+                rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """A decode step of ``batch`` requests of ``w``: its block table (the shared prompt's whole
+    pages first in every row, then each row's own) and sequence lengths."""
     shared = w.prefix_len // page * page
     low, high = int(w.suffix_len * (1 - w.range_ratio)), int(w.suffix_len * (1 + w.range_ratio))
     seq = (w.prefix_len + rng.integers(low, high + 1, batch)
@@ -64,6 +66,12 @@ def decode_plan(w: sw.Workload, batch: int, page: int, rng: np.random.Generator)
         own = int(pages[row]) - shared // page
         table[row, shared // page:int(pages[row])] = np.arange(start, start + own)
         start += own
+    return table, seq
+
+
+def decode_plan(w: sw.Workload, batch: int, page: int, rng: np.random.Generator) -> Any:
+    """The plan of :func:`decode_rows`' step (one group: the shared prompt)."""
+    table, seq = decode_rows(w, batch, page, rng)
     return plan_cascade(table, seq, np.ones(batch, np.int32), page)
 
 

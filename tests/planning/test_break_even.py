@@ -54,16 +54,6 @@ def test_the_break_even_batch_is_where_decide_turns_to_cascade(tmp_path):
 
 
 def test_its_plans_keep_the_plan_invariants():
-    rng = np.random.default_rng(3)
-    plan = be.decode_plan(W, 8, 16, rng)
-    rng = np.random.default_rng(3)
-    shared = W.prefix_len // 16
-    seq = (W.prefix_len + rng.integers(256, 769, 8) + rng.integers(1, W.output_len + 1, 8))
-    pages = -(-seq // 16)
-    table = np.zeros((8, int(pages.max())), np.int32)
-    table[:, :shared] = np.arange(1, shared + 1)
-    start = shared + 1
-    for r in range(8):
-        table[r, shared:pages[r]] = np.arange(start, start + pages[r] - shared)
-        start += pages[r] - shared
-    assert plan_violations(plan, table, seq.astype(np.int32), np.ones(8, np.int32)) == []
+    table, seq = be.decode_rows(W, 8, 16, np.random.default_rng(3))
+    plan = be.decode_plan(W, 8, 16, np.random.default_rng(3))
+    assert plan_violations(plan, table, seq, np.ones(8, np.int32)) == []
