@@ -71,8 +71,9 @@ ROWS: list[tuple[str, str, str, tuple[str, ...]]] = [
      "its two flat kernels within it of each other, with the plugin's defaults (no switch)",
      ("sliding",)),
     ("attention sinks (gpt-oss)", "opt-in (`CASCADE_UNVERIFIED=1`), flat by default; served "
-     "once, gpt-oss-20b's stack (a dense stand-in for its experts) was faster than flat in a "
-     "burst and as fast at half load ([performance.md](performance.md), gpt-oss-20b-dense rows)",
+     "twice, gpt-oss-20b's stack (a dense stand-in for its experts) was faster than flat in one "
+     "burst and slower in the other run at every point (0.89-0.96×) "
+     "([performance.md](performance.md), gpt-oss-20b-dense rows)",
      "GPU: every executor against fp32 softmax with sinks and FA3 with `s_aux` (`kernels`); "
      "the gpt-oss engine test runs a dense stand-in with gpt-oss's attention (vLLM's gpt-oss "
      "layers, a dense MLP for its experts: the validation machine's vLLM build has no "
