@@ -72,7 +72,7 @@ ROWS: list[tuple[str, str, str, tuple[str, ...]]] = [
      ("sliding",)),
     ("attention sinks (gpt-oss)", "opt-in (`CASCADE_UNVERIFIED=1`), flat by default; served "
      "twice, gpt-oss-20b's stack (a dense stand-in for its experts) was faster than flat in one "
-     "burst and slower in the other run at every point (0.89-0.96×) "
+     "burst and slower in the other run at every point (TPOT p50 4-12% above flat's) "
      "([performance.md](performance.md), gpt-oss-20b-dense rows)",
      "GPU: every executor against fp32 softmax with sinks and FA3 with `s_aux` (`kernels`); "
      "the gpt-oss engine test runs a dense stand-in with gpt-oss's attention (vLLM's gpt-oss "

@@ -107,6 +107,11 @@
 #                      with CASCADE_UNVERIFIED=1 (sinks), each server with the step-timeline
 #                      probe. About 8 min on a fresh machine (a new model: its first server
 #                      compiles).
+#   hybrid_gpt_oss_paired  whether the plugin's servers of that stack are slower than flat
+#                      where few steps run cascade: flat, the plugin (CASCADE_UNVERIFIED=1),
+#                      flat again (flash_attn_again: the run's own spread) in a burst and at
+#                      50%, each with the step-timeline probe (its host-preparation times tell
+#                      a long preparation from a late start). About 11 min on a fresh machine.
 #   hybrid_bamba       the same pair on a Mamba2 hybrid without MoE (examples/models/bamba-9b:
 #                      Bamba-9B's shapes as vLLM's GraniteMoeHybridForCausalLM, 29 Mamba2
 #                      layers and 3 full-attention ones, 768-token pages). About 12 min on a
@@ -228,6 +233,10 @@ part_serve_grid() {  # run it detached, alone; the slices in SERVE_GRID's order
     hybrid_gpt_oss) serve_slice hybrid_gpt_oss 1500 --model examples/models/gpt-oss-20b-dense \
       --configs flash_attn,cascade_flash_attn_hybrid --workloads chat_6k_system \
       --step-timeline --rates burst,50%,90% ;;
+    hybrid_gpt_oss_paired) serve_slice hybrid_gpt_oss_paired 1500 \
+      --model examples/models/gpt-oss-20b-dense \
+      --configs flash_attn,cascade_flash_attn_hybrid,flash_attn_again \
+      --workloads chat_6k_system --step-timeline --rates burst,50% ;;
     hybrid_bamba) serve_slice hybrid_bamba 1500 --model examples/models/bamba-9b \
       --configs flash_attn,cascade_flash_attn_hybrid --workloads chat_6k_system \
       --rates burst,50%,90% ;;

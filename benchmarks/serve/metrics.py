@@ -140,7 +140,9 @@ def timeline_deltas(before: dict[str, Any] | None,
     """A run's row keys from the probe's totals before and after it: steps, the GPU's time per
     step running them and waiting for the host between them, the share of waiting; and
     ``timeline_by_kind``: the steps, GPU ms and wait ms per step of each kind of step the
-    probe told apart (flat, cascade, capture; a probe without kinds: none)."""
+    probe told apart (flat, cascade, capture; a probe without kinds: none). Where the probe
+    kept them, the host's ms per step preparing a step (``host_prep_ms_per_step``) and between
+    steps (``host_between_ms_per_step``), in all and by kind."""
     if before is None or after is None:
         return {}
     steps = after["steps"] - before["steps"]
@@ -151,19 +153,26 @@ def timeline_deltas(before: dict[str, Any] | None,
         earlier = (before.get("kinds") or {}).get(kind, {})
         n = totals["steps"] - earlier.get("steps", 0)
         if n:
-            by_kind[kind] = {
-                "steps": n,
-                "gpu_step_ms_per_step": round(
-                    (totals["gpu_step_ms"] - earlier.get("gpu_step_ms", 0.0)) / n, 4),
-                "gpu_wait_ms_per_step": round(
-                    (totals["gpu_wait_ms"] - earlier.get("gpu_wait_ms", 0.0)) / n, 4)}
+            by_kind[kind] = {"steps": n, **_per_step(totals, earlier, n)}
     return {"timeline_steps": steps,
             "gpu_step_ms_per_step": round(run / steps, 4) if steps else None,
             "gpu_wait_ms_per_step": round(wait / steps, 4) if steps else None,
             "gpu_wait_fraction": round(wait / (run + wait), 4) if run + wait > 0 else None,
             "gpu_waits_over_1ms": after["waits_over_1ms"] - before["waits_over_1ms"],
             "gpu_wait_p99_ms_recent": after.get("wait_p99_ms"),
+            **{k: v for k, v in _per_step(after, before, steps).items()
+               if k.startswith("host_")},
             **({"timeline_by_kind": by_kind} if by_kind else {})}
+
+
+TIMELINE_TOTALS = ("gpu_step_ms", "gpu_wait_ms", "host_prep_ms", "host_between_ms")
+
+
+def _per_step(now: dict[str, Any], before: dict[str, Any], steps: int) -> dict[str, Any]:
+    """Each of the probe's running totals ``now`` has, less ``before``'s, per step (None
+    without steps): ``<total>_per_step``."""
+    return {f"{name}_per_step": round((now[name] - before.get(name, 0.0)) / steps, 4)
+            if steps else None for name in TIMELINE_TOTALS if name in now}
 
 
 def offered_load(rate: float | str, sustainable: float | None) -> float | None:

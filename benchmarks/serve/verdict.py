@@ -103,12 +103,15 @@ def _rate_from_elsewhere(flat: dict[str, Any]) -> str | None:
 
 def _steps(row: dict[str, Any]) -> str:
     """A server's steps as the step-timeline probe saw them: GPU ms per step (the GPU waiting
-    for the host, ms per step, in brackets), by kind of step where it told them apart."""
+    for the host, ms per step, in brackets, and where the probe timed it the host's ms
+    preparing the step, ``prep``), by kind of step where it told them apart."""
+    def times(k: dict[str, Any]) -> str:
+        prep = k.get("host_prep_ms_per_step")
+        return (f"{k['gpu_step_ms_per_step']:.1f} ({k['gpu_wait_ms_per_step']:.2f}"
+                + ("" if prep is None else f", prep {prep:.2f}") + ")")
     kinds = row.get("timeline_by_kind") or {}
-    shown = [f"{row['gpu_step_ms_per_step']:.1f} ({row['gpu_wait_ms_per_step']:.2f})"]
-    shown += [f"{kind} {k['steps']}x {k['gpu_step_ms_per_step']:.1f} "
-              f"({k['gpu_wait_ms_per_step']:.2f})" for kind, k in kinds.items()]
-    return ", ".join(shown)
+    return ", ".join([times(row)] + [f"{kind} {k['steps']}x {times(k)}"
+                                     for kind, k in kinds.items()])
 
 
 def _ratios(flat: dict[str, Any], other: dict[str, Any], prefix: str) -> dict[str, float]:

@@ -1185,7 +1185,8 @@ def test_the_serving_grid_of_gpu_validate_is_a_valid_bench(tmp_path, capsys):
                                                "hybrid_bamba_graphs", "fp8_kv",
                                                "shared_docs_pair", "hybrid_gemma3_policy",
                                                "never_slower_flashinfer_paired",
-                                               "docs_and_no_sharing_paired", "hybrid_gpt_oss"}
+                                               "docs_and_no_sharing_paired", "hybrid_gpt_oss",
+                                               "hybrid_gpt_oss_paired"}
     assert all(name == log for name, log, _ in slices)
     models = {}
     for name, _, args in slices:
@@ -1205,7 +1206,7 @@ def test_the_serving_grid_of_gpu_validate_is_a_valid_bench(tmp_path, capsys):
                         str(tmp_path / "s.json"), "--work-dir", str(tmp_path / "w"), *keep]) == 0
     assert models["hybrid_gemma3"] == models["hybrid_gemma3_policy"] == "gemma3-12b"
     assert models["hybrid_bamba"] == "bamba-9b"
-    assert models["hybrid_gpt_oss"] == "gpt-oss-20b-dense"
+    assert models["hybrid_gpt_oss"] == models["hybrid_gpt_oss_paired"] == "gpt-oss-20b-dense"
     assert models["hybrid_bamba_paired"] == models["hybrid_bamba_graphs"] == "bamba-9b"
     printed = capsys.readouterr().out
     assert "# model gemma3-12b: " in printed and "# model bamba-9b: " in printed

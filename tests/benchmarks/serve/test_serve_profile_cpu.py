@@ -81,6 +81,25 @@ def test_timeline_deltas_split_the_steps_by_kind_where_the_probe_told_them_apart
     assert "timeline_by_kind" not in sm.timeline_deltas(zeros, {**zeros, "steps": 3})
 
 
+def test_timeline_deltas_give_the_hosts_times_per_step_where_the_probe_kept_them():
+    before = {"steps": 10, "gpu_step_ms": 100.0, "gpu_wait_ms": 1.0, "host_prep_ms": 5.0,
+              "host_between_ms": 2.0, "waits_over_1ms": 0,
+              "kinds": {"flat": {"steps": 10, "gpu_step_ms": 100.0, "gpu_wait_ms": 1.0,
+                                 "host_prep_ms": 5.0, "host_between_ms": 2.0}}}
+    after = {"steps": 14, "gpu_step_ms": 140.0, "gpu_wait_ms": 9.0, "host_prep_ms": 17.0,
+             "host_between_ms": 4.0, "waits_over_1ms": 2,
+             "kinds": {"flat": {"steps": 12, "gpu_step_ms": 120.0, "gpu_wait_ms": 1.4,
+                                "host_prep_ms": 6.0, "host_between_ms": 3.0},
+                       "cascade": {"steps": 2, "gpu_step_ms": 20.0, "gpu_wait_ms": 7.6,
+                                   "host_prep_ms": 11.0, "host_between_ms": 1.0}}}
+    got = sm.timeline_deltas(before, after)
+    assert got["host_prep_ms_per_step"] == 3.0 and got["host_between_ms_per_step"] == 0.5
+    assert got["timeline_by_kind"]["cascade"] == {
+        "steps": 2, "gpu_step_ms_per_step": 10.0, "gpu_wait_ms_per_step": 3.8,
+        "host_prep_ms_per_step": 5.5, "host_between_ms_per_step": 0.5}
+    assert got["timeline_by_kind"]["flat"]["host_prep_ms_per_step"] == 0.5
+
+
 def test_offered_load_is_the_rate_over_flats_sustainable_rate():
     assert sm.offered_load(27.5, 50.0) == 0.55
     assert sm.offered_load("burst", 50.0) is None and sm.offered_load(10.0, None) is None
@@ -230,6 +249,31 @@ def test_step_timeline_counts_the_wait_inside_steps_not_the_idle_time_between_th
     got = json.loads((tmp_path / "timeline.json").read_text())
     assert got["steps"] == 2 and got["gpu_step_ms"] == pytest.approx(20.0)
     assert got["gpu_wait_ms"] == pytest.approx(2.5) and got["waits_over_1ms"] == 1
+
+
+def test_step_timeline_times_the_hosts_preparation_and_the_gap_before_each_step(tmp_path,
+                                                                                monkeypatch):
+    """Host clock (s): a step prepared in 3 ms; the next begun 1 ms after the first was
+    sampled and prepared in 0.5 ms; a third after 5 s of an idle engine (its gap is idle time,
+    not counted), prepared in 2 ms."""
+    probe = load_timeline_probe(monkeypatch)
+    events = iter(float(t) for t in range(0, 1000, 5))
+    monkeypatch.setattr(probe._Timeline, "_event", staticmethod(lambda: Event(next(events))))
+    host = iter([0.0, 0.003, 0.015, 0.016, 0.0165, 0.030, 5.030, 5.032, 5.040])
+    import types
+
+    monkeypatch.setattr(probe, "time", types.SimpleNamespace(  # the probe's clock alone
+        perf_counter=lambda: next(host), monotonic=lambda: 1e9))
+    timeline = probe._Timeline(str(tmp_path / "timeline.json"))
+    for _ in range(3):
+        timeline.mark_begin(), timeline.mark_forward(), timeline.mark_sampled()
+    timeline.written = 0.0
+    timeline.read()
+    got = json.loads((tmp_path / "timeline.json").read_text())
+    assert got["steps"] == 3
+    assert got["host_prep_ms"] == pytest.approx(5.5)
+    assert got["host_between_ms"] == pytest.approx(1.0)
+    assert got["kinds"]["flat"]["host_prep_ms"] == pytest.approx(5.5)
 
 
 def test_the_step_timeline_tells_steps_apart_by_the_plugins_counters(tmp_path, monkeypatch):

@@ -146,6 +146,21 @@ def test_each_point_shows_the_step_timelines_of_its_servers_by_kind_of_step():
     assert sum("GPU ms per step" in line for line in lines) == 1
 
 
+def test_a_point_shows_the_hosts_preparation_of_a_step_where_the_probe_timed_it():
+    kinds = {"flat": {"steps": 90, "gpu_step_ms_per_step": 9.5, "gpu_wait_ms_per_step": 0.4,
+                      "host_prep_ms_per_step": 0.6},
+             "cascade": {"steps": 10, "gpu_step_ms_per_step": 12.3, "gpu_wait_ms_per_step": 5.3,
+                         "host_prep_ms_per_step": 6.1}}
+    rows = [row("flash_attn", "50%", 9.1, 100.0, gpu_step_ms_per_step=9.1,
+                gpu_wait_ms_per_step=0.33, host_prep_ms_per_step=0.55),
+            row("cascade_flash_attn", "50%", 9.8, 100.0, gpu_step_ms_per_step=9.8,
+                gpu_wait_ms_per_step=0.9, host_prep_ms_per_step=1.15, timeline_by_kind=kinds)]
+    lines = verdict.table(verdict.judge(rows)).splitlines()
+    assert lines[-1] == ("    GPU ms per step (host wait): flat 9.1 (0.33, prep 0.55); plugin "
+                         "9.8 (0.90, prep 1.15), flat 90x 9.5 (0.40, prep 0.60), cascade 10x "
+                         "12.3 (5.30, prep 6.10)")
+
+
 def test_the_flashinfer_plugin_is_judged_beside_flat_flashinfer_run_twice():
     """On the FLASHINFER backend the triple is flashinfer, cascade, flashinfer_again; a
     flash_attn_again row of the same run is not FlashInfer's spread."""

@@ -1,26 +1,29 @@
 """Benchmark only: how long the GPU waits for the host inside served steps, without a profiler.
 
-``serve/bench.py --step-timeline`` puts this folder first on every server's ``PYTHONPATH`` and
-sets ``CASCADE_BENCH_TIMELINE_FILE``. In the engine process, once vLLM's model runner module is
-imported (Model Runner V2's, or the V1 runner's: vLLM 0.26 serves some models, gpt-oss among
-them, on V1), three CUDA events are recorded per step on the runner's stream: *begin*, where
-``execute_model`` is entered (the host starts preparing the step), *forward*, where the model's
-forward is about to be launched (``set_forward_context``, or V2's ``run_fullgraph``: the inputs
-and every attention metadata builder's work, the plugin's planning included, are done), and
-*sampled*, where ``sample_tokens`` returns. An event completes when the stream reaches it, or
-when it is recorded if the stream is idle by then, so ``begin -> forward`` is the time the GPU
-had nothing of the step to run while the host prepared it (on the critical path; near zero when
-the host prepares a step while the GPU still runs the last one), and ``forward -> sampled``
-the forward and sampling's GPU time. Idle time between steps with no request to run is in
-neither. Completed steps are read without waiting (``Event.query``); the running totals go to
-the file every second as JSON: ``steps``, ``gpu_step_ms``, ``gpu_wait_ms`` (waiting for the
-host), ``waits_over_1ms`` and ``wait_p99_ms`` over the last 4,096 steps, and ``kinds``: the
-same steps, GPU time and wait by kind of step, read from the plugin's counters between the step's
-begin and its sampling (none in a server without the plugin: every step ``flat``): ``capture``
-(the plugin captured a CUDA graph in it), ``cascade`` (it ran as cascade), ``flat``.
-``serve/bench.py`` reads it before and after each run. It shadows any other ``sitecustomize``
-module on that server's path.
-"""
+``serve/bench.py --step-timeline`` puts this folder first on every server's ``PYTHONPATH`` and sets
+``CASCADE_BENCH_TIMELINE_FILE``. In the engine process, once vLLM's model runner module is imported
+(Model Runner V2's, or the V1 runner's: vLLM 0.26 serves some models, gpt-oss among them, on V1),
+three CUDA events are recorded per step on the runner's stream: *begin*, where ``execute_model`` is
+entered (the host starts preparing the step), *forward*, where the model's forward is about to be
+launched (``set_forward_context``, or V2's ``run_fullgraph``: the inputs and every attention
+metadata builder's work, the plugin's planning included, are done), and *sampled*, where
+``sample_tokens`` returns. An event completes when the stream reaches it, or when it is recorded if
+the stream is idle by then, so ``begin -> forward`` is the time the GPU had nothing of the step to
+run while the host prepared it (on the critical path; near zero when the host prepares a step while
+the GPU still runs the last one), and ``forward -> sampled`` the forward and sampling's GPU time.
+Idle time between steps with no request to run is in neither. Two host-clock times per step tell
+what a wait is made of: ``host_prep_ms``, from ``execute_model``'s entry to the forward (the host
+preparing the step: inputs, metadata builders, the plugin's planning), and ``host_between_ms``,
+from the last step's sampling to this step's ``execute_model`` (the engine's loop outside the
+runner: scheduling, output processing); a step whose GPU waited long with a short preparation
+started late. Completed steps are read without waiting (``Event.query``); the running totals go to
+the file every second as JSON: ``steps``, ``gpu_step_ms``, ``gpu_wait_ms`` (waiting for the host),
+``host_prep_ms``, ``host_between_ms``, ``waits_over_1ms`` and ``wait_p99_ms`` over the last 4,096
+steps, and ``kinds``: the same steps, GPU time, wait and host times by kind of step, read from the
+plugin's counters between the step's begin and its sampling (none in a server without the plugin:
+every step ``flat``): ``capture`` (the plugin captured a CUDA graph in it), ``cascade`` (it ran as
+cascade), ``flat``. ``serve/bench.py`` reads it before and after each run. It shadows any other
+``sitecustomize`` module on that server's path."""
 
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ V2 = "vllm.v1.worker.gpu.model_runner"  # Model Runner V2 (0.26 on; the only run
 V1 = "vllm.v1.worker.gpu_model_runner"  # the V1 runner (0.26-0.33)
 _TARGETS = (V2, V1)
 KINDS = ("flat", "cascade", "capture")
+IDLE_MS = 100.0  # a longer gap between two steps is the engine idle (nothing to run)
 
 
 def _plugin_marks() -> tuple[int, int]:
@@ -55,16 +59,21 @@ def _plugin_marks() -> tuple[int, int]:
 class _Timeline:
     def __init__(self, path: str) -> None:
         self.path = path
-        # (begin, forward, sampled, kind of step)
-        self.pending: deque[tuple[Any, Any, Any, str]] = deque()
+        # (begin, forward, sampled, kind of step, host ms preparing it, host ms before it)
+        self.pending: deque[tuple[Any, Any, Any, str, float, float]] = deque()
         self.begin: Any = None
         self.forward: Any = None
         self.marks = (0, 0)  # the plugin's counters when the step began
-        self.kinds = {kind: {"steps": 0, "gpu_step_ms": 0.0, "gpu_wait_ms": 0.0}
-                      for kind in KINDS}
+        self.kinds = {kind: {"steps": 0, "gpu_step_ms": 0.0, "gpu_wait_ms": 0.0,
+                             "host_prep_ms": 0.0, "host_between_ms": 0.0} for kind in KINDS}
         self.steps = 0
         self.step_ms = 0.0
         self.wait_ms = 0.0
+        self.prep_ms = 0.0
+        self.between_ms = 0.0
+        # host clock (perf_counter, s): this step's begin and forward, the last step's sampling
+        self.host_begin = self.host_forward = self.host_sampled = 0.0
+        self.host_between = 0.0  # ms from the last step's sampling to this step's begin
         self.long_waits = 0
         self.recent: deque[float] = deque(maxlen=4096)
         self.written = 0.0
@@ -80,36 +89,47 @@ class _Timeline:
         return event
 
     def mark_begin(self) -> None:
+        self.host_begin = time.perf_counter()
+        # after an idle engine (no step to run) the gap is idle time, not the loop's work
+        gap = (self.host_begin - self.host_sampled) * 1e3 if self.host_sampled else 0.0
+        self.host_between = gap if gap < IDLE_MS else 0.0
         self.begin, self.forward = self._event(), None  # a step that ran nothing is dropped
         self.marks = _plugin_marks()
 
     def mark_forward(self) -> None:
         if self.begin is not None and self.forward is None:  # a step's first forward
             self.forward = self._event()
+            self.host_forward = time.perf_counter()
 
     def mark_sampled(self) -> None:
         if self.begin is None or self.forward is None:
             return
         sampled = self._event()
+        self.host_sampled = time.perf_counter()
         if sampled is not None:
             cascade, captures = _plugin_marks()
             kind = ("capture" if captures > self.marks[1]
                     else "cascade" if cascade > self.marks[0] else "flat")
-            self.pending.append((self.begin, self.forward, sampled, kind))
+            self.pending.append((self.begin, self.forward, sampled, kind,
+                                 (self.host_forward - self.host_begin) * 1e3, self.host_between))
         self.begin = self.forward = None
         self.read()
 
     def read(self) -> None:
         while self.pending and self.pending[0][2].query():
-            begin, forward, sampled, kind = self.pending.popleft()
+            begin, forward, sampled, kind, prep, between = self.pending.popleft()
             wait, run = begin.elapsed_time(forward), forward.elapsed_time(sampled)
             self.steps += 1
             self.step_ms += run
             self.wait_ms += wait
+            self.prep_ms += prep
+            self.between_ms += between
             by_kind = self.kinds[kind]
             by_kind["steps"] += 1
             by_kind["gpu_step_ms"] += run
             by_kind["gpu_wait_ms"] += wait
+            by_kind["host_prep_ms"] += prep
+            by_kind["host_between_ms"] += between
             self.long_waits += wait > 1.0
             self.recent.append(wait)
         now = time.monotonic()
@@ -120,7 +140,9 @@ class _Timeline:
             tmp = self.path + ".tmp"
             with open(tmp, "w") as f:
                 json.dump({"steps": self.steps, "gpu_step_ms": self.step_ms,
-                           "gpu_wait_ms": self.wait_ms, "waits_over_1ms": self.long_waits,
+                           "gpu_wait_ms": self.wait_ms, "host_prep_ms": self.prep_ms,
+                           "host_between_ms": self.between_ms,
+                           "waits_over_1ms": self.long_waits,
                            "wait_p99_ms": p99, "kinds": self.kinds}, f)
             os.replace(tmp, self.path)
 
