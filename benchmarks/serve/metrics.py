@@ -142,7 +142,8 @@ def timeline_deltas(before: dict[str, Any] | None,
     ``timeline_by_kind``: the steps, GPU ms and wait ms per step of each kind of step the
     probe told apart (flat, cascade, capture; a probe without kinds: none). Where the probe
     kept them, the host's ms per step preparing a step (``host_prep_ms_per_step``) and between
-    steps (``host_between_ms_per_step``), in all and by kind."""
+    steps (``host_between_ms_per_step``), and the steps' size: scheduled tokens and requests per
+    step (``tokens_per_step``, ``rows_per_step``), in all and by kind."""
     if before is None or after is None:
         return {}
     steps = after["steps"] - before["steps"]
@@ -161,11 +162,12 @@ def timeline_deltas(before: dict[str, Any] | None,
             "gpu_waits_over_1ms": after["waits_over_1ms"] - before["waits_over_1ms"],
             "gpu_wait_p99_ms_recent": after.get("wait_p99_ms"),
             **{k: v for k, v in _per_step(after, before, steps).items()
-               if k.startswith("host_")},
+               if not k.startswith("gpu_")},
             **({"timeline_by_kind": by_kind} if by_kind else {})}
 
 
-TIMELINE_TOTALS = ("gpu_step_ms", "gpu_wait_ms", "host_prep_ms", "host_between_ms")
+TIMELINE_TOTALS = ("gpu_step_ms", "gpu_wait_ms", "host_prep_ms", "host_between_ms", "tokens",
+                   "rows")
 
 
 def _per_step(now: dict[str, Any], before: dict[str, Any], steps: int) -> dict[str, Any]:

@@ -94,6 +94,7 @@ def test_timeline_deltas_give_the_hosts_times_per_step_where_the_probe_kept_them
                                    "host_prep_ms": 11.0, "host_between_ms": 1.0}}}
     got = sm.timeline_deltas(before, after)
     assert got["host_prep_ms_per_step"] == 3.0 and got["host_between_ms_per_step"] == 0.5
+    assert "tokens_per_step" not in got  # a probe that did not count the steps' size
     assert got["timeline_by_kind"]["cascade"] == {
         "steps": 2, "gpu_step_ms_per_step": 10.0, "gpu_wait_ms_per_step": 3.8,
         "host_prep_ms_per_step": 5.5, "host_between_ms_per_step": 0.5}
@@ -249,6 +250,48 @@ def test_step_timeline_counts_the_wait_inside_steps_not_the_idle_time_between_th
     got = json.loads((tmp_path / "timeline.json").read_text())
     assert got["steps"] == 2 and got["gpu_step_ms"] == pytest.approx(20.0)
     assert got["gpu_wait_ms"] == pytest.approx(2.5) and got["waits_over_1ms"] == 1
+
+
+def test_timeline_deltas_give_the_steps_size_where_the_probe_counted_it():
+    """Scheduled tokens and requests per step, in all and by kind: 4 steps of 300 tokens and
+    the 2 cascade ones among them of 64 requests each."""
+    before = {"steps": 10, "gpu_step_ms": 100.0, "gpu_wait_ms": 1.0, "tokens": 500.0,
+              "rows": 100.0, "waits_over_1ms": 0,
+              "kinds": {"flat": {"steps": 10, "gpu_step_ms": 100.0, "gpu_wait_ms": 1.0,
+                                 "tokens": 500.0, "rows": 100.0}}}
+    after = {"steps": 14, "gpu_step_ms": 140.0, "gpu_wait_ms": 9.0, "tokens": 1700.0,
+             "rows": 340.0, "waits_over_1ms": 2,
+             "kinds": {"flat": {"steps": 12, "gpu_step_ms": 120.0, "gpu_wait_ms": 1.4,
+                                "tokens": 1000.0, "rows": 212.0},
+                       "cascade": {"steps": 2, "gpu_step_ms": 20.0, "gpu_wait_ms": 7.6,
+                                   "tokens": 700.0, "rows": 128.0}}}
+    got = sm.timeline_deltas(before, after)
+    assert got["tokens_per_step"] == 300.0 and got["rows_per_step"] == 60.0
+    assert got["timeline_by_kind"]["cascade"]["rows_per_step"] == 64.0
+    assert got["timeline_by_kind"]["flat"]["tokens_per_step"] == 250.0
+
+
+def test_step_timeline_counts_each_steps_tokens_and_requests_from_the_scheduler(tmp_path,
+                                                                               monkeypatch):
+    """A step's size is its scheduler output's: a decode step of 3 requests, a mixed step of
+    2 requests and 513 tokens; a step begun without one counts 0 (never an error)."""
+    import types
+
+    probe = load_timeline_probe(monkeypatch)
+    events = iter(float(t) for t in range(0, 1000, 5))
+    monkeypatch.setattr(probe._Timeline, "_event", staticmethod(lambda: Event(next(events))))
+    timeline = probe._Timeline(str(tmp_path / "timeline.json"))
+    for scheduled in (types.SimpleNamespace(total_num_scheduled_tokens=3,
+                                            num_scheduled_tokens={"a": 1, "b": 1, "c": 1}),
+                      types.SimpleNamespace(total_num_scheduled_tokens=513,
+                                            num_scheduled_tokens={"a": 1, "d": 512}),
+                      None):
+        timeline.mark_begin(scheduled), timeline.mark_forward(), timeline.mark_sampled()
+    timeline.written = 0.0
+    timeline.read()
+    got = json.loads((tmp_path / "timeline.json").read_text())
+    assert got["steps"] == 3 and got["tokens"] == 516 and got["rows"] == 5
+    assert got["kinds"]["flat"]["rows"] == 5
 
 
 def test_step_timeline_times_the_hosts_preparation_and_the_gap_before_each_step(tmp_path,

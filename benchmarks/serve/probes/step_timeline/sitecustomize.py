@@ -16,14 +16,17 @@ what a wait is made of: ``host_prep_ms``, from ``execute_model``'s entry to the 
 preparing the step: inputs, metadata builders, the plugin's planning), and ``host_between_ms``,
 from the last step's sampling to this step's ``execute_model`` (the engine's loop outside the
 runner: scheduling, output processing); a step whose GPU waited long with a short preparation
-started late. Completed steps are read without waiting (``Event.query``); the running totals go to
+started late. Each step's size comes from the scheduler's output: ``tokens`` (scheduled tokens)
+and ``rows`` (requests), so two servers' GPU ms per step can be read against the size of their
+steps. Completed steps are read without waiting (``Event.query``); the running totals go to
 the file every second as JSON: ``steps``, ``gpu_step_ms``, ``gpu_wait_ms`` (waiting for the host),
-``host_prep_ms``, ``host_between_ms``, ``waits_over_1ms`` and ``wait_p99_ms`` over the last 4,096
-steps, and ``kinds``: the same steps, GPU time, wait and host times by kind of step, read from the
-plugin's counters between the step's begin and its sampling (none in a server without the plugin:
-every step ``flat``): ``capture`` (the plugin captured a CUDA graph in it), ``cascade`` (it ran as
-cascade), ``flat``. ``serve/bench.py`` reads it before and after each run. It shadows any other
-``sitecustomize`` module on that server's path."""
+``host_prep_ms``, ``host_between_ms``, ``tokens``, ``rows``, ``waits_over_1ms`` and
+``wait_p99_ms`` over the last 4,096 steps, and ``kinds``: the same steps, GPU time, wait, host
+times and sizes by kind of step, read from the plugin's counters between the step's begin and its
+sampling (none in a server without the plugin: every step ``flat``): ``capture`` (the plugin
+captured a CUDA graph in it), ``cascade`` (it ran as cascade), ``flat``. ``serve/bench.py`` reads
+it before and after each run. It shadows any other ``sitecustomize`` module on that server's
+path."""
 
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ V2 = "vllm.v1.worker.gpu.model_runner"  # Model Runner V2 (0.26 on; the only run
 V1 = "vllm.v1.worker.gpu_model_runner"  # the V1 runner (0.26-0.33)
 _TARGETS = (V2, V1)
 KINDS = ("flat", "cascade", "capture")
+TOTALS = ("gpu_step_ms", "gpu_wait_ms", "host_prep_ms", "host_between_ms", "tokens", "rows")
 IDLE_MS = 100.0  # a longer gap between two steps is the engine idle (nothing to run)
 
 
@@ -59,18 +63,16 @@ def _plugin_marks() -> tuple[int, int]:
 class _Timeline:
     def __init__(self, path: str) -> None:
         self.path = path
-        # (begin, forward, sampled, kind of step, host ms preparing it, host ms before it)
-        self.pending: deque[tuple[Any, Any, Any, str, float, float]] = deque()
+        # (begin, forward, sampled, kind of step, host ms preparing it, host ms before it,
+        #  tokens, rows)
+        self.pending: deque[tuple[Any, Any, Any, str, float, float, int, int]] = deque()
         self.begin: Any = None
         self.forward: Any = None
         self.marks = (0, 0)  # the plugin's counters when the step began
-        self.kinds = {kind: {"steps": 0, "gpu_step_ms": 0.0, "gpu_wait_ms": 0.0,
-                             "host_prep_ms": 0.0, "host_between_ms": 0.0} for kind in KINDS}
+        self.kinds = {kind: {"steps": 0, **dict.fromkeys(TOTALS, 0.0)} for kind in KINDS}
+        self.totals = dict.fromkeys(TOTALS, 0.0)
         self.steps = 0
-        self.step_ms = 0.0
-        self.wait_ms = 0.0
-        self.prep_ms = 0.0
-        self.between_ms = 0.0
+        self.size = (0, 0)  # this step's scheduled (tokens, rows)
         # host clock (perf_counter, s): this step's begin and forward, the last step's sampling
         self.host_begin = self.host_forward = self.host_sampled = 0.0
         self.host_between = 0.0  # ms from the last step's sampling to this step's begin
@@ -88,7 +90,10 @@ class _Timeline:
         event.record()
         return event
 
-    def mark_begin(self) -> None:
+    def mark_begin(self, scheduled: Any = None) -> None:
+        """A step begins; ``scheduled``: the scheduler's output it runs (its size)."""
+        counts = getattr(scheduled, "num_scheduled_tokens", None) or {}
+        self.size = (int(getattr(scheduled, "total_num_scheduled_tokens", 0) or 0), len(counts))
         self.host_begin = time.perf_counter()
         # after an idle engine (no step to run) the gap is idle time, not the loop's work
         gap = (self.host_begin - self.host_sampled) * 1e3 if self.host_sampled else 0.0
@@ -111,25 +116,21 @@ class _Timeline:
             kind = ("capture" if captures > self.marks[1]
                     else "cascade" if cascade > self.marks[0] else "flat")
             self.pending.append((self.begin, self.forward, sampled, kind,
-                                 (self.host_forward - self.host_begin) * 1e3, self.host_between))
+                                 (self.host_forward - self.host_begin) * 1e3, self.host_between,
+                                 *self.size))
         self.begin = self.forward = None
         self.read()
 
     def read(self) -> None:
         while self.pending and self.pending[0][2].query():
-            begin, forward, sampled, kind, prep, between = self.pending.popleft()
+            begin, forward, sampled, kind, *times = self.pending.popleft()
             wait, run = begin.elapsed_time(forward), forward.elapsed_time(sampled)
             self.steps += 1
-            self.step_ms += run
-            self.wait_ms += wait
-            self.prep_ms += prep
-            self.between_ms += between
             by_kind = self.kinds[kind]
             by_kind["steps"] += 1
-            by_kind["gpu_step_ms"] += run
-            by_kind["gpu_wait_ms"] += wait
-            by_kind["host_prep_ms"] += prep
-            by_kind["host_between_ms"] += between
+            for name, value in zip(TOTALS, (run, wait, *times), strict=True):
+                self.totals[name] += value
+                by_kind[name] += value
             self.long_waits += wait > 1.0
             self.recent.append(wait)
         now = time.monotonic()
@@ -139,9 +140,7 @@ class _Timeline:
             p99 = recent[int(0.99 * (len(recent) - 1))] if recent else None
             tmp = self.path + ".tmp"
             with open(tmp, "w") as f:
-                json.dump({"steps": self.steps, "gpu_step_ms": self.step_ms,
-                           "gpu_wait_ms": self.wait_ms, "host_prep_ms": self.prep_ms,
-                           "host_between_ms": self.between_ms,
+                json.dump({"steps": self.steps, **self.totals,
                            "waits_over_1ms": self.long_waits,
                            "wait_p99_ms": p99, "kinds": self.kinds}, f)
             os.replace(tmp, self.path)
@@ -162,7 +161,7 @@ def _patch(module: Any, name: str = V2) -> None:
     @functools.wraps(execute_model)  # the plugin's hook binds its arguments by name
     def execute_model_marked(self: Any, *args: Any, **kwargs: Any) -> Any:
         with contextlib.suppress(Exception):
-            timeline.mark_begin()
+            timeline.mark_begin(args[0] if args else kwargs.get("scheduler_output"))
         return execute_model(self, *args, **kwargs)
 
     forward_context = module.set_forward_context
