@@ -143,7 +143,9 @@ def timeline_deltas(before: dict[str, Any] | None,
     probe told apart (flat, cascade, capture; a probe without kinds: none). Where the probe
     kept them, the host's ms per step preparing a step (``host_prep_ms_per_step``) and between
     steps (``host_between_ms_per_step``), and the steps' size: scheduled tokens and requests per
-    step (``tokens_per_step``, ``rows_per_step``), in all and by kind."""
+    step (``tokens_per_step``, ``rows_per_step``), in all and by kind; and the run's decode steps
+    by kind and requests (``decode_by_rows``: ``[steps, GPU ms per step, wait ms per step]``,
+    for :func:`matched_decode`)."""
     if before is None or after is None:
         return {}
     steps = after["steps"] - before["steps"]
@@ -163,7 +165,45 @@ def timeline_deltas(before: dict[str, Any] | None,
             "gpu_wait_p99_ms_recent": after.get("wait_p99_ms"),
             **{k: v for k, v in _per_step(after, before, steps).items()
                if not k.startswith("gpu_")},
-            **({"timeline_by_kind": by_kind} if by_kind else {})}
+            **({"timeline_by_kind": by_kind} if by_kind else {}),
+            **_decode_deltas(before.get("decode_by_rows"), after.get("decode_by_rows"))}
+
+
+def _decode_deltas(before: dict[str, Any] | None,
+                   after: dict[str, Any] | None) -> dict[str, Any]:
+    """``decode_by_rows`` of the steps between the probe's two readings (none where the probe
+    did not keep it): kind -> requests -> [steps, GPU ms per step, wait ms per step]."""
+    if after is None:
+        return {}
+    out: dict[str, dict[str, list[float]]] = {}
+    for kind, sizes in after.items():
+        earlier = (before or {}).get(kind, {})
+        for rows, (n, gpu, wait) in sizes.items():
+            n0, gpu0, wait0 = earlier.get(rows, (0, 0.0, 0.0))
+            if n > n0:
+                out.setdefault(kind, {})[rows] = [n - n0, round((gpu - gpu0) / (n - n0), 4),
+                                                  round((wait - wait0) / (n - n0), 4)]
+    return {"decode_by_rows": out} if out else {}
+
+
+def matched_decode(row: dict[str, Any], kind: str, other: dict[str, Any],
+                   other_kind: str = "flat") -> dict[str, Any] | None:
+    """``row``'s decode steps of ``kind`` against ``other``'s of ``other_kind``, at equal
+    requests per step (``decode_by_rows``): GPU ms per step, each batch size weighted by the
+    fewer steps either has of it (``ratio``: ``row``'s over ``other``'s; ``steps``: the weights'
+    sum; ``sizes``: batch sizes both ran). None where they share no batch size."""
+    mine = (row.get("decode_by_rows") or {}).get(kind) or {}
+    theirs = (other.get("decode_by_rows") or {}).get(other_kind) or {}
+    num = den = weight = 0.0
+    sizes = 0
+    for rows, (n, gpu, _wait) in mine.items():
+        if rows in theirs:
+            w = min(n, theirs[rows][0])
+            num, den = num + w * gpu, den + w * theirs[rows][1]
+            weight, sizes = weight + w, sizes + 1
+    if not sizes or den <= 0:
+        return None
+    return {"ratio": round(num / den, 4), "steps": int(weight), "sizes": sizes}
 
 
 TIMELINE_TOTALS = ("gpu_step_ms", "gpu_wait_ms", "host_prep_ms", "host_between_ms", "tokens",

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.serve.configs import CONFIGS, baseline
+from benchmarks.serve.metrics import matched_decode
 from benchmarks.serve.pairs import model_of, rate_spec
 
 FLAT, PLUGIN = "flash_attn", "cascade_flash_attn"
@@ -81,6 +82,7 @@ def judge(rows: list[dict[str, Any]], plugin: str = PLUGIN,
         point["steps"] = {name: _steps(row) for name, row in
                           (("flat", flat), ("plugin", on), ("again", again))
                           if row is not None and row.get("gpu_step_ms_per_step") is not None}
+        point["matched"] = _matched(flat, on, again)
         if again is None:
             point["spread"] = None
         else:
@@ -116,6 +118,17 @@ def _steps(row: dict[str, Any]) -> str:
                                      for kind, k in kinds.items()])
 
 
+def _matched(flat: dict[str, Any], on: dict[str, Any],
+             again: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """Decode steps' GPU ms against flat's at equal requests per step (the probe's
+    ``decode_by_rows``; ``metrics.matched_decode``): the plugin's flat and cascade steps, and
+    flat again's (how far two flat servers are apart the same way)."""
+    got = {"plugin's flat": matched_decode(on, "flat", flat),
+           "cascade": matched_decode(on, "cascade", flat),
+           "again": None if again is None else matched_decode(again, "flat", flat)}
+    return {name: m for name, m in got.items() if m is not None}
+
+
 def _ratios(flat: dict[str, Any], other: dict[str, Any], prefix: str) -> dict[str, float]:
     return {f"{prefix}tpot_gain": flat["tpot_ms_p50"] / other["tpot_ms_p50"],
             f"{prefix}ttft_p99_ratio": other["ttft_ms_p99"] / flat["ttft_ms_p99"],
@@ -145,6 +158,10 @@ def table(points: list[dict[str, Any]]) -> str:
         if p.get("steps"):  # the step-timeline probe's: GPU ms per step (waiting for the host)
             lines.append("    GPU ms per step (host wait): " + "; ".join(
                 f"{name} {shown}" for name, shown in p["steps"].items()))
+        if p.get("matched"):  # decode steps against flat's at the same batch sizes
+            lines.append("    decode GPU ms at equal requests, over flat's: " + ", ".join(
+                f"{name} {m['ratio']:.3f} ({m['steps']} steps, {m['sizes']} sizes)"
+                for name, m in p["matched"].items()))
     return "\n".join(lines)
 
 

@@ -271,6 +271,33 @@ def test_timeline_deltas_give_the_steps_size_where_the_probe_counted_it():
     assert got["timeline_by_kind"]["flat"]["tokens_per_step"] == 250.0
 
 
+def test_timeline_deltas_keep_the_runs_decode_steps_by_requests():
+    """Per kind and batch size, the steps between the two readings and their mean GPU and
+    wait ms; a batch size with no step in between is left out."""
+    before = {"steps": 4, "gpu_step_ms": 40.0, "gpu_wait_ms": 0.0, "waits_over_1ms": 0,
+              "decode_by_rows": {"flat": {"32": [2, 20.0, 1.0], "40": [2, 24.0, 0.0]}}}
+    after = {"steps": 10, "gpu_step_ms": 100.0, "gpu_wait_ms": 2.0, "waits_over_1ms": 0,
+             "decode_by_rows": {"flat": {"32": [5, 53.0, 1.6], "40": [2, 24.0, 0.0]},
+                                "cascade": {"32": [3, 21.0, 0.3]}}}
+    got = sm.timeline_deltas(before, after)["decode_by_rows"]
+    assert got == {"flat": {"32": [3, 11.0, 0.2]}, "cascade": {"32": [3, 7.0, 0.1]}}
+    zeros = {"steps": 0, "gpu_step_ms": 0.0, "gpu_wait_ms": 0.0, "waits_over_1ms": 0}
+    assert "decode_by_rows" not in sm.timeline_deltas(zeros, {**zeros, "steps": 3})
+
+
+def test_decode_steps_compare_at_equal_batch_sizes_weighted_by_the_fewer_steps():
+    """32 requests: 10 steps against 4 (weight 4), 1.2 ms against 1.0; 64: 6 against 6, 2.0
+    against 2.0; 16 (one side only) is not compared: (4 x 1.2 + 6 x 2.0) / (4 x 1.0 + 6 x 2.0)."""
+    plugin = {"decode_by_rows": {"flat": {"32": [10, 1.2, 0.0], "64": [6, 2.0, 0.0],
+                                          "16": [9, 0.5, 0.0]},
+                                 "cascade": {"128": [3, 2.5, 0.0]}}}
+    flat = {"decode_by_rows": {"flat": {"32": [4, 1.0, 0.0], "64": [6, 2.0, 0.0]}}}
+    got = sm.matched_decode(plugin, "flat", flat)
+    assert got == {"ratio": round(16.8 / 16.0, 4), "steps": 10, "sizes": 2}
+    assert sm.matched_decode(plugin, "cascade", flat) is None  # no batch size in common
+    assert sm.matched_decode({}, "flat", flat) is None
+
+
 def test_step_timeline_counts_each_steps_tokens_and_requests_from_the_scheduler(tmp_path,
                                                                                monkeypatch):
     """A step's size is its scheduler output's: a decode step of 3 requests, a mixed step of
@@ -292,6 +319,9 @@ def test_step_timeline_counts_each_steps_tokens_and_requests_from_the_scheduler(
     got = json.loads((tmp_path / "timeline.json").read_text())
     assert got["steps"] == 3 and got["tokens"] == 516 and got["rows"] == 5
     assert got["kinds"]["flat"]["rows"] == 5
+    # only the decode step is kept by its requests (events 5 ms apart: 5 ms of GPU, no wait)
+    assert got["decode_by_rows"] == {"flat": {"3": [1, 5.0, 5.0]}, "cascade": {},
+                                     "capture": {}}
 
 
 def test_step_timeline_times_the_hosts_preparation_and_the_gap_before_each_step(tmp_path,

@@ -161,6 +161,25 @@ def test_a_point_shows_the_hosts_preparation_of_a_step_where_the_probe_timed_it(
                          "12.3 (5.30, prep 6.10, 48 rows)")
 
 
+def test_a_point_compares_decode_steps_with_flats_at_equal_batch_sizes():
+    """The plugin's flat decode steps 2% slower than flat's at the same batch sizes, its
+    cascade ones 30% faster, flat again's 1% faster: a line under the point's."""
+    flat = {"flat": {"32": [50, 10.0, 0.1], "48": [50, 12.0, 0.1]}}
+    plugin = {"flat": {"32": [40, 10.2, 0.1], "48": [60, 12.24, 0.1]},
+              "cascade": {"48": [20, 8.4, 0.1]}}
+    again = {"flat": {"32": [50, 9.9, 0.1], "48": [50, 11.88, 0.1]}}
+    rows = [row("flash_attn", "50%", 9.1, 100.0, decode_by_rows=flat),
+            row("cascade_flash_attn", "50%", 9.2, 100.0, decode_by_rows=plugin),
+            row("flash_attn_again", "50%", 9.0, 100.0, decode_by_rows=again)]
+    [point] = verdict.judge(rows)
+    assert point["matched"]["plugin's flat"] == {"ratio": 1.02, "steps": 90, "sizes": 2}
+    assert point["matched"]["cascade"] == {"ratio": 0.7, "steps": 20, "sizes": 1}
+    assert point["matched"]["again"]["ratio"] == 0.99
+    assert verdict.table([point]).splitlines()[-1] == (
+        "    decode GPU ms at equal requests, over flat's: plugin's flat 1.020 (90 steps, 2 "
+        "sizes), cascade 0.700 (20 steps, 1 sizes), again 0.990 (100 steps, 2 sizes)")
+
+
 def test_the_flashinfer_plugin_is_judged_beside_flat_flashinfer_run_twice():
     """On the FLASHINFER backend the triple is flashinfer, cascade, flashinfer_again; a
     flash_attn_again row of the same run is not FlashInfer's spread."""

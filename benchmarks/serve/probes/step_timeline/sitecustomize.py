@@ -18,15 +18,17 @@ from the last step's sampling to this step's ``execute_model`` (the engine's loo
 runner: scheduling, output processing); a step whose GPU waited long with a short preparation
 started late. Each step's size comes from the scheduler's output: ``tokens`` (scheduled tokens)
 and ``rows`` (requests), so two servers' GPU ms per step can be read against the size of their
-steps. Completed steps are read without waiting (``Event.query``); the running totals go to
-the file every second as JSON: ``steps``, ``gpu_step_ms``, ``gpu_wait_ms`` (waiting for the host),
-``host_prep_ms``, ``host_between_ms``, ``tokens``, ``rows``, ``waits_over_1ms`` and
-``wait_p99_ms`` over the last 4,096 steps, and ``kinds``: the same steps, GPU time, wait, host
-times and sizes by kind of step, read from the plugin's counters between the step's begin and its
-sampling (none in a server without the plugin: every step ``flat``): ``capture`` (the plugin
-captured a CUDA graph in it), ``cascade`` (it ran as cascade), ``flat``. ``serve/bench.py`` reads
-it before and after each run. It shadows any other ``sitecustomize`` module on that server's
-path."""
+steps; and as a decode step's GPU time follows its requests, decode steps (one token a request)
+are also kept by their requests (``decode_by_rows``: kind, then requests, then ``[steps, GPU ms,
+wait ms]``), for two servers' decode steps to be compared at equal batch sizes. Completed steps
+are read without waiting (``Event.query``); the running totals go to the file every second as
+JSON: ``steps``, ``gpu_step_ms``, ``gpu_wait_ms`` (waiting for the host), ``host_prep_ms``,
+``host_between_ms``, ``tokens``, ``rows``, ``waits_over_1ms`` and ``wait_p99_ms`` over the last
+4,096 steps, ``decode_by_rows``, and ``kinds``: the same steps, GPU time, wait, host times and
+sizes by kind of step, read from the plugin's counters between the step's begin and its sampling
+(none in a server without the plugin: every step ``flat``): ``capture`` (the plugin captured a
+CUDA graph in it), ``cascade`` (it ran as cascade), ``flat``. ``serve/bench.py`` reads it before
+and after each run. It shadows any other ``sitecustomize`` module on that server's path."""
 
 from __future__ import annotations
 
@@ -71,6 +73,8 @@ class _Timeline:
         self.marks = (0, 0)  # the plugin's counters when the step began
         self.kinds = {kind: {"steps": 0, **dict.fromkeys(TOTALS, 0.0)} for kind in KINDS}
         self.totals = dict.fromkeys(TOTALS, 0.0)
+        # decode steps by kind, then requests: [steps, GPU ms, wait ms]
+        self.decode: dict[str, dict[str, list[float]]] = {kind: {} for kind in KINDS}
         self.steps = 0
         self.size = (0, 0)  # this step's scheduled (tokens, rows)
         # host clock (perf_counter, s): this step's begin and forward, the last step's sampling
@@ -131,6 +135,12 @@ class _Timeline:
             for name, value in zip(TOTALS, (run, wait, *times), strict=True):
                 self.totals[name] += value
                 by_kind[name] += value
+            tokens, rows = times[2:]
+            if rows and tokens == rows:  # a decode step: kept by its requests
+                decode = self.decode[kind].setdefault(str(rows), [0, 0.0, 0.0])
+                decode[0] += 1
+                decode[1] += run
+                decode[2] += wait
             self.long_waits += wait > 1.0
             self.recent.append(wait)
         now = time.monotonic()
@@ -142,7 +152,8 @@ class _Timeline:
             with open(tmp, "w") as f:
                 json.dump({"steps": self.steps, **self.totals,
                            "waits_over_1ms": self.long_waits,
-                           "wait_p99_ms": p99, "kinds": self.kinds}, f)
+                           "wait_p99_ms": p99, "decode_by_rows": self.decode,
+                           "kinds": self.kinds}, f)
             os.replace(tmp, self.path)
 
 
