@@ -110,8 +110,11 @@
 #   hybrid_gpt_oss_paired  whether the plugin's servers of that stack are slower than flat
 #                      where few steps run cascade: flat, the plugin (CASCADE_UNVERIFIED=1),
 #                      flat again (flash_attn_again: the run's own spread) in a burst and at
-#                      50%, each with the step-timeline probe (its host-preparation times tell
-#                      a long preparation from a late start). About 11 min on a fresh machine.
+#                      50%, each with the step-timeline probe (its host times tell a long
+#                      preparation, a late start and a step the host launches slower than the
+#                      GPU runs it apart; its decode steps by batch size compare the plugin's
+#                      flat and cascade steps with flat's at equal batches). About 11 min on a
+#                      fresh machine.
 #   hybrid_bamba       the same pair on a Mamba2 hybrid without MoE (examples/models/bamba-9b:
 #                      Bamba-9B's shapes as vLLM's GraniteMoeHybridForCausalLM, 29 Mamba2
 #                      layers and 3 full-attention ones, 768-token pages). About 12 min on a

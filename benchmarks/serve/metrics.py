@@ -141,11 +141,12 @@ def timeline_deltas(before: dict[str, Any] | None,
     step running them and waiting for the host between them, the share of waiting; and
     ``timeline_by_kind``: the steps, GPU ms and wait ms per step of each kind of step the
     probe told apart (flat, cascade, capture; a probe without kinds: none). Where the probe
-    kept them, the host's ms per step preparing a step (``host_prep_ms_per_step``) and between
-    steps (``host_between_ms_per_step``), and the steps' size: scheduled tokens and requests per
-    step (``tokens_per_step``, ``rows_per_step``), in all and by kind; and the run's decode steps
-    by kind and requests (``decode_by_rows``: ``[steps, GPU ms per step, wait ms per step]``,
-    for :func:`matched_decode`)."""
+    kept them, the host's ms per step preparing a step (``host_prep_ms_per_step``), between
+    steps (``host_between_ms_per_step``) and launching it (``host_run_ms_per_step``), and the
+    steps' size: scheduled tokens and requests per step (``tokens_per_step``,
+    ``rows_per_step``), in all and by kind; and the run's decode steps by kind and requests
+    (``decode_by_rows``: ``[steps, GPU ms per step, wait ms per step]``, for
+    :func:`matched_decode`)."""
     if before is None or after is None:
         return {}
     steps = after["steps"] - before["steps"]
@@ -206,8 +207,8 @@ def matched_decode(row: dict[str, Any], kind: str, other: dict[str, Any],
     return {"ratio": round(num / den, 4), "steps": int(weight), "sizes": sizes}
 
 
-TIMELINE_TOTALS = ("gpu_step_ms", "gpu_wait_ms", "host_prep_ms", "host_between_ms", "tokens",
-                   "rows")
+TIMELINE_TOTALS = ("gpu_step_ms", "gpu_wait_ms", "host_prep_ms", "host_between_ms", "host_run_ms",
+                   "tokens", "rows")
 
 
 def _per_step(now: dict[str, Any], before: dict[str, Any], steps: int) -> dict[str, Any]:

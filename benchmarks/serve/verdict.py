@@ -105,13 +105,15 @@ def _rate_from_elsewhere(flat: dict[str, Any]) -> str | None:
 
 def _steps(row: dict[str, Any]) -> str:
     """A server's steps as the step-timeline probe saw them: GPU ms per step (the GPU waiting
-    for the host, ms per step, in brackets, and where the probe timed it the host's ms
-    preparing the step, ``prep``, and its requests per step), by kind of step where it told them
-    apart."""
+    for the host, ms per step, in brackets, and where the probe timed them the host's ms
+    preparing the step, ``prep``, and launching it, ``launch``, and its requests per step), by
+    kind of step where it told them apart."""
     def times(k: dict[str, Any]) -> str:
-        prep, rows = k.get("host_prep_ms_per_step"), k.get("rows_per_step")
+        prep, launch = k.get("host_prep_ms_per_step"), k.get("host_run_ms_per_step")
+        rows = k.get("rows_per_step")
         return (f"{k['gpu_step_ms_per_step']:.1f} ({k['gpu_wait_ms_per_step']:.2f}"
                 + ("" if prep is None else f", prep {prep:.2f}")
+                + ("" if launch is None else f", launch {launch:.2f}")
                 + ("" if rows is None else f", {rows:.0f} rows") + ")")
     kinds = row.get("timeline_by_kind") or {}
     return ", ".join([times(row)] + [f"{kind} {k['steps']}x {times(k)}"

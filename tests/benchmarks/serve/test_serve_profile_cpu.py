@@ -346,6 +346,7 @@ def test_step_timeline_times_the_hosts_preparation_and_the_gap_before_each_step(
     assert got["steps"] == 3
     assert got["host_prep_ms"] == pytest.approx(5.5)
     assert got["host_between_ms"] == pytest.approx(1.0)
+    assert got["host_run_ms"] == pytest.approx(12.0 + 13.5 + 8.0)  # forward to sampled
     assert got["kinds"]["flat"]["host_prep_ms"] == pytest.approx(5.5)
 
 

@@ -150,7 +150,8 @@ def test_a_point_shows_the_hosts_preparation_of_a_step_where_the_probe_timed_it(
     kinds = {"flat": {"steps": 90, "gpu_step_ms_per_step": 9.5, "gpu_wait_ms_per_step": 0.4,
                       "host_prep_ms_per_step": 0.6},
              "cascade": {"steps": 10, "gpu_step_ms_per_step": 12.3, "gpu_wait_ms_per_step": 5.3,
-                         "host_prep_ms_per_step": 6.1, "rows_per_step": 47.6}}
+                         "host_prep_ms_per_step": 6.1, "host_run_ms_per_step": 11.9,
+                         "rows_per_step": 47.6}}
     rows = [row("flash_attn", "50%", 9.1, 100.0, gpu_step_ms_per_step=9.1,
                 gpu_wait_ms_per_step=0.33, host_prep_ms_per_step=0.55),
             row("cascade_flash_attn", "50%", 9.8, 100.0, gpu_step_ms_per_step=9.8,
@@ -158,7 +159,7 @@ def test_a_point_shows_the_hosts_preparation_of_a_step_where_the_probe_timed_it(
     lines = verdict.table(verdict.judge(rows)).splitlines()
     assert lines[-1] == ("    GPU ms per step (host wait): flat 9.1 (0.33, prep 0.55); plugin "
                          "9.8 (0.90, prep 1.15), flat 90x 9.5 (0.40, prep 0.60), cascade 10x "
-                         "12.3 (5.30, prep 6.10, 48 rows)")
+                         "12.3 (5.30, prep 6.10, launch 11.90, 48 rows)")
 
 
 def test_a_point_compares_decode_steps_with_flats_at_equal_batch_sizes():

@@ -11,24 +11,28 @@ metadata builder's work, the plugin's planning included, are done), and *sampled
 the stream is idle by then, so ``begin -> forward`` is the time the GPU had nothing of the step to
 run while the host prepared it (on the critical path; near zero when the host prepares a step while
 the GPU still runs the last one), and ``forward -> sampled`` the forward and sampling's GPU time.
-Idle time between steps with no request to run is in neither. Two host-clock times per step tell
-what a wait is made of: ``host_prep_ms``, from ``execute_model``'s entry to the forward (the host
-preparing the step: inputs, metadata builders, the plugin's planning), and ``host_between_ms``,
-from the last step's sampling to this step's ``execute_model`` (the engine's loop outside the
-runner: scheduling, output processing); a step whose GPU waited long with a short preparation
-started late. Each step's size comes from the scheduler's output: ``tokens`` (scheduled tokens)
-and ``rows`` (requests), so two servers' GPU ms per step can be read against the size of their
-steps; and as a decode step's GPU time follows its requests, decode steps (one token a request)
-are also kept by their requests (``decode_by_rows``: kind, then requests, then ``[steps, GPU ms,
-wait ms]``), for two servers' decode steps to be compared at equal batch sizes. Completed steps
-are read without waiting (``Event.query``); the running totals go to the file every second as
-JSON: ``steps``, ``gpu_step_ms``, ``gpu_wait_ms`` (waiting for the host), ``host_prep_ms``,
-``host_between_ms``, ``tokens``, ``rows``, ``waits_over_1ms`` and ``wait_p99_ms`` over the last
-4,096 steps, ``decode_by_rows``, and ``kinds``: the same steps, GPU time, wait, host times and
-sizes by kind of step, read from the plugin's counters between the step's begin and its sampling
-(none in a server without the plugin: every step ``flat``): ``capture`` (the plugin captured a
-CUDA graph in it), ``cascade`` (it ran as cascade), ``flat``. ``serve/bench.py`` reads it before
-and after each run. It shadows any other ``sitecustomize`` module on that server's path."""
+Idle time between steps with no request to run is in neither. Host-clock times per step tell what
+a wait is made of: ``host_prep_ms``, from ``execute_model``'s entry to the forward (the host
+preparing the step: inputs, metadata builders, the plugin's planning), and ``host_between_ms``, from
+the last step's sampling to this step's ``execute_model`` (the engine's loop outside the runner:
+scheduling, output processing); a step whose GPU waited long with a short preparation started late.
+``host_run_ms``, from the forward to ``sample_tokens``' return, is the host launching the step (with
+asynchronous scheduling nothing in it waits for the GPU): near the step's GPU time, the host sets
+the step's pace (a step launched layer by layer, outside a CUDA graph), and the next step's
+preparation starts with the GPU about to run dry. Each step's size comes from the scheduler's
+output: ``tokens`` (scheduled tokens) and ``rows`` (requests), so two servers' GPU ms per step can
+be read against the size of their steps; and as a decode step's GPU time follows its requests,
+decode steps (one token a request) are also kept by their requests (``decode_by_rows``: kind, then
+requests, then ``[steps, GPU ms, wait ms]``), for two servers' decode steps to be compared at equal
+batch sizes. Completed steps are read without waiting (``Event.query``); the running totals go to
+the file every second as JSON: ``steps``, ``gpu_step_ms``, ``gpu_wait_ms`` (waiting for the host),
+``host_prep_ms``, ``host_between_ms``, ``host_run_ms``, ``tokens``, ``rows``, ``waits_over_1ms`` and
+``wait_p99_ms`` over the last 4,096 steps, ``decode_by_rows``, and ``kinds``: the same steps, GPU
+time, wait, host times and sizes by kind of step, read from the plugin's counters between the step's
+begin and its sampling (none in a server without the plugin: every step ``flat``): ``capture`` (the
+plugin captured a CUDA graph in it), ``cascade`` (it ran as cascade), ``flat``. ``serve/bench.py``
+reads it before and after each run. It shadows any other ``sitecustomize`` module on that server's
+path."""
 
 from __future__ import annotations
 
@@ -48,7 +52,8 @@ V2 = "vllm.v1.worker.gpu.model_runner"  # Model Runner V2 (0.26 on; the only run
 V1 = "vllm.v1.worker.gpu_model_runner"  # the V1 runner (0.26-0.33)
 _TARGETS = (V2, V1)
 KINDS = ("flat", "cascade", "capture")
-TOTALS = ("gpu_step_ms", "gpu_wait_ms", "host_prep_ms", "host_between_ms", "tokens", "rows")
+TOTALS = ("gpu_step_ms", "gpu_wait_ms", "host_prep_ms", "host_between_ms", "host_run_ms",
+          "tokens", "rows")
 IDLE_MS = 100.0  # a longer gap between two steps is the engine idle (nothing to run)
 
 
@@ -66,8 +71,8 @@ class _Timeline:
     def __init__(self, path: str) -> None:
         self.path = path
         # (begin, forward, sampled, kind of step, host ms preparing it, host ms before it,
-        #  tokens, rows)
-        self.pending: deque[tuple[Any, Any, Any, str, float, float, int, int]] = deque()
+        #  host ms launching it, tokens, rows)
+        self.pending: deque[tuple[Any, Any, Any, str, float, float, float, int, int]] = deque()
         self.begin: Any = None
         self.forward: Any = None
         self.marks = (0, 0)  # the plugin's counters when the step began
@@ -121,7 +126,7 @@ class _Timeline:
                     else "cascade" if cascade > self.marks[0] else "flat")
             self.pending.append((self.begin, self.forward, sampled, kind,
                                  (self.host_forward - self.host_begin) * 1e3, self.host_between,
-                                 *self.size))
+                                 (self.host_sampled - self.host_forward) * 1e3, *self.size))
         self.begin = self.forward = None
         self.read()
 
@@ -135,7 +140,7 @@ class _Timeline:
             for name, value in zip(TOTALS, (run, wait, *times), strict=True):
                 self.totals[name] += value
                 by_kind[name] += value
-            tokens, rows = times[2:]
+            tokens, rows = times[3:]
             if rows and tokens == rows:  # a decode step: kept by its requests
                 decode = self.decode[kind].setdefault(str(rows), [0, 0.0, 0.0])
                 decode[0] += 1
