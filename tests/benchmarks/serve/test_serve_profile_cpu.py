@@ -81,24 +81,34 @@ def test_timeline_deltas_split_the_steps_by_kind_where_the_probe_told_them_apart
     assert "timeline_by_kind" not in sm.timeline_deltas(zeros, {**zeros, "steps": 3})
 
 
-def test_timeline_deltas_give_the_hosts_times_per_step_where_the_probe_kept_them():
+def test_timeline_deltas_give_the_hosts_times_and_the_steps_size_where_the_probe_kept_them():
+    """4 steps of 300 tokens and 60 requests, the 2 cascade ones among them of 64 requests."""
     before = {"steps": 10, "gpu_step_ms": 100.0, "gpu_wait_ms": 1.0, "host_prep_ms": 5.0,
-              "host_between_ms": 2.0, "waits_over_1ms": 0,
+              "host_between_ms": 2.0, "tokens": 500.0, "rows": 100.0, "waits_over_1ms": 0,
               "kinds": {"flat": {"steps": 10, "gpu_step_ms": 100.0, "gpu_wait_ms": 1.0,
-                                 "host_prep_ms": 5.0, "host_between_ms": 2.0}}}
+                                 "host_prep_ms": 5.0, "host_between_ms": 2.0, "tokens": 500.0,
+                                 "rows": 100.0}}}
     after = {"steps": 14, "gpu_step_ms": 140.0, "gpu_wait_ms": 9.0, "host_prep_ms": 17.0,
-             "host_between_ms": 4.0, "waits_over_1ms": 2,
+             "host_between_ms": 4.0, "tokens": 1700.0, "rows": 340.0, "waits_over_1ms": 2,
              "kinds": {"flat": {"steps": 12, "gpu_step_ms": 120.0, "gpu_wait_ms": 1.4,
-                                "host_prep_ms": 6.0, "host_between_ms": 3.0},
+                                "host_prep_ms": 6.0, "host_between_ms": 3.0, "tokens": 1000.0,
+                                "rows": 212.0},
                        "cascade": {"steps": 2, "gpu_step_ms": 20.0, "gpu_wait_ms": 7.6,
-                                   "host_prep_ms": 11.0, "host_between_ms": 1.0}}}
+                                   "host_prep_ms": 11.0, "host_between_ms": 1.0,
+                                   "tokens": 700.0, "rows": 128.0}}}
     got = sm.timeline_deltas(before, after)
     assert got["host_prep_ms_per_step"] == 3.0 and got["host_between_ms_per_step"] == 0.5
-    assert "tokens_per_step" not in got  # a probe that did not count the steps' size
+    assert got["tokens_per_step"] == 300.0 and got["rows_per_step"] == 60.0
     assert got["timeline_by_kind"]["cascade"] == {
         "steps": 2, "gpu_step_ms_per_step": 10.0, "gpu_wait_ms_per_step": 3.8,
-        "host_prep_ms_per_step": 5.5, "host_between_ms_per_step": 0.5}
+        "host_prep_ms_per_step": 5.5, "host_between_ms_per_step": 0.5, "tokens_per_step": 350.0,
+        "rows_per_step": 64.0}
     assert got["timeline_by_kind"]["flat"]["host_prep_ms_per_step"] == 0.5
+    assert got["timeline_by_kind"]["flat"]["tokens_per_step"] == 250.0
+    # a probe that kept no host times nor sizes: none in the row
+    zeros = {"steps": 0, "gpu_step_ms": 0.0, "gpu_wait_ms": 0.0, "waits_over_1ms": 0}
+    assert not {"host_prep_ms_per_step", "tokens_per_step"} & set(
+        sm.timeline_deltas(zeros, {**zeros, "steps": 3}))
 
 
 def test_offered_load_is_the_rate_over_flats_sustainable_rate():
@@ -250,25 +260,6 @@ def test_step_timeline_counts_the_wait_inside_steps_not_the_idle_time_between_th
     got = json.loads((tmp_path / "timeline.json").read_text())
     assert got["steps"] == 2 and got["gpu_step_ms"] == pytest.approx(20.0)
     assert got["gpu_wait_ms"] == pytest.approx(2.5) and got["waits_over_1ms"] == 1
-
-
-def test_timeline_deltas_give_the_steps_size_where_the_probe_counted_it():
-    """Scheduled tokens and requests per step, in all and by kind: 4 steps of 300 tokens and
-    the 2 cascade ones among them of 64 requests each."""
-    before = {"steps": 10, "gpu_step_ms": 100.0, "gpu_wait_ms": 1.0, "tokens": 500.0,
-              "rows": 100.0, "waits_over_1ms": 0,
-              "kinds": {"flat": {"steps": 10, "gpu_step_ms": 100.0, "gpu_wait_ms": 1.0,
-                                 "tokens": 500.0, "rows": 100.0}}}
-    after = {"steps": 14, "gpu_step_ms": 140.0, "gpu_wait_ms": 9.0, "tokens": 1700.0,
-             "rows": 340.0, "waits_over_1ms": 2,
-             "kinds": {"flat": {"steps": 12, "gpu_step_ms": 120.0, "gpu_wait_ms": 1.4,
-                                "tokens": 1000.0, "rows": 212.0},
-                       "cascade": {"steps": 2, "gpu_step_ms": 20.0, "gpu_wait_ms": 7.6,
-                                   "tokens": 700.0, "rows": 128.0}}}
-    got = sm.timeline_deltas(before, after)
-    assert got["tokens_per_step"] == 300.0 and got["rows_per_step"] == 60.0
-    assert got["timeline_by_kind"]["cascade"]["rows_per_step"] == 64.0
-    assert got["timeline_by_kind"]["flat"]["tokens_per_step"] == 250.0
 
 
 def test_timeline_deltas_keep_the_runs_decode_steps_by_requests():
