@@ -132,15 +132,16 @@ class _Timeline:
 
     def read(self) -> None:
         while self.pending and self.pending[0][2].query():
-            begin, forward, sampled, kind, *times = self.pending.popleft()
+            begin, forward, sampled, kind, prep, between, launch, tokens, rows = (
+                self.pending.popleft())
             wait, run = begin.elapsed_time(forward), forward.elapsed_time(sampled)
             self.steps += 1
             by_kind = self.kinds[kind]
             by_kind["steps"] += 1
-            for name, value in zip(TOTALS, (run, wait, *times), strict=True):
+            for name, value in zip(TOTALS, (run, wait, prep, between, launch, tokens, rows),
+                                   strict=True):
                 self.totals[name] += value
                 by_kind[name] += value
-            tokens, rows = times[3:]
             if rows and tokens == rows:  # a decode step: kept by its requests
                 decode = self.decode[kind].setdefault(str(rows), [0, 0.0, 0.0])
                 decode[0] += 1
