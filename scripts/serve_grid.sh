@@ -130,6 +130,9 @@
 #   never_slower_flashinfer_paired  never_slower_paired on the FLASHINFER backend: flat
 #                      FlashInfer, the plugin (cascade), flat FlashInfer again
 #                      (flashinfer_again). About 13 min on a fresh machine.
+#   never_slower_flashinfer_half_paired  the same three servers in a burst (this run's
+#                      capacity) and at 50% only: a repeat of the point that load decides.
+#                      About 8 min on a fresh machine.
 #   docs_and_no_sharing_paired  8K x 4 and random_2k (every prompt its own), each in a
 #                      burst, at 50% and 90%, on three servers with the step-timeline probe:
 #                      flat, the plugin, flat again. The long-shared-prefix figures and the
@@ -253,6 +256,9 @@ part_serve_grid() {  # run it detached, alone; the slices in SERVE_GRID's order
     never_slower_flashinfer_paired) serve_slice never_slower_flashinfer_paired 1200 \
       --configs flashinfer,cascade,flashinfer_again --workloads chat_1k_prefill_heavy \
       --step-timeline --rates burst,50%,90%,110% ;;
+    never_slower_flashinfer_half_paired) serve_slice never_slower_flashinfer_half_paired 900 \
+      --configs flashinfer,cascade,flashinfer_again --workloads chat_1k_prefill_heavy \
+      --step-timeline --rates burst,50% ;;
     docs_and_no_sharing_paired) serve_slice docs_and_no_sharing_paired 1500 \
       --configs flash_attn,cascade_flash_attn,flash_attn_again \
       --workloads prefix_8k_x4,random_2k --step-timeline --rates burst,50%,90% ;;

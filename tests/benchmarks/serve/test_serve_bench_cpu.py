@@ -1185,6 +1185,7 @@ def test_the_serving_grid_of_gpu_validate_is_a_valid_bench(tmp_path, capsys):
                                                "hybrid_bamba_graphs", "fp8_kv",
                                                "shared_docs_pair", "hybrid_gemma3_policy",
                                                "never_slower_flashinfer_paired",
+                                               "never_slower_flashinfer_half_paired",
                                                "docs_and_no_sharing_paired", "hybrid_gpt_oss",
                                                "hybrid_gpt_oss_paired"}
     assert all(name == log for name, log, _ in slices)
