@@ -133,6 +133,13 @@
 #   never_slower_flashinfer_half_paired  the same three servers in a burst (this run's
 #                      capacity) and at 50% only: a repeat of the point that load decides.
 #                      About 8 min on a fresh machine.
+#   never_slower_flashinfer_plugin_first  whether the plugin's server is slower at 50% for
+#                      being the plugin's or for running second: the same three servers at
+#                      50% of the FlashInfer flat burst on record, the plugin's first
+#                      (--servers-as-listed). About 6 min on a warm machine.
+#   hybrid_gpt_oss_plugin_first  the same on gpt-oss's stack (hybrid_gpt_oss_paired's
+#                      servers at 50% of its flat burst on record, the plugin's first). About
+#                      6 min on a warm machine.
 #   docs_and_no_sharing_paired  8K x 4 and random_2k (every prompt its own), each in a
 #                      burst, at 50% and 90%, on three servers with the step-timeline probe:
 #                      flat, the plugin, flat again. The long-shared-prefix figures and the
@@ -259,6 +266,13 @@ part_serve_grid() {  # run it detached, alone; the slices in SERVE_GRID's order
     never_slower_flashinfer_half_paired) serve_slice never_slower_flashinfer_half_paired 900 \
       --configs flashinfer,cascade,flashinfer_again --workloads chat_1k_prefill_heavy \
       --step-timeline --rates burst,50% ;;
+    never_slower_flashinfer_plugin_first) serve_slice never_slower_flashinfer_plugin_first 900 \
+      --configs cascade,flashinfer,flashinfer_again --workloads chat_1k_prefill_heavy \
+      --step-timeline --servers-as-listed --rates 50% ;;
+    hybrid_gpt_oss_plugin_first) serve_slice hybrid_gpt_oss_plugin_first 900 \
+      --model examples/models/gpt-oss-20b-dense \
+      --configs cascade_flash_attn_hybrid,flash_attn,flash_attn_again \
+      --workloads chat_6k_system --step-timeline --servers-as-listed --rates 50% ;;
     docs_and_no_sharing_paired) serve_slice docs_and_no_sharing_paired 1500 \
       --configs flash_attn,cascade_flash_attn,flash_attn_again \
       --workloads prefix_8k_x4,random_2k --step-timeline --rates burst,50%,90% ;;

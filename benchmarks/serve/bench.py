@@ -150,7 +150,8 @@ def measure(bench: Bench, server: Server, w: sw.Workload, config: str) -> Iterat
         code = run_client(cmd, client_log, timeout,
                           functools.partial(snapshot, server, snapshots) if poisson else None)
         after = sm.parse_counters(server.get("/metrics"))
-        time.sleep(1.5 if timeline is not None else 0)  # the probe writes every second
+        # the probe writes a quarter second after the engine's last step
+        time.sleep(1.5 if timeline is not None else 0)
         timeline = sm.timeline_deltas(timeline, sm.read_timeline(bench.timeline(config)))
         with server.log.open("rb") as f:
             f.seek(offset)
@@ -250,7 +251,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot_only:
         print(sr.plot(args.out, list(CONFIGS)))
         return 0
-    configs = sorted(args.configs, key=server_order)
+    configs = args.configs if args.servers_as_listed else sorted(args.configs, key=server_order)
+    bursts = any(sw.base_rate(r) == sw.BURST for items in args.rates.values() for r in items)
+    if args.servers_as_listed and bursts and any(baseline(c) == c for c in configs):
+        sys.exit("--servers-as-listed with a flat burst: a server before it would take its "
+                 "relative rates from an earlier run's burst, the ones after from this one's")
     workloads = [sw.WORKLOADS[w] for w in args.workloads]
     rates = args.rates
     if unknown := sorted(set(rates) - {"*", *args.workloads}):
@@ -348,7 +353,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="examples/models/llama3-8b",
                    help="folder with the model's config.json (no weights: --load-format dummy)")
     p.add_argument("--configs", type=_names(CONFIGS), default=",".join(CONFIGS),
-                   help=f"any of {', '.join(CONFIGS)}; the flat ones run first")
+                   help=f"any of {', '.join(CONFIGS)}; the flat ones run first (see "
+                        "--servers-as-listed)")
     p.add_argument("--workloads", type=_names(sw.WORKLOADS), default=",".join(sw.WORKLOADS),
                    help="comma-separated")
     p.add_argument("--rates", type=sw.parse_rate_plan, default="burst,50%,90%",
@@ -382,6 +388,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--step-timeline", action="store_true",
                    help="every server with the step-timeline probe (step_timeline/): rows gain "
                         "the GPU's time per step waiting for the host")
+    p.add_argument("--servers-as-listed", action="store_true",
+                   help="the servers run in --configs' order, e.g. the plugin's first (whether "
+                        "a server's place in the run moves its figures): give relative rates "
+                        "no flat burst then, so that every server's come from the same earlier "
+                        "run's")
     p.add_argument("--plot", action="store_true", help="write serve.png beside --out at the end")
     p.add_argument("--plot-only", action="store_true", help="only plot --out, run nothing")
     p.add_argument("--dry-run", action="store_true",

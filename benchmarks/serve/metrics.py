@@ -140,11 +140,13 @@ def timeline_deltas(before: dict[str, Any] | None,
     """A run's row keys from the probe's totals before and after it: steps, the GPU's time per
     step running them and waiting for the host between them, the share of waiting; and
     ``timeline_by_kind``: the steps, GPU ms and wait ms per step of each kind of step the
-    probe told apart (flat, cascade, capture; a probe without kinds: none). Where the probe
-    kept them, the host's ms per step preparing a step (``host_prep_ms_per_step``), between
-    steps (``host_between_ms_per_step``) and launching it (``host_run_ms_per_step``), and the
-    steps' size: scheduled tokens and requests per step (``tokens_per_step``,
-    ``rows_per_step``), in all and by kind; and the run's decode steps by kind and requests
+    probe told apart (flat, cascade, capture; a probe without kinds: none), and
+    ``timeline_by_phase`` the same for decode and mixed steps (a probe without phases: none).
+    Where the probe kept them, the host's ms per step preparing a step
+    (``host_prep_ms_per_step``), between steps (``host_between_ms_per_step``) and launching it
+    (``host_run_ms_per_step``), and the steps' size: scheduled tokens and requests per step
+    (``tokens_per_step``, ``rows_per_step``), in all, by kind and by phase; and the run's
+    decode steps by kind and requests
     (``decode_by_rows``: ``[steps, GPU ms per step, wait ms per step]``, for
     :func:`matched_decode`)."""
     if before is None or after is None:
@@ -152,12 +154,7 @@ def timeline_deltas(before: dict[str, Any] | None,
     steps = after["steps"] - before["steps"]
     run = after["gpu_step_ms"] - before["gpu_step_ms"]
     wait = after["gpu_wait_ms"] - before["gpu_wait_ms"]
-    by_kind = {}
-    for kind, totals in (after.get("kinds") or {}).items():
-        earlier = (before.get("kinds") or {}).get(kind, {})
-        n = totals["steps"] - earlier.get("steps", 0)
-        if n:
-            by_kind[kind] = {"steps": n, **_per_step(totals, earlier, n)}
+    by_kind, by_phase = _by_group(before, after, "kinds"), _by_group(before, after, "phases")
     return {"timeline_steps": steps,
             "gpu_step_ms_per_step": round(run / steps, 4) if steps else None,
             "gpu_wait_ms_per_step": round(wait / steps, 4) if steps else None,
@@ -167,7 +164,20 @@ def timeline_deltas(before: dict[str, Any] | None,
             **{k: v for k, v in _per_step(after, before, steps).items()
                if not k.startswith("gpu_")},
             **({"timeline_by_kind": by_kind} if by_kind else {}),
+            **({"timeline_by_phase": by_phase} if by_phase else {}),
             **_decode_deltas(before.get("decode_by_rows"), after.get("decode_by_rows"))}
+
+
+def _by_group(before: dict[str, Any], after: dict[str, Any], key: str) -> dict[str, Any]:
+    """The probe's totals of each group of steps under ``key`` (``kinds``, ``phases``) between
+    the two readings, per step; a group without a step in between is left out."""
+    out = {}
+    for group, totals in (after.get(key) or {}).items():
+        earlier = (before.get(key) or {}).get(group, {})
+        n = totals["steps"] - earlier.get("steps", 0)
+        if n:
+            out[group] = {"steps": n, **_per_step(totals, earlier, n)}
+    return out
 
 
 def _decode_deltas(before: dict[str, Any] | None,

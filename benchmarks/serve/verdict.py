@@ -83,6 +83,9 @@ def judge(rows: list[dict[str, Any]], plugin: str = PLUGIN,
                           (("flat", flat), ("plugin", on), ("again", again))
                           if row is not None and row.get("gpu_step_ms_per_step") is not None}
         point["matched"] = _matched(flat, on, again)
+        mixed = {name: _mixed(row) for name, row in
+                 (("flat", flat), ("plugin", on), ("again", again)) if row is not None}
+        point["mixed"] = {name: shown for name, shown in mixed.items() if shown is not None}
         if again is None:
             point["spread"] = None
         else:
@@ -103,21 +106,31 @@ def _rate_from_elsewhere(flat: dict[str, Any]) -> str | None:
     return source if source not in (None, flat.get("run_id")) else None
 
 
+def _times(k: dict[str, Any], size: str = "rows") -> str:
+    """GPU ms per step, then in brackets the GPU's wait for the host, where the probe timed them
+    the host's ms preparing the step (``prep``) and launching it (``launch``), and the steps'
+    ``size`` (``rows``: requests, ``tokens``: scheduled tokens) per step."""
+    prep, launch = k.get("host_prep_ms_per_step"), k.get("host_run_ms_per_step")
+    n = k.get(f"{size}_per_step")
+    return (f"{k['gpu_step_ms_per_step']:.1f} ({k['gpu_wait_ms_per_step']:.2f}"
+            + ("" if prep is None else f", prep {prep:.2f}")
+            + ("" if launch is None else f", launch {launch:.2f}")
+            + ("" if n is None else f", {n:.0f} {size}") + ")")
+
+
 def _steps(row: dict[str, Any]) -> str:
-    """A server's steps as the step-timeline probe saw them: GPU ms per step (the GPU waiting
-    for the host, ms per step, in brackets, and where the probe timed them the host's ms
-    preparing the step, ``prep``, and launching it, ``launch``, and its requests per step), by
+    """A server's steps as the step-timeline probe saw them (:func:`_times`), in all and by
     kind of step where it told them apart."""
-    def times(k: dict[str, Any]) -> str:
-        prep, launch = k.get("host_prep_ms_per_step"), k.get("host_run_ms_per_step")
-        rows = k.get("rows_per_step")
-        return (f"{k['gpu_step_ms_per_step']:.1f} ({k['gpu_wait_ms_per_step']:.2f}"
-                + ("" if prep is None else f", prep {prep:.2f}")
-                + ("" if launch is None else f", launch {launch:.2f}")
-                + ("" if rows is None else f", {rows:.0f} rows") + ")")
     kinds = row.get("timeline_by_kind") or {}
-    return ", ".join([times(row)] + [f"{kind} {k['steps']}x {times(k)}"
-                                     for kind, k in kinds.items()])
+    return ", ".join([_times(row)] + [f"{kind} {k['steps']}x {_times(k)}"
+                                      for kind, k in kinds.items()])
+
+
+def _mixed(row: dict[str, Any]) -> str | None:
+    """A server's mixed steps (a prefill in them: launched layer by layer, outside a FULL
+    graph), where the probe told them apart: how many, and :func:`_times` with their tokens."""
+    k = (row.get("timeline_by_phase") or {}).get("mixed")
+    return None if k is None else f"{k['steps']}x {_times(k, 'tokens')}"
 
 
 def _matched(flat: dict[str, Any], on: dict[str, Any],
@@ -160,6 +173,9 @@ def table(points: list[dict[str, Any]]) -> str:
         if p.get("steps"):  # the step-timeline probe's: GPU ms per step (waiting for the host)
             lines.append("    GPU ms per step (host wait): " + "; ".join(
                 f"{name} {shown}" for name, shown in p["steps"].items()))
+        if p.get("mixed"):  # the steps with a prefill, each server's
+            lines.append("    mixed steps, GPU ms (host wait): " + "; ".join(
+                f"{name} {shown}" for name, shown in p["mixed"].items()))
         if p.get("matched"):  # decode steps against flat's at the same batch sizes
             lines.append("    decode GPU ms at equal requests, over flat's: " + ", ".join(
                 f"{name} {m['ratio']:.3f} ({m['steps']} steps, {m['sizes']} sizes)"

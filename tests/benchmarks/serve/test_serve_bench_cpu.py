@@ -1131,6 +1131,28 @@ def test_a_second_flat_server_runs_after_the_plugins_so_the_two_flat_ones_bracke
     assert servers == ["flash_attn:", "cascade_flash_attn:", "flash_attn_again:"]
 
 
+def test_servers_as_listed_run_the_plugins_first_at_an_earlier_runs_rates(tmp_path, capsys):
+    """--servers-as-listed keeps --configs' order (the plugin's server before flat's, to tell
+    the plugin from its place in the run); every server's 50% then comes from the same flat
+    burst on record, and a flat burst in the run, which would give the servers after it
+    another rate, stops the bench."""
+    out, work = tmp_path / "serve.json", tmp_path / "work"
+    out.write_text(json.dumps([{"workload": "chat_1k5_system", "config": "flashinfer",
+                                "request_rate": "burst", "tensor_parallel_size": 1,
+                                "request_throughput": 40.0, "model": "llama-tiny"}]))
+    args = ["--dry-run", "--model", str(TINY), "--out", str(out), "--work-dir", str(work),
+            "--configs", "cascade,flashinfer,flashinfer_again", "--workloads", "chat_1k5_system",
+            "--servers-as-listed"]
+    assert sb.main([*args, "--rates", "50%"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [x.split()[2] for x in lines if x.startswith("# server")] == [
+        "cascade:", "flashinfer:", "flashinfer_again:"]
+    runs = [x for x in lines if " bench serve " in x and "warm-up" not in x]
+    assert len(runs) == 3 and all("--request-rate 20.0 " in x for x in runs)
+    with pytest.raises(SystemExit, match="flat burst"):
+        sb.main([*args, "--rates", "burst,50%"])
+
+
 def test_dry_run_of_both_backends_derives_each_configs_rates_from_its_own_flat_burst(
         tmp_path, capsys):
     out, work = tmp_path / "serve.json", tmp_path / "work"
@@ -1186,6 +1208,8 @@ def test_the_serving_grid_of_gpu_validate_is_a_valid_bench(tmp_path, capsys):
                                                "shared_docs_pair", "hybrid_gemma3_policy",
                                                "never_slower_flashinfer_paired",
                                                "never_slower_flashinfer_half_paired",
+                                               "never_slower_flashinfer_plugin_first",
+                                               "hybrid_gpt_oss_plugin_first",
                                                "docs_and_no_sharing_paired", "hybrid_gpt_oss",
                                                "hybrid_gpt_oss_paired"}
     assert all(name == log for name, log, _ in slices)

@@ -63,22 +63,30 @@ def test_timeline_deltas_are_per_run_and_per_step(tmp_path):
     assert sm.timeline_deltas(None, None) == {} and sm.read_timeline(None) is None
 
 
-def test_timeline_deltas_split_the_steps_by_kind_where_the_probe_told_them_apart():
+def test_timeline_deltas_split_the_steps_by_kind_and_phase_where_the_probe_told_them_apart():
     before = {"steps": 10, "gpu_step_ms": 200.0, "gpu_wait_ms": 5.0, "waits_over_1ms": 0,
               "kinds": {"flat": {"steps": 10, "gpu_step_ms": 200.0, "gpu_wait_ms": 5.0},
-                        "cascade": {"steps": 0, "gpu_step_ms": 0.0, "gpu_wait_ms": 0.0}}}
+                        "cascade": {"steps": 0, "gpu_step_ms": 0.0, "gpu_wait_ms": 0.0}},
+              "phases": {"decode": {"steps": 6, "gpu_step_ms": 60.0, "gpu_wait_ms": 1.0},
+                         "mixed": {"steps": 4, "gpu_step_ms": 140.0, "gpu_wait_ms": 4.0}}}
     after = {"steps": 40, "gpu_step_ms": 900.0, "gpu_wait_ms": 14.0, "waits_over_1ms": 1,
              "kinds": {"flat": {"steps": 30, "gpu_step_ms": 600.0, "gpu_wait_ms": 9.0},
                        "cascade": {"steps": 8, "gpu_step_ms": 200.0, "gpu_wait_ms": 4.0},
-                       "capture": {"steps": 2, "gpu_step_ms": 100.0, "gpu_wait_ms": 1.0}}}
+                       "capture": {"steps": 2, "gpu_step_ms": 100.0, "gpu_wait_ms": 1.0}},
+             "phases": {"decode": {"steps": 31, "gpu_step_ms": 360.0, "gpu_wait_ms": 3.5},
+                        "mixed": {"steps": 4, "gpu_step_ms": 140.0, "gpu_wait_ms": 4.0}}}
     got = sm.timeline_deltas(before, after)
     assert got["timeline_steps"] == 30 and got["gpu_step_ms_per_step"] == round(700 / 30, 4)
     assert got["timeline_by_kind"] == {
         "flat": {"steps": 20, "gpu_step_ms_per_step": 20.0, "gpu_wait_ms_per_step": 0.2},
         "cascade": {"steps": 8, "gpu_step_ms_per_step": 25.0, "gpu_wait_ms_per_step": 0.5},
         "capture": {"steps": 2, "gpu_step_ms_per_step": 50.0, "gpu_wait_ms_per_step": 0.5}}
+    # no mixed step between the readings: that phase is left out
+    assert got["timeline_by_phase"] == {
+        "decode": {"steps": 25, "gpu_step_ms_per_step": 12.0, "gpu_wait_ms_per_step": 0.1}}
     zeros = {"steps": 0, "gpu_step_ms": 0.0, "gpu_wait_ms": 0.0, "waits_over_1ms": 0}
-    assert "timeline_by_kind" not in sm.timeline_deltas(zeros, {**zeros, "steps": 3})
+    assert not {"timeline_by_kind", "timeline_by_phase"} & set(
+        sm.timeline_deltas(zeros, {**zeros, "steps": 3}))
 
 
 def test_timeline_deltas_give_the_hosts_times_and_the_steps_size_where_the_probe_kept_them():
@@ -313,6 +321,56 @@ def test_step_timeline_counts_each_steps_tokens_and_requests_from_the_scheduler(
     # only the decode step is kept by its requests (events 5 ms apart: 5 ms of GPU, no wait)
     assert got["decode_by_rows"] == {"flat": {"3": [1, 5.0, 5.0]}, "cascade": {},
                                      "capture": {}}
+
+
+def test_step_timeline_keeps_decode_and_mixed_steps_apart(tmp_path, monkeypatch):
+    """A decode step (3 requests, 3 tokens) and two mixed ones (a prefill in them: 513 and 2
+    tokens over 2 and 1 requests) are counted by phase as well as in all."""
+    import types
+
+    probe = load_timeline_probe(monkeypatch)
+    events = iter(float(t) for t in range(0, 1000, 5))
+    monkeypatch.setattr(probe._Timeline, "_event", staticmethod(lambda: Event(next(events))))
+    timeline = probe._Timeline(str(tmp_path / "timeline.json"))
+    for tokens, counts in ((3, {"a": 1, "b": 1, "c": 1}), (513, {"a": 1, "d": 512}),
+                           (2, {"e": 2})):
+        timeline.mark_begin(types.SimpleNamespace(total_num_scheduled_tokens=tokens,
+                                                  num_scheduled_tokens=counts))
+        timeline.mark_forward(), timeline.mark_sampled()
+    timeline.read(force=True)
+    phases = json.loads((tmp_path / "timeline.json").read_text())["phases"]
+    assert {p: (v["steps"], v["tokens"], v["rows"]) for p, v in phases.items()} == {
+        "decode": (1, 3, 3), "mixed": (2, 515, 3)}
+    assert phases["mixed"]["gpu_step_ms"] == pytest.approx(10.0)  # 5 ms each (fake events)
+
+
+def test_step_timeline_writes_the_steps_completed_once_the_engine_idles(tmp_path, monkeypatch):
+    """Steps the engine read within a second of its last write are not in the file until its
+    next write; once no step was sampled for FLUSH_S the flushing thread's call writes them
+    (the run's last steps in its own reading), and writes nothing again while nothing
+    changed. While steps run, the call leaves the file to the engine."""
+    import types
+
+    probe = load_timeline_probe(monkeypatch)
+    events = iter(float(t) for t in range(0, 1000, 5))
+    monkeypatch.setattr(probe._Timeline, "_event", staticmethod(lambda: Event(next(events))))
+    clock = {"now": 100.0}
+    monkeypatch.setattr(probe, "time", types.SimpleNamespace(
+        perf_counter=lambda: clock["now"], monotonic=lambda: clock["now"]))
+    path = tmp_path / "timeline.json"
+    timeline = probe._Timeline(str(path))
+    timeline.mark_begin(), timeline.mark_forward(), timeline.mark_sampled()  # written: 1 step
+    assert json.loads(path.read_text())["steps"] == 1
+    clock["now"] += 0.1
+    timeline.mark_begin(), timeline.mark_forward(), timeline.mark_sampled()  # read, unwritten
+    timeline.flush_idle()  # 0 s after the last sampling: the engine's to write
+    assert json.loads(path.read_text())["steps"] == 1
+    clock["now"] += probe.FLUSH_S
+    timeline.flush_idle()
+    assert json.loads(path.read_text())["steps"] == 2
+    path.unlink()
+    timeline.flush_idle()  # nothing new: no write
+    assert not path.exists()
 
 
 def test_step_timeline_times_the_hosts_preparation_and_the_gap_before_each_step(tmp_path,

@@ -181,6 +181,24 @@ def test_a_point_compares_decode_steps_with_flats_at_equal_batch_sizes():
         "sizes), cascade 0.700 (20 steps, 1 sizes), again 0.990 (100 steps, 2 sizes)")
 
 
+def test_a_point_shows_each_servers_mixed_steps_with_their_tokens():
+    """Mixed steps (a prefill in them) apart, where the probe told them apart: how many, GPU
+    ms, wait, prep, launch and tokens per step, a line for the point's servers that have them
+    (flat again here has none: not shown)."""
+    def mixed(steps: int, gpu: float, launch: float, tokens: float) -> dict:
+        return {"timeline_by_phase": {"mixed": {
+            "steps": steps, "gpu_step_ms_per_step": gpu, "gpu_wait_ms_per_step": 2.3,
+            "host_prep_ms_per_step": 1.0, "host_run_ms_per_step": launch,
+            "tokens_per_step": tokens, "rows_per_step": 25.0}}}
+    rows = [row("flashinfer", "50%", 11.6, 125.0, **mixed(210, 23.0, 22.4, 647.0)),
+            row("cascade", "50%", 12.4, 153.0, **mixed(205, 24.72, 24.9, 664.2)),
+            row("flashinfer_again", "50%", 11.8, 120.0)]
+    [point] = verdict.judge(rows, plugin="cascade")
+    assert verdict.table([point]).splitlines()[-1] == (
+        "    mixed steps, GPU ms (host wait): flat 210x 23.0 (2.30, prep 1.00, launch 22.40, "
+        "647 tokens); plugin 205x 24.7 (2.30, prep 1.00, launch 24.90, 664 tokens)")
+
+
 def test_the_flashinfer_plugin_is_judged_beside_flat_flashinfer_run_twice():
     """On the FLASHINFER backend the triple is flashinfer, cascade, flashinfer_again; a
     flash_attn_again row of the same run is not FlashInfer's spread."""

@@ -27,12 +27,15 @@ requests, then ``[steps, GPU ms, wait ms]``), for two servers' decode steps to b
 batch sizes. Completed steps are read without waiting (``Event.query``); the running totals go to
 the file every second as JSON: ``steps``, ``gpu_step_ms``, ``gpu_wait_ms`` (waiting for the host),
 ``host_prep_ms``, ``host_between_ms``, ``host_run_ms``, ``tokens``, ``rows``, ``waits_over_1ms`` and
-``wait_p99_ms`` over the last 4,096 steps, ``decode_by_rows``, and ``kinds``: the same steps, GPU
+``wait_p99_ms`` over the last 4,096 steps, ``decode_by_rows``, ``kinds``: the same steps, GPU
 time, wait, host times and sizes by kind of step, read from the plugin's counters between the step's
 begin and its sampling (none in a server without the plugin: every step ``flat``): ``capture`` (the
-plugin captured a CUDA graph in it), ``cascade`` (it ran as cascade), ``flat``. ``serve/bench.py``
-reads it before and after each run. It shadows any other ``sitecustomize`` module on that server's
-path."""
+plugin captured a CUDA graph in it), ``cascade`` (it ran as cascade), ``flat``; and ``phases``: the
+same by ``decode`` (one token a request) and ``mixed`` steps (a prefill in them), whose launch a
+decode step's FULL graph does not hide. ``serve/bench.py`` reads it before and after each run.
+Steps completed while the engine then idles are written too (a thread brings the file up to date
+once no step was sampled for a quarter second), so a run's last second is in its own reading, not
+in the next run's. It shadows any other ``sitecustomize`` module on that server's path."""
 
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ import importlib.machinery
 import json
 import os
 import sys
+import threading
 import time
 from collections import deque
 from typing import Any
@@ -52,9 +56,11 @@ V2 = "vllm.v1.worker.gpu.model_runner"  # Model Runner V2 (0.26 on; the only run
 V1 = "vllm.v1.worker.gpu_model_runner"  # the V1 runner (0.26-0.33)
 _TARGETS = (V2, V1)
 KINDS = ("flat", "cascade", "capture")
+PHASES = ("decode", "mixed")  # one token a request; a prefill in the step
 TOTALS = ("gpu_step_ms", "gpu_wait_ms", "host_prep_ms", "host_between_ms", "host_run_ms",
           "tokens", "rows")
 IDLE_MS = 100.0  # a longer gap between two steps is the engine idle (nothing to run)
+FLUSH_S = 0.25  # how often the thread brings the file up to date while steps are unwritten
 
 
 def _plugin_marks() -> tuple[int, int]:
@@ -77,6 +83,7 @@ class _Timeline:
         self.forward: Any = None
         self.marks = (0, 0)  # the plugin's counters when the step began
         self.kinds = {kind: {"steps": 0, **dict.fromkeys(TOTALS, 0.0)} for kind in KINDS}
+        self.phases = {phase: {"steps": 0, **dict.fromkeys(TOTALS, 0.0)} for phase in PHASES}
         self.totals = dict.fromkeys(TOTALS, 0.0)
         # decode steps by kind, then requests: [steps, GPU ms, wait ms]
         self.decode: dict[str, dict[str, list[float]]] = {kind: {} for kind in KINDS}
@@ -88,6 +95,9 @@ class _Timeline:
         self.long_waits = 0
         self.recent: deque[float] = deque(maxlen=4096)
         self.written = 0.0
+        self.unwritten = False  # steps read since the last write
+        self.lock = threading.Lock()  # the engine's thread and the flushing one read in turn
+        self.flushing = False  # the thread started (or could not be: then never again)
 
     @staticmethod
     def _event() -> Any:
@@ -128,39 +138,77 @@ class _Timeline:
                                  (self.host_forward - self.host_begin) * 1e3, self.host_between,
                                  (self.host_sampled - self.host_forward) * 1e3, *self.size))
         self.begin = self.forward = None
+        if not self.flushing:
+            self.flushing = True
+            with contextlib.suppress(Exception):  # no thread: the runs' readings as before
+                self.start_flushing()
         self.read()
 
-    def read(self) -> None:
+    def read(self, force: bool = False) -> None:
+        """Count the completed steps; write the totals once a second (``force``: now, if any
+        step was counted since the last write)."""
+        with self.lock:
+            self._count_completed()
+            now = time.monotonic()
+            if (force and self.unwritten) or now - self.written >= 1.0:
+                self._write(now)
+
+    def _count_completed(self) -> None:
         while self.pending and self.pending[0][2].query():
             begin, forward, sampled, kind, prep, between, launch, tokens, rows = (
                 self.pending.popleft())
             wait, run = begin.elapsed_time(forward), forward.elapsed_time(sampled)
             self.steps += 1
-            by_kind = self.kinds[kind]
-            by_kind["steps"] += 1
+            self.unwritten = True
+            decode = bool(rows) and tokens == rows
+            groups = (self.totals, self.kinds[kind], self.phases[PHASES[not decode]])
             for name, value in zip(TOTALS, (run, wait, prep, between, launch, tokens, rows),
                                    strict=True):
-                self.totals[name] += value
-                by_kind[name] += value
-            if rows and tokens == rows:  # a decode step: kept by its requests
-                decode = self.decode[kind].setdefault(str(rows), [0, 0.0, 0.0])
-                decode[0] += 1
-                decode[1] += run
-                decode[2] += wait
+                for group in groups:
+                    group[name] += value
+            self.kinds[kind]["steps"] += 1
+            self.phases[PHASES[not decode]]["steps"] += 1
+            if decode:  # kept by its requests
+                by_rows = self.decode[kind].setdefault(str(rows), [0, 0.0, 0.0])
+                by_rows[0] += 1
+                by_rows[1] += run
+                by_rows[2] += wait
             self.long_waits += wait > 1.0
             self.recent.append(wait)
-        now = time.monotonic()
-        if now - self.written >= 1.0:
-            self.written = now
-            recent = sorted(self.recent)
-            p99 = recent[int(0.99 * (len(recent) - 1))] if recent else None
-            tmp = self.path + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump({"steps": self.steps, **self.totals,
-                           "waits_over_1ms": self.long_waits,
-                           "wait_p99_ms": p99, "decode_by_rows": self.decode,
-                           "kinds": self.kinds}, f)
-            os.replace(tmp, self.path)
+
+    def _write(self, now: float) -> None:
+        self.written, self.unwritten = now, False
+        recent = sorted(self.recent)
+        p99 = recent[int(0.99 * (len(recent) - 1))] if recent else None
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"steps": self.steps, **self.totals, "waits_over_1ms": self.long_waits,
+                       "wait_p99_ms": p99, "decode_by_rows": self.decode, "kinds": self.kinds,
+                       "phases": self.phases}, f)
+        os.replace(tmp, self.path)
+
+    def flush_idle(self) -> None:
+        """Write what the engine has not, once no step was sampled for ``FLUSH_S`` (while steps
+        run, the engine's own reads write: the thread keeps off its GIL)."""
+        if time.perf_counter() - self.host_sampled >= FLUSH_S and (self.pending
+                                                                   or self.unwritten):
+            self.read(force=True)
+
+    def start_flushing(self) -> None:
+        """The thread that writes the steps completed after the engine's last ``read`` (the
+        engine idle, or between a run's last step and the next run's first)."""
+        import torch
+
+        device = torch.cuda.current_device()  # the engine's: the events' device
+
+        def flush() -> None:
+            torch.cuda.set_device(device)
+            while True:
+                time.sleep(FLUSH_S)
+                with contextlib.suppress(Exception):
+                    self.flush_idle()
+
+        threading.Thread(target=flush, name="step-timeline-flush", daemon=True).start()
 
 
 _timeline: _Timeline | None = None  # this process's, whichever runner module it patched
