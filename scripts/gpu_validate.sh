@@ -28,7 +28,8 @@
 #                      executors vs flat attention and an fp32 reference; graphed decode
 #                      steps; mixed steps split; attention sinks (gpt-oss) in every executor;
 #                      the graph pools; uploads staged through the pinned ring; every merge on
-#                      levels that saw no key (FlashInfer 0.7's -inf rows)
+#                      levels that saw no key (FlashInfer 0.7's -inf rows); the serving
+#                      benchmark's step-timeline probe on real CUDA events (test_step_timeline_probe.py)
 #   serving            tests/gpu/test_serving.py: the engine as `vllm serve` runs it, a batch
 #                      that changes every step (graphs replay, outputs agree)
 #   fp8                tests/gpu/test_kernels_fp8.py and the FP8 engine tests (CASCADE_FP8_KV=1)
@@ -106,8 +107,8 @@ part_engine_graphs() { pytest_part engine_graphs 900 -n 2 tests/gpu/test_engine.
 part_kernels() {
   pytest_part kernels 600 -n 4 tests/gpu/test_graphs.py tests/gpu/test_kernels.py \
     tests/gpu/test_kernels_split.py tests/gpu/test_staging.py tests/gpu/test_merge_empty_levels.py \
-    tests/gpu/test_kernels_sinks.py \
-    -k "graphs or fa3 or fp32_reference or graphed or corrupted or staging or split or empty or sink"
+    tests/gpu/test_kernels_sinks.py tests/gpu/test_step_timeline_probe.py \
+    -k "graphs or fa3 or fp32_reference or graphed or corrupted or staging or split or empty or sink or probe"
 }
 part_serving() { pytest_part serving 720 tests/gpu/test_serving.py -k changing_batch; }
 part_serving_memory() { pytest_part serving_memory 420 tests/gpu/test_serving.py -k 0_92; }
