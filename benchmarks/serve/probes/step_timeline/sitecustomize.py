@@ -60,7 +60,7 @@ PHASES = ("decode", "mixed")  # one token a request; a prefill in the step
 TOTALS = ("gpu_step_ms", "gpu_wait_ms", "host_prep_ms", "host_between_ms", "host_run_ms",
           "tokens", "rows")
 IDLE_MS = 100.0  # a longer gap between two steps is the engine idle (nothing to run)
-FLUSH_S = 0.25  # how often the thread brings the file up to date while steps are unwritten
+FLUSH_S = 0.25  # the flushing thread's period, and the quiet time after which it writes
 
 
 def _plugin_marks() -> tuple[int, int]:
