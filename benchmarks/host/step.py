@@ -3,15 +3,17 @@
 What ``vllm serve``'s log calls planning: the runner hook's whole path for one step
 (``hooks_dispatch.plan_rows``: the pre-check on the rows' first block ids, the row keys, the
 planner, the cost model's decision, the step's plan) and the step's end (its counters). Columns
-``v2_*``: the same through Model Runner V2's hook (``hooks_dispatch.v2_plan``, what ``vllm
-serve`` runs by default), which first puts the rows in vLLM's batch order (vLLM's own
-``sort_batch_req_ids``: vLLM must be installed) and reads them from the CPU mirror of the block
-ids. The step session is set up as vLLM's default backend, ``FLASH_ATTN``, sets it up on an
-H200: the FA3 executor's eager and graphed cost models, vLLM's default CUDA-graph capture sizes
-(1, 2, 4, 8, ..., 512). The batches are ``host/planner.py``'s: steady decode (every row one
-token longer), and churn (every step one request finishes and a new one arrives and prefills its
-own tokens, so every churn step is a mixed prefill+decode step). Each case runs ``--rounds``
-times over the same steps; a figure is the rounds' median of the round's p50 or p99.
+``v2_*``: the same through Model Runner V2's hook (``hooks_dispatch.v2_plan``, what ``vllm serve``
+runs by default), which first puts the rows in vLLM's batch order (vLLM's own
+``sort_batch_req_ids``: vLLM must be installed) and reads them from the CPU mirror of the block ids;
+columns ``v1_*``: the same through the V1 runner's hook (``hooks_dispatch.v1_plan``), which reads
+the rows from its persistent batch. The step session is set up as vLLM's default backend,
+``FLASH_ATTN``, sets it up on an H200: the FA3 executor's eager and graphed cost models, vLLM's
+default CUDA-graph capture sizes (1, 2, 4, 8, ..., 512). The batches are ``host/planner.py``'s:
+steady decode (every row one token longer), and churn (every step one request finishes and a new one
+arrives and prefills its own tokens, so every churn step is a mixed prefill+decode step). Each case
+runs ``--rounds`` times over the same steps; a figure is the rounds' median of the round's p50 or
+p99.
 
 It times the code it runs: to compare two versions of the plugin, run
 ``host/step_compare.py`` (each version's source in turn, on the same machine). ``--parts``
@@ -150,21 +152,25 @@ class V2Rows:
         self.tables.num_blocks.np[0, :n] = b.block_table.shape[1]
         self.keys[:n] = b.keys
         self.computed[:n] = b.seq_lens - b.query_lens
-        scheduled = dict(zip(self.req_ids, b.query_lens.tolist(), strict=True))
-        # What vLLM's scheduler says changed: a churn step's prefilling row is a new request,
-        # and so is a row another request moved into (the bench keeps the rows' ids: each
-        # such id finished and arrived again).
+        return PendingStep(self.runner, self.scheduled())
+
+    def scheduled(self) -> SimpleNamespace:
+        """vLLM's scheduler output of the batch's current step: every request is new in the
+        first (untimed) step; later, a churn step's prefilling row is a new request, and so is a
+        row another request moved into (the bench keeps the rows' ids: each such id finished
+        and arrived again)."""
+        b = self.batch
         first = b.block_table[:, 0].copy()
         changed = b.query_lens > 1
-        if self.first is not None:
-            changed |= first != self.first
+        changed |= True if self.first is None else first != self.first
         self.first = first
         new = [self.req_ids[r] for r in np.flatnonzero(changed)]
-        return PendingStep(self.runner, SimpleNamespace(
-            num_scheduled_tokens=scheduled, scheduled_spec_decode_tokens={},
+        return SimpleNamespace(
+            num_scheduled_tokens=dict(zip(self.req_ids, b.query_lens.tolist(), strict=True)),
+            scheduled_spec_decode_tokens={},
             scheduled_new_reqs=[SimpleNamespace(req_id=r) for r in new],
             finished_req_ids=set(new),
-            scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=set())))
+            scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=set()))
 
     def order(self, step: PendingStep) -> np.ndarray:
         """The rows in vLLM's batch order (what the V2 hook planned)."""
@@ -172,11 +178,40 @@ class V2Rows:
                          hooks_dispatch.compat.v2_batch_order(self.runner, step.scheduler_output)])
 
 
+class V1Rows(V2Rows):
+    """``batch`` as the V1 runner's hook reads it: its persistent batch (row ``r`` the request
+    of the batch's row ``r``), the block table vLLM wrote for the step, the requests' keys as
+    the hooks note them from the scheduler output."""
+
+    def __init__(self, batch: DecodeBatch) -> None:
+        super().__init__(batch)
+        table = SimpleNamespace(block_table=SimpleNamespace(np=batch.block_table),
+                                num_blocks_per_row=None)
+        self.runner = SimpleNamespace(
+            kv_cache_config=SimpleNamespace(kv_cache_groups=[0]),
+            input_batch=SimpleNamespace(
+                num_reqs=len(self.req_ids), req_ids=self.req_ids, block_table=[table],
+                req_id_to_index={r: i for i, r in enumerate(self.req_ids)}))
+
+    def written(self) -> PendingStep:
+        b, batch = self.batch, self.runner.input_batch
+        batch.block_table[0].block_table.np = b.block_table
+        batch.block_table[0].num_blocks_per_row = np.full(len(b.seq_lens), b.block_table.shape[1])
+        batch.num_computed_tokens_cpu = b.seq_lens - b.query_lens
+        so = self.scheduled()
+        row_keys.note_step(self.runner, so)  # the execute_model hook's, before the planning
+        return PendingStep(self.runner, so)
+
+    def order(self, step: PendingStep) -> np.ndarray:
+        return np.arange(len(self.req_ids))
+
+
 def one_v2_step(rows: V2Rows) -> tuple[int, bool, object]:
-    """:func:`one_step` through Model Runner V2's hook."""
+    """:func:`one_step` through Model Runner V2's hook (a :class:`V1Rows`: the V1 runner's)."""
     step = rows.written()
+    plan = hooks_dispatch.v1_plan if isinstance(rows, V1Rows) else hooks_dispatch.v2_plan
     start = time.perf_counter_ns()
-    cascade = hooks_dispatch.plan_once(step, hooks_dispatch.v2_plan)
+    cascade = hooks_dispatch.plan_once(step, plan)
     planned = session.current
     session.end_step()
     return time.perf_counter_ns() - start, cascade, planned and planned.plan
@@ -212,16 +247,18 @@ class PartTimer:
 
 
 def run(case: Case, batch_type: type[DecodeBatch], steps: int, check: bool, v2: bool = False,
-        parts: dict[str, list[int]] | None = None, cold: bool = False) -> tuple[list[int], int]:
+        parts: dict[str, list[int]] | None = None, cold: bool = False,
+        v1_hook: bool = False) -> tuple[list[int], int]:
     """Nanoseconds of each of ``steps`` steps, and how many ran cascade (``v2``: through
-    Model Runner V2's hook). With ``check``, every step's plan is compared with a fresh
-    :func:`plan_cascade` of the same rows (in the hook's order), and a step the hooks did not
-    plan must be one the cost model keeps flat on that fresh plan. ``parts``: appended each
-    step's nanoseconds in the planner and the decision (:class:`PartTimer`)."""
+    Model Runner V2's hook; ``v1_hook``: through the V1 runner's). With ``check``, every step's
+    plan is compared with a fresh :func:`plan_cascade` of the same rows (in the hook's order),
+    and a step the hooks did not plan must be one the cost model keeps flat on that fresh plan.
+    ``parts``: appended each step's nanoseconds in the planner and the decision
+    (:class:`PartTimer`)."""
     set_up_session()
     timer = PartTimer() if parts is not None else None
     batch = batch_type(case, np.random.default_rng(1))
-    rows = V2Rows(batch) if v2 else None
+    rows = V1Rows(batch) if v1_hook else V2Rows(batch) if v2 else None
     one_v2_step(rows) if rows is not None else one_step(batch)  # the first plan from scratch
     if timer is not None:
         timer.take()
@@ -259,13 +296,16 @@ def measure(case: Case, steps: int, rounds: int, check: bool, with_parts: bool =
     and the rest's share of a step (the rest: reading the rows, the pre-check and the cost
     floor, the step's plan object and counters), rounds' medians."""
     out: dict[str, object] = {"case": case.name, "requests": case.requests}
-    for name, batch_type, v2 in (("steady", DecodeBatch, False), ("churn", ChurnBatch, False),
-                                 ("v2_steady", DecodeBatch, True), ("v2_churn", ChurnBatch, True)):
+    variants = (("steady", DecodeBatch, ""), ("churn", ChurnBatch, ""),
+                ("v1_steady", DecodeBatch, "v1"), ("v1_churn", ChurnBatch, "v1"),
+                ("v2_steady", DecodeBatch, "v2"), ("v2_churn", ChurnBatch, "v2"))
+    for name, batch_type, hook in variants:
         p50, p99, cascade = [], [], 0
         shares: dict[str, list[float]] = {}
         for _ in range(rounds):
             parts: dict[str, list[int]] | None = {} if with_parts else None
-            times, cascade = run(case, batch_type, steps, check, v2, parts, cold)
+            times, cascade = run(case, batch_type, steps, check, hook == "v2", parts, cold,
+                                 hook == "v1")
             p50.append(float(np.percentile(times, 50)) / 1e3)
             p99.append(float(np.percentile(times, 99)) / 1e3)
             if parts is not None:

@@ -1,4 +1,4 @@
-"""Model Runner V2's hook on steps that share nothing: once the pre-check has proved a step's
+"""Both runners' hooks on steps that share nothing: once the pre-check has proved a step's
 rows share no page, later steps are known unshared from the first block ids of the requests
 that came since (``unshared_rows``), without every row being read. Whether a step shares is
 checked against the planner run on the whole block table (``plan_cascade``), never against the
@@ -36,9 +36,15 @@ PROMPTS = {g: [1000 * (g + 1) + i for i in range(3)] for g in range(2)}  # 3 pag
 
 class Engine:
     """A V2 runner's state (block ids written through vLLM's real ``BlockTables``) and the
-    scheduler's output, step by step, as vLLM makes them."""
+    scheduler's output, step by step, as vLLM makes them; ``v1``: the steps go through the V1
+    runner's hook instead, which reads the same block ids from its persistent batch (the step's
+    requests in rows 0..n-1, as vLLM condenses it before the hook)."""
 
-    def __init__(self) -> None:
+    def __init__(self, v1: bool = False) -> None:
+        self.v1 = v1
+        batch = SimpleNamespace(block_table=[SimpleNamespace(block_table=SimpleNamespace())])
+        self.v1_runner = SimpleNamespace(input_batch=batch, cudagraph_dispatcher=object(),
+                                         kv_cache_config=SimpleNamespace(kv_cache_groups=[0]))
         self.tables = block_tables(**id_mappings()[0],  # kernel blocks = KV blocks
                                    block_tables=[StagedRows((SLOTS, WIDTH))],
                                    num_blocks=Counts((1, SLOTS)))
@@ -127,14 +133,18 @@ class Engine:
             scheduled_cached_reqs=SimpleNamespace())
 
         def execute_model(self, scheduler_output, intermediate_tensors=None, dummy_run=False):
-            self.cudagraph_manager.dispatch(len(tokens), len(tokens), 1, 0)
+            if isinstance(getattr(self, "input_batch", None), SimpleNamespace):
+                determine(self)
+            else:
+                self.cudagraph_manager.dispatch(len(tokens), len(tokens), 1, 0)
             step = session.current
             if step is not None and step.decision.use_cascade:
                 stats.record_cascade(1, 1, step.decode)
             return "output"
 
         before = stats.snapshot()
-        assert hooks_step.execute_model(execute_model)(self.runner, so) == "output"
+        runner = self._v1_batch(running) if self.v1 else self.runner
+        assert hooks_step.execute_model(execute_model)(runner, so) == "output"
         now = stats.snapshot()
         assert now.steps_planned == before.steps_planned + 1
         [ended] = [None] if now.steps_cascade > before.steps_cascade else list(
@@ -150,27 +160,48 @@ class Engine:
         self.new, self.finished, self.preempted = [], set(), set()
         return ended, plan.num_levels > 1
 
+    def _v1_batch(self, running: list[str]) -> SimpleNamespace:
+        """The V1 runner with its persistent batch as vLLM leaves it for the step's hook."""
+        rows = [self.slot[r] for r in running]
+        batch = self.v1_runner.input_batch
+        batch.num_reqs, batch.req_ids = len(running), list(running)
+        batch.req_id_to_index = {r: i for i, r in enumerate(running)}
+        batch.num_computed_tokens_cpu = self.computed[rows]
+        batch.block_table[0].block_table.np = self.table[rows]
+        batch.block_table[0].num_blocks_per_row = self.tables.num_blocks.np[0, rows]
+        return self.v1_runner
+
+
+determine = hooks_dispatch.v1_determine_batch_execution(lambda self: None)
+
 
 @pytest.fixture
 def rows_read(monkeypatch):
-    """How many steps the hook read the rows of (``v2_rows``)."""
+    """How many steps the hook read the rows of (``plan_rows``: both runners' hooks call it
+    with the rows they read, after the known-unshared and held-flat checks)."""
     calls = []
-    real = hooks_dispatch.v2_rows
-    monkeypatch.setattr(hooks_dispatch, "v2_rows",
-                        lambda runner, so: calls.append(1) or real(runner, so))
+    real = hooks_dispatch.plan_rows
+    monkeypatch.setattr(hooks_dispatch, "plan_rows",
+                        lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs))
     return calls
 
 
-def engine_of_own_prompts(count: int = 3) -> Engine:
-    engine = Engine()
+@pytest.fixture(params=["v2", "v1"])
+def runner(request):
+    """Which runner's hook the simulated engine's steps go through."""
+    return request.param
+
+
+def engine_of_own_prompts(count: int = 3, v1: bool = False) -> Engine:
+    engine = Engine(v1)
     for _ in range(count):
         engine.arrive(None)
     return engine
 
 
 def test_steady_steps_of_requests_that_share_nothing_are_flat_without_reading_rows(
-        active_session, counters, rows_read):  # noqa: F811
-    engine = engine_of_own_prompts()
+        active_session, counters, rows_read, runner):  # noqa: F811
+    engine = engine_of_own_prompts(v1=runner == "v1")
     for _ in range(6):
         assert engine.step() == (c.NO_SHARED, False)
     assert len(rows_read) == 1
@@ -180,8 +211,8 @@ def test_steady_steps_of_requests_that_share_nothing_are_flat_without_reading_ro
 
 
 def test_requests_that_come_and_go_on_pages_of_their_own_are_known_without_their_rows(
-        active_session, counters, rows_read):  # noqa: F811
-    engine = engine_of_own_prompts()
+        active_session, counters, rows_read, runner):  # noqa: F811
+    engine = engine_of_own_prompts(v1=runner == "v1")
     assert engine.step() == (c.NO_SHARED, False)
     engine.leave("r1")
     engine.arrive(None)  # on r1's freed block ids
@@ -194,8 +225,8 @@ def test_requests_that_come_and_go_on_pages_of_their_own_are_known_without_their
 
 
 def test_a_request_that_arrives_on_a_running_requests_pages_is_planned(
-        active_session, counters, rows_read):  # noqa: F811
-    engine = engine_of_own_prompts(2)
+        active_session, counters, rows_read, runner):  # noqa: F811
+    engine = engine_of_own_prompts(2, v1=runner == "v1")
     engine.arrive(0)
     for _ in range(3):  # its prompt's pages fill and are cached
         assert engine.step() == (c.NO_SHARED, False)
@@ -205,8 +236,9 @@ def test_a_request_that_arrives_on_a_running_requests_pages_is_planned(
     assert len(rows_read) == 3
 
 
-def test_a_request_not_run_since_the_proof_is_looked_up(active_session, counters, rows_read):  # noqa: F811
-    engine = engine_of_own_prompts(2)
+def test_a_request_not_run_since_the_proof_is_looked_up(
+        active_session, counters, rows_read, runner):  # noqa: F811
+    engine = engine_of_own_prompts(2, v1=runner == "v1")
     engine.arrive(0)  # r2: the shared prompt's first request
     for _ in range(3):  # its pages fill and are cached
         assert engine.step() == (c.NO_SHARED, False)
@@ -233,9 +265,9 @@ def test_with_debug_every_step_is_planned(active_session, counters, rows_read): 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_serving_runs_share_exactly_where_the_planner_finds_shared_pages(
-        active_session, counters, rows_read, seed):  # noqa: F811
+        active_session, counters, rows_read, runner, seed):  # noqa: F811
     rng = np.random.default_rng(seed)
-    engine, steps, shared_steps, unshared_reads = Engine(), 300, 0, 0
+    engine, steps, shared_steps, unshared_reads = Engine(runner == "v1"), 300, 0, 0
     sharing = 0.03 + 0.02 * seed  # of arrivals, on a shared prompt
     for _ in range(steps):
         if not engine.slot:

@@ -128,17 +128,27 @@ def v1_plan(step: PendingStep) -> bool:
     n = batch.num_reqs
     if n == 0:  # a step without requests runs a dummy batch (external launcher under DP)
         return False
+    def first_page(req_id: str) -> int:  # the group's block table, written for this step
+        return int(batch.block_table[g].block_table.np[batch.req_id_to_index[req_id], 0])
+
+    if unshared_rows.unshared_again(runner, so, first_page):
+        return False
     if session.held_flat(so.num_scheduled_tokens):  # as on V2: its rows are not read
         return False
-    query_lens = np.fromiter(map(so.num_scheduled_tokens.__getitem__, batch.req_ids),
+    table = batch.block_table[g]
+    req_ids = list(batch.req_ids[:n])
+    query_lens = np.fromiter(map(so.num_scheduled_tokens.__getitem__, req_ids),
                              dtype=np.int32, count=n)
     seq_lens = np.asarray(batch.num_computed_tokens_cpu[:n], dtype=np.int32) + query_lens
-    step.rows = list(batch.req_ids[:n])  # who the rows are: checked when a builder takes the plan
-    table = batch.block_table[g]
+    step.rows = req_ids  # who the rows are: checked when a builder takes the plan
     rows = table.block_table.np[:n]
-    return plan_rows(rows[:, 0], rows, table.num_blocks_per_row[:n], seq_lens, query_lens,
-                     lambda: row_keys.v1_rows(runner, batch.req_ids, n),
-                     group_layers=group_layers)
+    session.unshared = False
+    cascade = plan_rows(rows[:, 0], rows, table.num_blocks_per_row[:n], seq_lens, query_lens,
+                        lambda: row_keys.v1_rows(runner, batch.req_ids, n),
+                        group_layers=group_layers)
+    if session.unshared:  # the next steps may be known unshared without their rows
+        unshared_rows.remember(runner, req_ids, rows[:, 0])
+    return cascade
 
 
 def v1_determine_batch_execution(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -306,7 +316,8 @@ def v2_plan(step: PendingStep) -> bool:
         stats.record_fallback("no CPU block ids")
         return False
     mirror = mirrors[g]
-    if unshared_rows.unshared_again(runner, so, mirror):
+    slot_of = runner.req_states.req_id_to_index
+    if unshared_rows.unshared_again(runner, so, lambda req_id: int(mirror[slot_of[req_id], 0])):
         return False
     if session.held_flat(so.num_scheduled_tokens):
         return False

@@ -1,4 +1,4 @@
-"""Model Runner V2's steps that provably share no page, known without reading their rows.
+"""Steps that provably share no page, known without reading their rows (both runners).
 
 Once the pre-check has proved a step's rows share no page
 (:meth:`~..step.prechecks.PreChecks.skip_unshared`), the runner keeps each request's first block
@@ -18,6 +18,7 @@ its only answer is "flat": it can cost a step its cascade, never its correctness
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -47,10 +48,12 @@ def remember(runner: Any, req_ids: list[str], first_pages: np.ndarray) -> None:
         runner.__dict__[KEPT] = kept
 
 
-def unshared_again(runner: Any, so: Any, mirror: np.ndarray) -> bool:
+def unshared_again(runner: Any, so: Any, first_page: Callable[[str], int]) -> bool:
     """Whether the step is known to share no page (then counted as planned and flat, for the
-    reason the pre-check gives, by the step session); False: read its rows. ``mirror``: the
-    CPU mirror of the planned KV-cache group's block ids, by request slot."""
+    reason the pre-check gives, by the step session); False: read its rows. ``first_page``: a
+    request's first block id in the planned KV-cache group, by its id (Model Runner V2: from
+    the CPU mirror of the block ids; V1: from the runner's CPU block table, which vLLM has
+    written for the step before the hook plans it)."""
     kept: UnsharedRows | None = runner.__dict__.pop(KEPT, None)
     if kept is None:
         return False
@@ -67,9 +70,8 @@ def unshared_again(runner: Any, so: Any, mirror: np.ndarray) -> bool:
                 pages.discard(page)
     tokens = so.num_scheduled_tokens
     if not tokens.keys() <= first.keys():  # requests not kept yet: their first block ids
-        slots = runner.req_states.req_id_to_index
         for req_id in tokens.keys() - first.keys():
-            page = int(mirror[slots[req_id], 0])
+            page = first_page(req_id)
             if page == 0 or page in pages:
                 return False
             first[req_id] = page

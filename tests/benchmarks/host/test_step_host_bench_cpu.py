@@ -61,6 +61,32 @@ def test_through_model_runner_v2s_hook_rows_in_vllms_order_are_planned_as_fresh(
     assert cascade == 8
 
 
+def test_through_the_v1_runners_hook_the_rows_of_its_batch_are_planned_as_fresh(monkeypatch):
+    """The ``v1_*`` columns: the V1 hook reads the rows from the runner's persistent batch (the
+    requests' keys noted from the scheduler output, as the hooks note them) and every plan it
+    times is the fresh plan of those rows; with nothing shared, the steps after the pre-check's
+    proof are known unshared without their rows (``unshared_rows``): the planner never sees
+    them."""
+    from vllm_cascade_plugin import stats
+    from vllm_cascade_plugin.stats import counters as c
+
+    times, cascade = shb.run(shb.CASES[4], pb.ChurnBatch, 8, check=True, v1_hook=True)
+    assert len(times) == 8 and cascade == 8
+    times, cascade = shb.run(shb.CASES[1], pb.DecodeBatch, 8, check=True, v1_hook=True)
+    assert cascade == 8
+    from vllm_cascade_plugin.integration import hooks_dispatch
+
+    read, plan_rows = [], hooks_dispatch.plan_rows
+    monkeypatch.setattr(hooks_dispatch, "plan_rows",
+                        lambda *args, **kwargs: read.append(1) or plan_rows(*args, **kwargs))
+    stats.reset()
+    times, cascade = shb.run(shb.CASES[5], pb.DecodeBatch, 8, check=True, v1_hook=True)
+    assert cascade == 0 and shb.CASES[5].name.startswith("no sharing")
+    assert stats.snapshot().planning_paths[c.PATH_UNSHARED] == 9  # the untimed first one too
+    assert len(read) == 1  # the first step's rows: the proof
+    assert "v1_churn_p50_us" in shb.measure(shb.CASES[1], 3, 1, check=False)
+
+
 def test_the_comparison_gives_each_figure_before_over_after_with_its_spread():
     before = [[{"case": "c", "steady_p50_us": 200.0, "steady_p99_us": 400.0}],
               [{"case": "c", "steady_p50_us": 300.0, "steady_p99_us": 400.0}]]
