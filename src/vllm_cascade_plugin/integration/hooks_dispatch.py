@@ -128,6 +128,7 @@ def v1_plan(step: PendingStep) -> bool:
     n = batch.num_reqs
     if n == 0:  # a step without requests runs a dummy batch (external launcher under DP)
         return False
+
     def first_page(req_id: str) -> int:  # the group's block table, written for this step
         return int(batch.block_table[g].block_table.np[batch.req_id_to_index[req_id], 0])
 
