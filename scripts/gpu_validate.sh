@@ -19,7 +19,7 @@
 #   engine_flash_attn  tests/gpu/test_flash_attn_engine.py: the plugin in vLLM's default
 #                      FLASH_ATTN backend vs FLASH_ATTN off (FlashInfer the second kernel), both
 #                      runners (mixed steps split; on V2 also planned whole, the default), a
-#                      no-sharing workload, a corrupted plan
+#                      no-sharing workload on both runners, a corrupted plan
 #   engine_flashinfer  tests/gpu/test_engine.py: the same in FLASHINFER, both runners, whole-step
 #                      graphs; a corrupted plan and a one-page error must fail
 #   engine_graphs      the same with CASCADE_FULL_GRAPHS=0 (the per-layer graphs)

@@ -45,8 +45,12 @@ def test_flash_attn_cascade_engine_matches_vllms_flash_attn(sharp_model_dir, run
     assert on["full_graph_replays"] > 0, on  # decode steps ran from whole-step graphs
 
 
-def test_flash_attn_without_sharing_every_step_stays_vllms(sharp_model_dir):
-    on, [row] = judged(plugin_on(sharp_model_dir, backend=FLASH_ATTN,
+@pytest.mark.parametrize("runner", ["v2", "v1"])
+def test_flash_attn_without_sharing_every_step_stays_vllms(sharp_model_dir, runner):
+    """No prompt shared: every step planned flat, no fallback (both runners' hooks know the
+    steps after the pre-check's proof unshared from the requests' first block ids, read from
+    vLLM's own structures: V2's mirror, V1's persistent batch), the outputs vLLM's."""
+    on, [row] = judged(plugin_on(sharp_model_dir, runner, backend=FLASH_ATTN,
                                  extra=("--workloads", "x_no_sharing")))
     assert not _failed([row]), row
     counts = on["workloads"][row["workload"]]
