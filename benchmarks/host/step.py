@@ -7,7 +7,8 @@ planner, the cost model's decision, the step's plan) and the step's end (its cou
 runs by default), which first puts the rows in vLLM's batch order (vLLM's own
 ``sort_batch_req_ids``: vLLM must be installed) and reads them from the CPU mirror of the block ids;
 columns ``v1_*``: the same through the V1 runner's hook (``hooks_dispatch.v1_plan``), which reads
-the rows from its persistent batch. The step session is set up as vLLM's default backend,
+the rows from its persistent batch (with ``CASCADE_UNVERIFIED``, which its known-unshared steps
+need). The step session is set up as vLLM's default backend,
 ``FLASH_ATTN``, sets it up on an H200: the FA3 executor's eager and graphed cost models, vLLM's
 default CUDA-graph capture sizes (1, 2, 4, 8, ..., 512). The batches are ``host/planner.py``'s:
 steady decode (every row one token longer), and churn (every step one request finishes and a new one
@@ -33,6 +34,7 @@ what the same step takes inside ``vllm serve``, several times what it takes back
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import platform
@@ -256,6 +258,8 @@ def run(case: Case, batch_type: type[DecodeBatch], steps: int, check: bool, v2: 
     ``parts``: appended each step's nanoseconds in the planner and the decision
     (:class:`PartTimer`)."""
     set_up_session()
+    if v1_hook and session.config is not None:  # its known-unshared steps: an opt-in there
+        session.config = dataclasses.replace(session.config, unverified=True)
     timer = PartTimer() if parts is not None else None
     batch = batch_type(case, np.random.default_rng(1))
     rows = V1Rows(batch) if v1_hook else V2Rows(batch) if v2 else None

@@ -124,7 +124,8 @@ KNOBS: tuple[Knob, ...] = (
          "tensor parallelism above 1, suffix speculative decoding, the attention layers of a "
          "model whose recurrent layers vLLM's hybrid KV-cache manager keeps in KV-cache "
          "groups of their own (Mamba and linear-attention hybrids), and layers with attention "
-         "sinks (gpt-oss). Off: those run flat, saying why."),
+         "sinks (gpt-oss). Off: those run flat, saying why. Also the V1 runner's steps known to "
+         "share nothing without their rows being read (host time only; off: every step read)."),
     Knob("CASCADE_ALLOW_UNTESTED_VLLM", "allow_untested_vllm", False, _bool,
          "1/true/on or 0/false/off",
          "Run on a vLLM release newer than the newest one the plugin is tested with, where every "

@@ -65,7 +65,9 @@ def test_check_with_the_plugin_on_registers_for_real_and_exits_0_here_only_with_
                      "Off unless asked for (not verified on a GPU with this release, or "
                      "served slower than flat): tensor parallelism above 1, suffix speculative "
                      "decoding, the attention layers beside recurrent ones (Mamba hybrids) "
-                     "under the hybrid KV-cache manager, and attention sinks (gpt-oss): "
+                     "under the hybrid KV-cache manager, and attention sinks (gpt-oss); and, "
+                     "host time only, the V1 runner's steps known to share nothing without "
+                     "their rows being read (Model Runner V2's are on): "
                      "CASCADE_UNVERIFIED=off"):
         assert expected in out
     assert "Traceback" not in proc.stderr

@@ -49,9 +49,11 @@ def test_flash_attn_cascade_engine_matches_vllms_flash_attn(sharp_model_dir, run
 def test_flash_attn_without_sharing_every_step_stays_vllms(sharp_model_dir, runner):
     """No prompt shared: every step planned flat, no fallback (both runners' hooks know the
     steps after the pre-check's proof unshared from the requests' first block ids, read from
-    vLLM's own structures: V2's mirror, V1's persistent batch), the outputs vLLM's."""
+    vLLM's own structures: V2's mirror, V1's persistent batch, there with its switch
+    CASCADE_UNVERIFIED), the outputs vLLM's."""
+    knobs = (("CASCADE_UNVERIFIED", "1"),) if runner == "v1" else ()
     on, [row] = judged(plugin_on(sharp_model_dir, runner, backend=FLASH_ATTN,
-                                 extra=("--workloads", "x_no_sharing")))
+                                 extra=("--workloads", "x_no_sharing"), knobs=knobs))
     assert not _failed([row]), row
     counts = on["workloads"][row["workload"]]
     assert counts["steps_planned"] > 0 and counts["steps_cascade"] == 0, counts

@@ -8,6 +8,7 @@ requests finishing, preempted and resumed, not scheduled for a step, freed block
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
@@ -187,8 +188,11 @@ def rows_read(monkeypatch):
 
 
 @pytest.fixture(params=["v2", "v1"])
-def runner(request):
-    """Which runner's hook the simulated engine's steps go through."""
+def runner(request, active_session):  # noqa: F811
+    """Which runner's hook the simulated engine's steps go through (the V1 runner's known
+    unshared steps with CASCADE_UNVERIFIED, their switch until they run on a GPU)."""
+    if request.param == "v1":
+        active_session.config = dataclasses.replace(active_session.config, unverified=True)
     return request.param
 
 
@@ -208,6 +212,15 @@ def test_steady_steps_of_requests_that_share_nothing_are_flat_without_reading_ro
     now = stats.snapshot()
     assert now.planning_paths[c.PATH_UNSHARED] == now.steps_planned == 6
     assert now.decode_steps_planned == 3  # three prefill chunks (53 tokens), then decode
+
+
+def test_without_cascade_unverified_the_v1_runner_reads_every_step(
+        active_session, counters, rows_read):  # noqa: F811
+    engine = engine_of_own_prompts(v1=True)
+    for _ in range(4):
+        assert engine.step() == (c.NO_SHARED, False)
+    assert len(rows_read) == 4
+    assert stats.snapshot().planning_paths[c.PATH_UNSHARED] == 4  # each by its pre-check
 
 
 def test_requests_that_come_and_go_on_pages_of_their_own_are_known_without_their_rows(

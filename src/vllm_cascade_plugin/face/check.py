@@ -206,7 +206,8 @@ def _startup_lines(config: CascadeConfig, found_gpu: str | None) -> None:
         "  Off unless asked for (not verified on a GPU with this release, or served slower "
         "than flat): tensor parallelism above 1, suffix speculative decoding, the "
         "attention layers beside recurrent ones (Mamba hybrids) under the hybrid KV-cache "
-        "manager, and attention sinks (gpt-oss): "
+        "manager, and attention sinks (gpt-oss); and, host time only, the V1 runner's steps "
+        "known to share nothing without their rows being read (Model Runner V2's are on): "
         f"CASCADE_UNVERIFIED={'on' if config.unverified else 'off'}.",
     ])
 

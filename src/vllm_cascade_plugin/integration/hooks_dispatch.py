@@ -132,7 +132,10 @@ def v1_plan(step: PendingStep) -> bool:
     def first_page(req_id: str) -> int:  # the group's block table, written for this step
         return int(batch.block_table[g].block_table.np[batch.req_id_to_index[req_id], 0])
 
-    if unshared_rows.unshared_again(runner, so, first_page):
+    # Steps known unshared without their rows, as on V2: not yet run on a GPU on this runner,
+    # so only with CASCADE_UNVERIFIED (its one answer is "flat"; off, every step is read).
+    known_unshared = session.config is not None and session.config.unverified
+    if known_unshared and unshared_rows.unshared_again(runner, so, first_page):
         return False
     if session.held_flat(so.num_scheduled_tokens):  # as on V2: its rows are not read
         return False
@@ -147,7 +150,7 @@ def v1_plan(step: PendingStep) -> bool:
     cascade = plan_rows(rows[:, 0], rows, table.num_blocks_per_row[:n], seq_lens, query_lens,
                         lambda: row_keys.v1_rows(runner, batch.req_ids, n),
                         group_layers=group_layers)
-    if session.unshared:  # the next steps may be known unshared without their rows
+    if known_unshared and session.unshared:  # the next steps may be known unshared
         unshared_rows.remember(runner, req_ids, rows[:, 0])
     return cascade
 

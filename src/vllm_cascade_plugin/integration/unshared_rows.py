@@ -1,4 +1,5 @@
-"""Steps that provably share no page, known without reading their rows (both runners).
+"""Steps that provably share no page, known without reading their rows (Model Runner V2; the V1
+runner with ``CASCADE_UNVERIFIED``, until its engine test has run on a GPU).
 
 Once the pre-check has proved a step's rows share no page
 (:meth:`~..step.prechecks.PreChecks.skip_unshared`), the runner keeps each request's first block
