@@ -140,6 +140,14 @@
 #   hybrid_gpt_oss_plugin_first  the same on gpt-oss's stack (hybrid_gpt_oss_paired's
 #                      servers at 50% of its flat burst on record, the plugin's first). About
 #                      6 min on a warm machine.
+#   no_sharing_pair    vLLM's default backend flat and the plugin on random_2k (every prompt
+#                      its own) in a burst and at 50%: the plugin's host time per step where
+#                      nothing is shared, from its own counters. About 5 min on a warm machine.
+#   flashinfer_flat_burst, hybrid_gpt_oss_flat_burst  the flat server's burst alone
+#                      (chat_1k_prefill_heavy on FLASHINFER; chat_6k_system on gpt-oss's stack):
+#                      this machine's capacity, from which a plugin-first slice after it in the
+#                      same SERVE_GRID takes its 50% (the latest flat burst on record is the
+#                      one relative rates come from). About 3 min on a fresh machine.
 #   docs_and_no_sharing_paired  8K x 4 and random_2k (every prompt its own), each in a
 #                      burst, at 50% and 90%, on three servers with the step-timeline probe:
 #                      flat, the plugin, flat again. The long-shared-prefix figures and the
@@ -269,6 +277,13 @@ part_serve_grid() {  # run it detached, alone; the slices in SERVE_GRID's order
     never_slower_flashinfer_plugin_first) serve_slice never_slower_flashinfer_plugin_first 900 \
       --configs cascade,flashinfer,flashinfer_again --workloads chat_1k_prefill_heavy \
       --step-timeline --servers-as-listed --rates 50% ;;
+    no_sharing_pair) serve_slice no_sharing_pair 900 --configs flash_attn,cascade_flash_attn \
+      --workloads random_2k --step-timeline --rates burst,50% ;;
+    flashinfer_flat_burst) serve_slice flashinfer_flat_burst 600 --configs flashinfer \
+      --workloads chat_1k_prefill_heavy --step-timeline --rates burst ;;
+    hybrid_gpt_oss_flat_burst) serve_slice hybrid_gpt_oss_flat_burst 600 \
+      --model examples/models/gpt-oss-20b-dense --configs flash_attn \
+      --workloads chat_6k_system --step-timeline --rates burst ;;
     hybrid_gpt_oss_plugin_first) serve_slice hybrid_gpt_oss_plugin_first 900 \
       --model examples/models/gpt-oss-20b-dense \
       --configs cascade_flash_attn_hybrid,flash_attn,flash_attn_again \
