@@ -86,6 +86,9 @@ def judge(rows: list[dict[str, Any]], plugin: str = PLUGIN,
         mixed = {name: _mixed(row) for name, row in
                  (("flat", flat), ("plugin", on), ("again", again)) if row is not None}
         point["mixed"] = {name: shown for name, shown in mixed.items() if shown is not None}
+        engine = {name: _engine(row) for name, row in
+                  (("flat", flat), ("plugin", on), ("again", again)) if row is not None}
+        point["engine"] = {name: shown for name, shown in engine.items() if shown is not None}
         if again is None:
             point["spread"] = None
         else:
@@ -133,6 +136,16 @@ def _mixed(row: dict[str, Any]) -> str | None:
     return None if k is None else f"{k['steps']}x {_times(k, 'tokens')}"
 
 
+def _engine(row: dict[str, Any]) -> str | None:
+    """A server's prefix-cache hits and preemptions over the run (vLLM's counters), where the
+    row has them: two servers that scheduled different work for the same requests."""
+    queries, hits = row.get("vllm_prefix_cache_queries"), row.get("vllm_prefix_cache_hits")
+    if not queries or hits is None:
+        return None
+    return (f"prefix cache {hits / queries:.1%} of {queries:.0f} tokens, "
+            f"{row.get('vllm_preemptions') or 0:.0f} preempted")
+
+
 def _matched(flat: dict[str, Any], on: dict[str, Any],
              again: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
     """Decode steps' GPU ms against flat's at equal requests per step (the probe's
@@ -176,6 +189,9 @@ def table(points: list[dict[str, Any]]) -> str:
         if p.get("mixed"):  # the steps with a prefill, each server's
             lines.append("    mixed steps, GPU ms (host wait): " + "; ".join(
                 f"{name} {shown}" for name, shown in p["mixed"].items()))
+        if p.get("engine"):  # the work each server scheduled for the same requests
+            lines.append("    engine: " + "; ".join(
+                f"{name} {shown}" for name, shown in p["engine"].items()))
         if p.get("matched"):  # decode steps against flat's at the same batch sizes
             lines.append("    decode GPU ms at equal requests, over flat's: " + ", ".join(
                 f"{name} {m['ratio']:.3f} ({m['steps']} steps, {m['sizes']} sizes)"

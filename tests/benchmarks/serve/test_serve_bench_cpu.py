@@ -605,6 +605,18 @@ vllm:request_queue_time_seconds_sum{engine="0",model_name="m"} 50.0
 # TYPE vllm:request_prefill_time_seconds histogram
 vllm:request_prefill_time_seconds_count{engine="0",model_name="m"} 250.0
 vllm:request_prefill_time_seconds_sum{engine="0",model_name="m"} 25.0
+# HELP vllm:prefix_cache_queries Prefix cache queries, in terms of number of queried tokens.
+# TYPE vllm:prefix_cache_queries counter
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 90000.0
+# HELP vllm:prefix_cache_hits Prefix cache hits, in terms of number of cached tokens.
+# TYPE vllm:prefix_cache_hits counter
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 60000.0
+# HELP vllm:prompt_tokens Number of prefill tokens processed.
+# TYPE vllm:prompt_tokens counter
+vllm:prompt_tokens_total{engine="0",model_name="m"} 95000.0
+# HELP vllm:num_preemptions Cumulative number of preemption from the engine.
+# TYPE vllm:num_preemptions counter
+vllm:num_preemptions_total{engine="0",model_name="m"} 3.0
 """
 PARSED = {"steps_planned": 250.0, "decode_steps_planned": 200.0, "decode_steps_cascade": 150.0,
           "decode_steps_graphed": 120.0, "graph_capture_failures": 3.0, "graph_captures": 12.0,
@@ -614,6 +626,9 @@ PARSED = {"steps_planned": 250.0, "decode_steps_planned": 200.0, "decode_steps_c
           # vLLM's histograms, summed over their label sets (engines)
           "vllm_ttft_s": 240.0, "vllm_ttft_n": 300.0, "vllm_queue_s": 50.0,
           "vllm_queue_n": 250.0, "vllm_prefill_s": 25.0, "vllm_prefill_n": 250.0,
+          # vLLM's engine counters
+          "vllm_prefix_cache_queries": 90000.0, "vllm_prefix_cache_hits": 60000.0,
+          "vllm_prompt_tokens": 95000.0, "vllm_preemptions": 3.0,
           "decode_flat_steps": {"cost model": 40.0, "no shared level": 10.0},
           "full_graph_capture_causes": {"padded size": 6.0, "level layout": 3.0},
           "planning_buckets": {1e-4: 100.0, 1e-3: 240.0, float("inf"): 250.0},
@@ -646,7 +661,9 @@ def test_fractions_from_counter_deltas():
               "builder_staging_s": 0.02, "builder_launch_s": 0.01, "builder_cpu_s": 0.05,
               "graph_pool_bytes": 400.0, "vllm_ttft_s": 40.0, "vllm_ttft_n": 100.0,
               "vllm_queue_s": 10.0, "vllm_queue_n": 100.0, "vllm_prefill_s": 5.0,
-              "vllm_prefill_n": 100.0,
+              "vllm_prefill_n": 100.0, "vllm_prefix_cache_queries": 30000.0,
+              "vllm_prefix_cache_hits": 20000.0, "vllm_prompt_tokens": 35000.0,
+              "vllm_preemptions": 1.0,
               "decode_flat_steps": {"cost model": 30.0},
               "full_graph_capture_causes": {"padded size": 4.0},
               "planning_buckets": {1e-4: 60.0, 1e-3: 90.0, float("inf"): 100.0},
@@ -663,7 +680,9 @@ def test_fractions_from_counter_deltas():
                      "builder_cpu_s": pytest.approx(0.15),
                      "graph_pool_bytes": 1900.0, "vllm_ttft_s": 200.0, "vllm_ttft_n": 200.0,
                      "vllm_queue_s": 40.0, "vllm_queue_n": 150.0, "vllm_prefill_s": 20.0,
-                     "vllm_prefill_n": 150.0,
+                     "vllm_prefill_n": 150.0, "vllm_prefix_cache_queries": 60000.0,
+                     "vllm_prefix_cache_hits": 40000.0, "vllm_prompt_tokens": 60000.0,
+                     "vllm_preemptions": 2.0,
                      "decode_flat_steps": {"cost model": 10.0, "no shared level": 10.0},
                      "full_graph_capture_causes": {"padded size": 2.0, "level layout": 3.0},
                      "planning_buckets": {1e-4: 40.0, 1e-3: 150.0, float("inf"): 150.0},

@@ -199,6 +199,21 @@ def test_a_point_shows_each_servers_mixed_steps_with_their_tokens():
         "647 tokens); plugin 205x 24.7 (2.30, prep 1.00, launch 24.90, 664 tokens)")
 
 
+def test_a_point_shows_each_servers_prefix_cache_hits_and_preemptions():
+    """vLLM's counters of the work each server scheduled for the same requests: the share of
+    looked-up prompt tokens found in the prefix cache, and preemptions; a server without them
+    (an older row) is left out of the line."""
+    rows = [row("flashinfer", "50%", 11.6, 125.0, vllm_prefix_cache_queries=80000.0,
+                vllm_prefix_cache_hits=60000.0, vllm_preemptions=0.0),
+            row("cascade", "50%", 12.4, 153.0, vllm_prefix_cache_queries=80000.0,
+                vllm_prefix_cache_hits=50000.0, vllm_preemptions=2.0),
+            row("flashinfer_again", "50%", 11.8, 120.0)]
+    [point] = verdict.judge(rows, plugin="cascade")
+    assert verdict.table([point]).splitlines()[-1] == (
+        "    engine: flat prefix cache 75.0% of 80000 tokens, 0 preempted; "
+        "plugin prefix cache 62.5% of 80000 tokens, 2 preempted")
+
+
 def test_the_flashinfer_plugin_is_judged_beside_flat_flashinfer_run_twice():
     """On the FLASHINFER backend the triple is flashinfer, cascade, flashinfer_again; a
     flash_attn_again row of the same run is not FlashInfer's spread."""
