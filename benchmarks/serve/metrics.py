@@ -36,8 +36,8 @@ COUNTERS = {  # row key -> Prometheus sample name
     "vllm_queue_n": "vllm:request_queue_time_seconds_count",
     "vllm_prefill_s": "vllm:request_prefill_time_seconds_sum",
     "vllm_prefill_n": "vllm:request_prefill_time_seconds_count",
-    # vLLM's engine counters: prompt tokens looked up in and found in the prefix cache, the
-    # prompt tokens of finished requests, requests preempted (two servers' work told apart).
+    # vLLM's engine counters: prompt tokens looked up in and found in the prefix cache, prompt
+    # tokens prefilled ("processed", vLLM says), requests preempted (two servers' work apart).
     "vllm_prefix_cache_queries": "vllm:prefix_cache_queries_total",
     "vllm_prefix_cache_hits": "vllm:prefix_cache_hits_total",
     "vllm_prompt_tokens": "vllm:prompt_tokens_total",
