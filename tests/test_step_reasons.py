@@ -160,10 +160,13 @@ def test_a_decode_step_flat_even_at_the_graphed_cost_never_works_out_its_graph_l
     assert stats.snapshot().decode_flat_reasons == {c.COST_MODEL: 1, c.NOT_CAPTURED: 1}
 
 
-def test_a_step_the_cost_models_floor_keeps_flat_is_never_planned(monkeypatch):
+@pytest.mark.parametrize("with_facts", [False, True])
+def test_a_step_the_cost_models_floor_keeps_flat_is_never_planned(monkeypatch, with_facts):
     """Rows too few for their pages to repay a cascade's fixed costs: flat for the reason the
     session would give, without the planner; under CASCADE_DEBUG the planner runs anyway.
-    The reference: ``decide`` on the fresh plan with the cost model the step is charged."""
+    The reference: ``decide`` on the fresh plan with the cost model the step is charged.
+    ``with_facts``: asked as the runner hooks ask, with the rows' compiled facts (which count
+    the rows of one query token that tell a mixed step from a multi-token one)."""
     session = fa3_session()
     small, _ = prefix_rows(4, prefix_pages=2, own_pages=2)
     seq = np.full(4, 2 * 16 + 20, np.int32)
@@ -173,7 +176,9 @@ def test_a_step_the_cost_models_floor_keeps_flat_is_never_planned(monkeypatch):
                                             ([3] * 4, c.MULTI_TOKEN, EAGER))):
         q = np.asarray(q, np.int32)
         assert not decide(plan_cascade(small, seq, q, 16), H200_LAYER, model).use_cascade
-        assert session.cannot_win(seq, q) and session.current is None
+        facts = (session.row_facts(small[:, 0], seq, q, np.full(4, small.shape[1]))
+                 if with_facts else None)
+        assert session.cannot_win(seq, q, facts) and session.current is None
         session.end_step()
         now = stats.snapshot()
         assert now.flat_reasons[reason] == 1 and now.steps_planned == i + 1

@@ -58,6 +58,7 @@ def test_facts_agree_with_the_numpy_pre_checks(facts):
         f = facts(first, seq, query, blocks, page, 1, 8)
         assert f.short == bool(np.any(blocks < -(-seq.astype(np.int64) // page)))
         assert f.maybe_shared == (not nothing_shared(first, seq, query, page))
+        assert f.decodes == int(np.sum(query == 1))  # rows of one query token
         for name, model in MODELS.items():
             got = flat_floor_from_facts(facts(first, seq, query, blocks, page,
                                               model.flat_prefill_tile, model.l2_window_rows),
@@ -80,8 +81,10 @@ def test_facts_of_hand_made_rows(facts):
     assert f.short and f.maybe_shared
     assert (f.requests, f.tokens, f.pages) == (4, 4, 3 + 3 + 3 + 3)
     assert f.late_pages == 3 + 3  # the active rows past row 2: rows 3 and 4
+    assert f.decodes == 4  # the padding row (no query token) is not one
     f = facts(np.array([5, 5]), np.array([17, 40]), np.array([2, 1]), np.array([2, 3]), 16, 1, 8)
     assert not f.maybe_shared  # row 0 has no whole page before its queries
+    assert f.decodes == 1
     f = facts(np.array([5, 6]), np.array([300, 40]), np.array([200, 1]), np.array([19, 3]), 16,
               128, 8)
     assert f.pairs == 200 * 19 + 3 and f.padding == (256 - 200) * 19

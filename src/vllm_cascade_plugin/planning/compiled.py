@@ -37,6 +37,7 @@ class RowFacts(NamedTuple):
     pairs: int  # sum of query tokens x pages over them
     padding: int  # sum of (query tokens padded to whole ``tile``s - query tokens) x pages
     late_pages: int  # pages of the active rows more than ``l2_window_rows`` rows in
+    decodes: int  # active rows of one query token
 
 
 def row_facts_numpy(first_pages: np.ndarray, seq_lens: np.ndarray, query_lens: np.ndarray,
@@ -54,18 +55,18 @@ def row_facts_numpy(first_pages: np.ndarray, seq_lens: np.ndarray, query_lens: n
     late = active.nonzero()[0] > l2_window_rows
     return RowFacts(short, maybe_shared, int(active.sum()), int(queries.sum()),
                     int(pages.sum()), int(queries @ pages), int((padded - queries) @ pages),
-                    int(pages[late].sum()))
+                    int(pages[late].sum()), int((queries == 1).sum()))
 
 
 def _row_facts_py(first_pages: np.ndarray, seq_lens: np.ndarray, query_lens: np.ndarray,
                   num_blocks: np.ndarray, page_size: int, tile: int,
-                  l2_window_rows: int) -> tuple[bool, bool, int, int, int, int, int, int]:
+                  l2_window_rows: int) -> tuple[bool, bool, int, int, int, int, int, int, int]:
     """One pass over the rows (compiled by numba as :func:`row_facts`)."""
     n = seq_lens.shape[0]
     candidates = np.empty(n, np.int64)
     found = 0
     short = False
-    requests = tokens = pages = pairs = padding = late = 0
+    requests = tokens = pages = pairs = padding = late = decodes = 0
     for r in range(n):
         seq = np.int64(seq_lens[r])
         qry = np.int64(query_lens[r])
@@ -76,6 +77,8 @@ def _row_facts_py(first_pages: np.ndarray, seq_lens: np.ndarray, query_lens: np.
             continue
         requests += 1
         tokens += qry
+        if qry == 1:
+            decodes += 1
         pages += row_pages
         pairs += qry * row_pages
         if qry > 1 and tile > 1:
@@ -92,7 +95,7 @@ def _row_facts_py(first_pages: np.ndarray, seq_lens: np.ndarray, query_lens: np.
             if ordered[i] == ordered[i - 1]:
                 maybe_shared = True
                 break
-    return short, maybe_shared, requests, tokens, pages, pairs, padding, late
+    return short, maybe_shared, requests, tokens, pages, pairs, padding, late, decodes
 
 
 _compiled: Any = None  # the numba dispatcher once compiled; False: numba unavailable or failing

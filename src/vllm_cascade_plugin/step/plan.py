@@ -93,8 +93,11 @@ def unshared_reason(requests: int) -> str:
     return SINGLE if requests == 1 else NO_SHARED
 
 
-def flat_reason(decode: bool, query_lens: np.ndarray) -> str:
-    """Why the cost model keeps a step flat: a decode step's cost, or its kind of step."""
+def flat_reason(decode: bool, query_lens: np.ndarray, decodes: int | None = None) -> str:
+    """Why the cost model keeps a step flat: a decode step's cost, or its kind of step
+    (``decodes``: its rows of one query token, where counted already)."""
     if decode:
         return COST_MODEL
-    return MIXED if bool(np.any(np.asarray(query_lens) == 1)) else MULTI_TOKEN
+    if decodes is None:
+        decodes = int(np.count_nonzero(np.asarray(query_lens) == 1))
+    return MIXED if decodes else MULTI_TOKEN

@@ -181,7 +181,8 @@ class PreChecks:
             if floor is None:
                 return False
         ratio = floor.cascade_us / floor.flat_us
-        stats.record_flat_step(decode, PATH_COST_FLOOR, flat_reason(decode, query), ratio)
+        stats.record_flat_step(decode, PATH_COST_FLOOR, flat_reason(
+            decode, query, None if facts is None else facts.decodes), ratio)
         self.hold_verdict(decode, len(query), ratio)
         return True
 
