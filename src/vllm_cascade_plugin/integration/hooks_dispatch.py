@@ -57,9 +57,8 @@ def plan_rows(first_pages: np.ndarray, block_table: np.ndarray, num_blocks: np.n
     keyed = config is not None and config.plan_from_changes
     # The last step's decode rows one token longer: it shares and may win as that one did,
     # or stays flat as that one did (never a step with a row of several query tokens).
-    decode = facts.requests == facts.tokens == len(query_lens)
-    if not (decode and session.continues(seq_lens, query_lens, row_keys if keyed else None,
-                                         row_index)):
+    if not (facts.all_decode(len(query_lens))
+            and session.continues(seq_lens, query_lens, row_keys if keyed else None, row_index)):
         if session.skip_unshared(first_pages, seq_lens, query_lens, facts):
             return False
         if session.cannot_win(seq_lens, query_lens, facts):  # no plan of them could beat flat

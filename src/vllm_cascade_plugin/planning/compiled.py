@@ -39,6 +39,11 @@ class RowFacts(NamedTuple):
     late_pages: int  # pages of the active rows more than ``l2_window_rows`` rows in
     decodes: int  # active rows of one query token
 
+    def all_decode(self, rows: int) -> bool:
+        """Whether each of the step's ``rows`` rows has exactly one query token (a decode
+        step)."""
+        return self.requests == self.tokens == rows
+
 
 def row_facts_numpy(first_pages: np.ndarray, seq_lens: np.ndarray, query_lens: np.ndarray,
                     num_blocks: np.ndarray, page_size: int, tile: int,

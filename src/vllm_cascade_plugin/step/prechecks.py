@@ -245,5 +245,5 @@ class PreChecks:
 def _all_decode(query_lens: np.ndarray, facts: RowFacts | None) -> bool:
     """Whether every row has exactly one query token (a decode step)."""
     if facts is not None:
-        return facts.requests == facts.tokens == len(query_lens)
+        return facts.all_decode(len(query_lens))
     return bool(np.all(np.asarray(query_lens) == 1))
